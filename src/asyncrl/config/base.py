@@ -1,0 +1,75 @@
+"""Config building blocks shared by every entrypoint: the strict base model and common sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class BaseConfig(BaseModel):
+    """Strict base: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(BaseConfig):
+    """The model every component loads (a HF hub name or a local directory)."""
+
+    name: str = Field("Qwen/Qwen3-0.6B", description="HF model name or local directory")
+
+
+class LogConfig(BaseConfig):
+    level: Literal["debug", "info", "success", "warning", "error", "critical"] = Field(
+        "info", description="console and file log level"
+    )
+    file: bool = Field(True, description="also write {output_dir}/logs/<component>.log")
+
+
+class LogExtrasConfig(BaseConfig):
+    samples: bool = Field(True, description="log sample rollouts as W&B tables")
+    distributions: bool = Field(True, description="log reward/advantage/ratio distributions")
+    interval: int = Field(10, ge=1, description="log extras every N steps")
+
+
+class WandbConfig(BaseConfig):
+    """Weights & Biases logging; absent (None) means W&B is off."""
+
+    project: str = Field("asyncrl", description="W&B project")
+    name: str | None = Field(None, description="run name (rl appends -trainer / -orchestrator)")
+    id: str | None = Field(None, description="run id, to resume an existing W&B run")
+    offline: bool = Field(False, description="log offline (sync later with `wandb sync`)")
+    log_extras: LogExtrasConfig = Field(default_factory=LogExtrasConfig, description="samples/distributions")
+
+
+class CkptConfig(BaseConfig):
+    """Checkpointing; absent (None) means off, as in the seeds."""
+
+    interval: int = Field(50, ge=1, description="save every N steps")
+    save_async: bool = Field(False, description="save in a background thread")
+    keep_last: int | None = Field(None, ge=1, description="keep only the last N checkpoints")
+    keep_interval: int | None = Field(
+        None, ge=1, description="always keep checkpoints at multiples of N (on top of keep_last)"
+    )
+    resume_step: int | None = Field(None, ge=-1, description="resume from this step (-1 = latest)")
+
+
+class BenchDataConfig(BaseConfig):
+    """Shape of fake data for benchmarks (`--data.fake`)."""
+
+    batch_size: int = Field(32, ge=1, description="samples per step")
+    micro_batch_size: int = Field(8, ge=1, description="samples per micro-batch")
+    seq_len: int = Field(128, ge=1, description="tokens per sample")
+
+    @model_validator(mode="after")
+    def _divides(self) -> "BenchDataConfig":
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be divisible by micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+
+def default_output_dir() -> Path:
+    return Path("outputs")

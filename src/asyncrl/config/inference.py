@@ -1,0 +1,67 @@
+"""Config of the `inference` entrypoint (OpenAI-compatible server; embedded or vLLM backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from asyncrl.config.base import BaseConfig, LogConfig, ModelConfig, default_output_dir
+
+
+class InferenceModelConfig(ModelConfig):
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto", description="weights dtype (auto: the checkpoint's dtype; fp32 on CPU for the embedded engine)"
+    )
+    max_model_len: int | None = Field(None, ge=1, description="max context (prompt + completion) in tokens")
+    enforce_eager: bool = Field(False, description="vLLM: disable CUDA graphs / compilation")
+    trust_remote_code: bool = Field(False, description="allow custom modelling code from the model dir")
+    enable_auto_tool_choice: bool = Field(False, description="parse tool calls from generated text")
+    tool_call_parser: Literal["hermes"] | None = Field(None, description="tool-call format to parse")
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None, description="split <think>...</think> into reasoning_content"
+    )
+
+    @model_validator(mode="after")
+    def _tool_parser_needed(self) -> "InferenceModelConfig":
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. --model.tool-call-parser hermes)")
+        return self
+
+
+class ServerConfig(BaseConfig):
+    host: str = Field("0.0.0.0", description="address to bind")
+    port: int = Field(8000, ge=1, le=65535, description="port to bind")
+
+
+class InferenceConfig(BaseConfig):
+    model: InferenceModelConfig = Field(default_factory=InferenceModelConfig, description="model to serve")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP server")
+    backend: Literal["embedded", "vllm"] = Field("embedded", description="engine behind the API")
+    api_key: str | None = Field(None, description="require this bearer key on every endpoint but /health")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="embedded engine device")
+    max_batch_size: int = Field(64, ge=1, description="embedded engine: sequences decoded together")
+    seed: int | None = Field(None, description="default sampling seed")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: fraction of GPU memory to use")
+    data_parallel_size: int = Field(1, ge=1, description="vLLM: data-parallel engines")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: tensor-parallel size")
+    vllm_args: list[str] = Field(
+        default_factory=list, description="extra vLLM CLI flags (unknown flags are passed through too)"
+    )
+    output_dir: Path = Field(default_factory=default_output_dir, description="where logs/ go")
+    log: LogConfig = Field(default_factory=LogConfig, description="logging")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _top_level_max_model_len(cls, data: Any) -> Any:
+        # `inference --max-model-len N` (seeds' eval example) is the same as `--model.max-model-len N`.
+        if isinstance(data, dict) and "max_model_len" in data:
+            data = dict(data)
+            value = data.pop("max_model_len")
+            model = dict(data.get("model") or {})
+            if model.get("max_model_len", value) != value:
+                raise ValueError("max_model_len and model.max_model_len disagree; set only one")
+            model["max_model_len"] = value
+            data["model"] = model
+        return data

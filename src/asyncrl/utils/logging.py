@@ -1,0 +1,25 @@
+"""Loguru setup: console plus `{output_dir}/logs/<component>.log`, called once per entrypoint."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from loguru import logger
+
+_FORMAT = "<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> <cyan>[{extra[component]}]</cyan> {message}"
+
+
+def setup_logger(component: str, output_dir: str | Path | None, level: str = "info", to_file: bool = True,
+                 console: bool = True):
+    """Route loguru to stderr and to `{output_dir}/logs/{component}.log`; returns the log file path."""
+    logger.remove()
+    logger.configure(extra={"component": component})
+    if console:
+        logger.add(sys.stderr, level=level.upper(), format=_FORMAT, colorize=None)
+    path = None
+    if to_file and output_dir is not None:
+        path = Path(output_dir) / "logs" / f"{component}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        logger.add(path, level=level.upper(), format=_FORMAT, colorize=False, enqueue=False)
+    return path

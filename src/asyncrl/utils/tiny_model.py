@@ -1,0 +1,148 @@
+"""Build a tiny random-init Qwen3-architecture model and a byte-level ChatML tokenizer, offline.
+
+No hub is reachable on CPU dev boxes and CI, so tests and CPU examples use these. The tokenizer maps
+every byte to one token (ids 0-255) and adds the ChatML special tokens, so any text round-trips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+# ChatML with Qwen-style tool support. Unlike Qwen3's template it never rewrites earlier turns
+# (no stripping of <think>), so every conversation prefix tokenizes to a prefix of the whole.
+CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions. Function signatures are in <tools></tools>:\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "To call a function, answer with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% elif message.role == 'assistant' %}"
+    "<|im_start|>assistant\n"
+    "{% if message.reasoning_content %}<think>\n{{ message.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{% if message.content %}{{ message.content }}{% endif %}"
+    "{% if message.tool_calls %}"
+    "{% for call in message.tool_calls %}"
+    "{% set fn = call.function if call.function is defined else call %}"
+    "\n<tool_call>\n{\"name\": \"{{ fn.name }}\", \"arguments\": "
+    "{% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}"
+    "}\n</tool_call>"
+    "{% endfor %}"
+    "{% endif %}"
+    "<|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(out_dir: Path):
+    """A byte-level fast tokenizer: token id == byte value, specials after 255."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_to_unicode = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    ordered = sorted(byte_to_unicode, key=lambda ch: _byte_of(ch))
+    vocab = {ch: i for i, ch in enumerate(ordered)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = 4096
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _byte_of(ch: str) -> int:
+    # GPT-2's byte<->unicode map: printable latin-1 bytes map to themselves, the rest to 256+n.
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    code = ord(ch)
+    if code in printable:
+        return code
+    rest = [b for b in range(256) if b not in printable]
+    return rest[code - 256]
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """Write a random-init Qwen3 causal LM + tokenizer to `out_dir` (HF format, safetensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = [config.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    (out / "asyncrl_tiny.json").write_text(json.dumps({"seed": seed, "hidden_size": hidden_size, "layers": num_layers}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build a tiny random Qwen3 model + byte tokenizer (no download).")
+    parser.add_argument("out_dir", help="directory to write the HF model into")
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = build_tiny_model(
+        args.out_dir, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, seed=args.seed
+    )
+    size_mb = sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e6
+    print(f"wrote tiny model to {out} ({size_mb:.1f} MB of weights)")
+
+
+if __name__ == "__main__":
+    main()
