@@ -1,0 +1,104 @@
+"""Config of the `orchestrator` entrypoint, and the env/client/sampling sections `eval`/`synthesize` reuse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, ModelConfig, WandbConfig, default_output_dir
+
+
+class ClientConfig(BaseConfig):
+    """How to reach the OpenAI-compatible inference server."""
+
+    host: str = Field("localhost", description="server host (ignored when base_url is set)")
+    port: int = Field(8000, ge=1, le=65535, description="server port (ignored when base_url is set)")
+    base_url: str | None = Field(None, description="full base URL, e.g. http://10.0.0.2:8000/v1")
+    api_key_var: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
+    timeout: float = Field(1200.0, gt=0, description="request timeout in seconds")
+
+    @property
+    def url(self) -> str:
+        return self.base_url or f"http://{self.host}:{self.port}/v1"
+
+
+class SamplingConfig(BaseConfig):
+    temperature: float = Field(1.0, ge=0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (keep 1 for exact importance ratios)")
+    top_k: int = Field(-1, ge=-1, description="top-k sampling, -1 = off (keep -1 for exact ratios)")
+    min_p: float = Field(0.0, ge=0, le=1, description="min-p sampling (keep 0 for exact ratios)")
+    max_tokens: int | None = Field(None, ge=1, description="max tokens per model turn (not per rollout)")
+    seed: int | None = Field(None, description="sampling seed")
+    extra_body: dict[str, Any] = Field(default_factory=dict, description="extra request fields for the server")
+
+
+class EnvConfig(BaseConfig):
+    id: str = Field("reverse-text", description="installed verifiers environment id (load_environment(id, **args))")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword args for load_environment")
+    name: str | None = Field(None, description="name for metrics (default: id)")
+    ratio: float | None = Field(None, gt=0, description="sampling weight among several envs (default: equal)")
+
+
+class BufferConfig(BaseConfig):
+    online_difficulty_filtering: bool = Field(False, description="drop groups whose rewards are all 0 or all 1")
+    easy_threshold: float = Field(1.0, description="a group whose rewards are all >= this is too easy")
+    hard_threshold: float = Field(0.0, description="a group whose rewards are all <= this is too hard")
+
+
+class AdvantageConfig(BaseConfig):
+    type: Literal["mean", "mean_std", "rloo", "opo"] = Field(
+        "mean", description="mean: r - group mean; mean_std: /group std; rloo: leave-one-out; opo: length-weighted"
+    )
+
+
+class EvalConfig(BaseConfig):
+    interval: int = Field(100, ge=1, description="evaluate every N steps")
+    num_examples: int = Field(100, ge=-1, description="examples per env (-1: all)")
+    rollouts_per_example: int = Field(1, ge=1, description="rollouts per example")
+    env: list[EnvConfig] = Field(default_factory=list, description="eval environments (default: the train envs)")
+    eval_base: bool = Field(True, description="also evaluate before the first step")
+
+
+class OrchestratorConfig(BaseConfig):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="model name as served by the server")
+    client: ClientConfig = Field(default_factory=ClientConfig, description="inference server client")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling arguments")
+    env: list[EnvConfig] = Field(default_factory=lambda: [EnvConfig()], description="training environments")
+    buffer: BufferConfig = Field(default_factory=BufferConfig, description="rollout filtering")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="advantage estimator")
+    eval: EvalConfig | None = Field(None, description="online evaluation (off unless set)")
+    batch_size: int = Field(128, ge=1, description="samples (rollouts) per training step")
+    rollouts_per_example: int = Field(8, ge=1, description="rollouts per prompt; must divide batch_size")
+    oversampling_factor: float = Field(1.0, ge=1.0, description="generate this many times batch_size in flight")
+    trajectory_strategy: Literal["interleaved", "branching"] = Field(
+        "interleaved", description="interleaved: one sample per rollout; branching: one per turn"
+    )
+    seq_len: int = Field(2048, ge=1, description="tokens per packed micro-batch row (trainer's data.seq_len)")
+    num_train_workers: int = Field(1, ge=1, description="trainer data-parallel ranks (equal micro-batch counts)")
+    max_concurrent: int | None = Field(None, ge=1, description="cap on requests in flight (None: no cap)")
+    max_steps: int | None = Field(None, ge=1, description="stop after this step")
+    max_async_level: int = Field(2, ge=0, description="async bound k: rollouts of step n use policy >= n-k")
+    output_dir: Path = Field(default_factory=default_output_dir, description="run directory shared with the trainer")
+    ckpt: CkptConfig | None = Field(None, description="checkpoint progress (off unless set: --ckpt)")
+    wandb: WandbConfig | None = Field(None, description="W&B logging (off unless set: --wandb)")
+    log: LogConfig = Field(default_factory=LogConfig, description="logging")
+    seed: int = Field(0, description="seed for prompt sampling")
+    bench: bool = Field(False, description="benchmark rollouts/s and tokens/s against a running server")
+
+    @model_validator(mode="after")
+    def _check(self) -> "OrchestratorConfig":
+        if self.batch_size % self.rollouts_per_example:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be divisible by rollouts_per_example "
+                f"({self.rollouts_per_example})"
+            )
+        if self.sampling.max_tokens is not None and self.sampling.max_tokens >= self.seq_len:
+            raise ValueError(
+                f"sampling.max_tokens ({self.sampling.max_tokens}) cannot fit in seq_len ({self.seq_len}) "
+                "with a prompt; lower max_tokens or raise seq_len"
+            )
+        if not self.env:
+            raise ValueError("at least one [[env]] is needed")
+        return self

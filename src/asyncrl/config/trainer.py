@@ -1,0 +1,111 @@
+"""Config of the `trainer` entrypoint (FSDP2 RL trainer) and the model/optimizer sections `sft` reuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from asyncrl.config.base import (
+    BaseConfig,
+    BenchDataConfig,
+    CkptConfig,
+    LogConfig,
+    ModelConfig,
+    WandbConfig,
+    default_output_dir,
+)
+
+Dtype = Literal["bfloat16", "float32"]
+
+
+class ACConfig(BaseConfig):
+    freq: int = Field(1, ge=1, description="checkpoint activations of every Nth decoder layer (1 = all)")
+
+
+class LoRAConfig(BaseConfig):
+    rank: int = Field(16, ge=1, description="adapter rank")
+    alpha: float = Field(32.0, gt=0, description="adapter scale numerator (scale = alpha / rank)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="names of the linear layers that get adapters",
+    )
+
+
+class TrainerModelConfig(ModelConfig):
+    optimization_dtype: Dtype = Field("float32", description="dtype of forward/backward compute")
+    reduce_dtype: Dtype = Field("float32", description="dtype of gradient reduction across ranks")
+    ac: ACConfig | None = Field(None, description="activation checkpointing (off unless set)")
+    lora: LoRAConfig | None = Field(None, description="train LoRA adapters only (off unless set)")
+    fsdp_cpu_offload: bool = Field(False, description="offload sharded params/grads/optimizer to CPU")
+    attn_implementation: str = Field("sdpa", description="HF attention implementation")
+    trust_remote_code: bool = Field(False, description="allow custom modelling code from the model dir")
+
+
+class TokenizerConfig(BaseConfig):
+    name: str | None = Field(None, description="tokenizer name or dir (default: the model's)")
+
+
+class OptimConfig(BaseConfig):
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
+    betas1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    betas2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    max_norm: float | None = Field(1.0, gt=0, description="clip the global grad norm to this (None: no clipping)")
+
+
+class SchedulerConfig(BaseConfig):
+    type: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate schedule")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    decay_steps: int | None = Field(None, ge=1, description="steps to decay over (default: max_steps)")
+    min_lr: float = Field(0.0, ge=0, description="final learning rate of linear/cosine decay")
+
+
+class LossConfig(BaseConfig):
+    """Policy-gradient loss. `aipo` is the seeds' default: token IS weights with ratio masking."""
+
+    type: Literal["aipo", "grpo", "gspo", "cispo", "custom"] = Field("aipo", description="loss objective")
+    token_mask_low: float = Field(0.125, gt=0, description="aipo: mask tokens whose ratio is below this")
+    token_mask_high: float = Field(8.0, gt=0, description="aipo: mask tokens whose ratio is above this")
+    sequence_mask_low: float = Field(0.1, gt=0, description="mask samples whose geometric-mean ratio is below")
+    sequence_mask_high: float = Field(10.0, gt=0, description="mask samples whose geometric-mean ratio is above")
+    clip_low: float = Field(0.2, ge=0, description="grpo/gspo/cispo: lower clip epsilon")
+    clip_high: float = Field(0.28, ge=0, description="grpo/gspo/cispo: upper clip epsilon")
+    custom: str | None = Field(None, description="custom loss as 'module.path:function' (type = custom)")
+
+    @model_validator(mode="after")
+    def _custom_needs_path(self) -> "LossConfig":
+        if self.type == "custom" and not self.custom:
+            raise ValueError("loss.type = 'custom' needs loss.custom = 'module.path:function'")
+        if self.token_mask_low >= self.token_mask_high:
+            raise ValueError("loss.token_mask_low must be below loss.token_mask_high")
+        if self.sequence_mask_low >= self.sequence_mask_high:
+            raise ValueError("loss.sequence_mask_low must be below loss.sequence_mask_high")
+        return self
+
+
+class TrainerDataConfig(BaseConfig):
+    seq_len: int = Field(2048, ge=1, description="tokens per packed micro-batch row")
+    fake: BenchDataConfig | None = Field(None, description="train on fake data of this shape (with --bench)")
+
+
+class TrainerConfig(BaseConfig):
+    model: TrainerModelConfig = Field(default_factory=TrainerModelConfig, description="model and parallelism")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="tokenizer")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="learning-rate schedule")
+    loss: LossConfig = Field(default_factory=LossConfig, description="policy-gradient loss")
+    data: TrainerDataConfig = Field(default_factory=TrainerDataConfig, description="input batches")
+    ckpt: CkptConfig | None = Field(None, description="checkpointing (off unless set: --ckpt)")
+    wandb: WandbConfig | None = Field(None, description="W&B logging (off unless set: --wandb)")
+    log: LogConfig = Field(default_factory=LogConfig, description="logging")
+    output_dir: Path = Field(default_factory=default_output_dir, description="run directory shared with the orchestrator")
+    max_steps: int | None = Field(None, ge=1, description="stop after this step (None: run until killed)")
+    max_async_level: int = Field(2, ge=0, description="async bound k: keep broadcast weights of the last k+1 steps")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda if available, else cpu (gloo)")
+    seed: int = Field(0, description="random seed")
+    bench: bool = Field(False, description="benchmark on fake data for a few steps and print throughput/MFU")
+    recv_timeout: float | None = Field(None, gt=0, description="seconds to wait for a batch before failing")

@@ -1,0 +1,121 @@
+"""Rollout batches: the orchestrator writes step n's packed micro-batches, the trainer reads them.
+
+On disk (under the run's output dir)::
+
+    rollouts/step_{n}/rank_{r}.pt     one file per trainer data-parallel rank
+    rollouts/step_{n}/meta.json       {"step", "num_ranks", "micro_batches_per_rank", ...}
+
+Each `rank_{r}.pt` is `torch.save({"step": n, "micro_batches": [mb, ...]})` where every micro-batch is a
+dict of 1-D tensors of one equal length L (one packed row of up to seq_len tokens):
+
+    input_ids (int64), position_ids (int64; restart at 0 at each sample, which marks boundaries),
+    loss_mask (bool; True on completion tokens the model produced), advantages (float32; per token),
+    inference_logprobs (float32; logprob of the token under the sampler, 0 where loss_mask is False),
+    temperatures (float32; sampling temperature of the sample each token belongs to)
+
+Every rank gets the same number of micro-batches (padding with all-masked dummies), or FSDP hangs.
+The step dir is written under a temporary name and renamed into place, so a reader never sees a
+partial batch: its existence means it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+MicroBatch = dict[str, torch.Tensor]
+FIELDS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")
+
+
+def rollouts_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "rollouts"
+
+
+def batch_dir(output_dir: str | Path, step: int) -> Path:
+    return rollouts_dir(output_dir) / f"step_{step}"
+
+
+def check_micro_batch(mb: MicroBatch) -> None:
+    missing = [k for k in FIELDS if k not in mb]
+    if missing:
+        raise ValueError(f"micro-batch lacks fields {missing}")
+    lengths = {k: mb[k].shape for k in FIELDS}
+    if len({tuple(s) for s in lengths.values()}) != 1 or mb["input_ids"].dim() != 1:
+        raise ValueError(f"micro-batch fields must be 1-D tensors of one length, got {lengths}")
+
+
+def write_batch(output_dir: str | Path, step: int, per_rank: list[list[MicroBatch]], meta: dict | None = None) -> Path:
+    """Atomically write step `step`'s batch: `per_rank[r]` is rank r's list of micro-batches."""
+    counts = {len(mbs) for mbs in per_rank}
+    if len(counts) != 1:
+        raise ValueError(f"every rank needs the same number of micro-batches, got {[len(m) for m in per_rank]}")
+    for mbs in per_rank:
+        for mb in mbs:
+            check_micro_batch(mb)
+    final = batch_dir(output_dir, step)
+    tmp = final.parent / f".tmp_step_{step}_{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        for rank, mbs in enumerate(per_rank):
+            torch.save({"step": step, "micro_batches": mbs}, tmp / f"rank_{rank}.pt")
+        info = {"step": step, "num_ranks": len(per_rank), "micro_batches_per_rank": counts.pop(), **(meta or {})}
+        (tmp / "meta.json").write_text(json.dumps(info))
+        if final.exists():  # a re-run of the same step (e.g. after resume) replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def wait_for_batch(
+    output_dir: str | Path,
+    step: int,
+    timeout: float | None = None,
+    poll: float = 0.05,
+    should_stop: Callable[[], bool] | None = None,
+) -> Path:
+    """Block until step `step`'s batch exists; TimeoutError after `timeout` seconds."""
+    path = batch_dir(output_dir, step)
+    start = time.monotonic()
+    while not path.exists():
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise TimeoutError(f"no rollout batch for step {step} at {path} after {timeout:.0f}s")
+        if should_stop is not None and should_stop():
+            raise InterruptedError("stopped while waiting for a batch")
+        time.sleep(poll)
+    return path
+
+
+def read_batch(output_dir: str | Path, step: int, rank: int) -> list[MicroBatch]:
+    """Rank `rank`'s micro-batches of step `step` (the batch must exist: see `wait_for_batch`)."""
+    data = torch.load(batch_dir(output_dir, step) / f"rank_{rank}.pt", weights_only=True)
+    if data.get("step") != step:
+        raise ValueError(f"batch file for step {step} says step {data.get('step')}")
+    return data["micro_batches"]
+
+
+def read_meta(output_dir: str | Path, step: int) -> dict:
+    return json.loads((batch_dir(output_dir, step) / "meta.json").read_text())
+
+
+def prune_batches(output_dir: str | Path, keep_from_step: int) -> None:
+    """Delete batches of steps < keep_from_step (the trainer has consumed them)."""
+    root = rollouts_dir(output_dir)
+    if not root.exists():
+        return
+    for d in root.glob("step_*"):
+        try:
+            step = int(d.name.split("_", 1)[1])
+        except ValueError:
+            continue
+        if step < keep_from_step:
+            shutil.rmtree(d, ignore_errors=True)
