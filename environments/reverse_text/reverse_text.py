@@ -26,16 +26,13 @@ USER_TEMPLATE = "Reverse the text: {text}"
 DEFAULT_ALPHABET = string.ascii_lowercase
 
 
-def _check_args(min_len: int, max_len: int, alphabet: str, **counts: int) -> None:
+def _check_args(min_len: int, max_len: int, alphabet: str) -> None:
     if min_len < 1:
         raise ValueError(f"min_len must be >= 1, got {min_len}")
     if max_len < min_len:
         raise ValueError(f"max_len ({max_len}) must be >= min_len ({min_len})")
     if not alphabet:
         raise ValueError("alphabet must not be empty")
-    for name, value in counts.items():
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def random_strings(
@@ -86,12 +83,14 @@ def load_environment(
     alphabet: str = DEFAULT_ALPHABET,
 ) -> vf.SingleTurnEnv:
     """Reverse a random string of `min_len`..`max_len` characters drawn from `alphabet`."""
-    _check_args(min_len, max_len, alphabet, num_train_examples=num_train_examples,
-                num_eval_examples=num_eval_examples)
+    _check_args(min_len, max_len, alphabet)
+    if num_train_examples < 1 or num_eval_examples < 0:
+        raise ValueError("need num_train_examples >= 1 and num_eval_examples >= 0 (0: no eval set)")
     common = dict(seed=seed, min_len=min_len, max_len=max_len, alphabet=alphabet,
                   system_prompt=system_prompt)
     dataset = Dataset.from_list(_rows(num_train_examples, split="train", **common))
-    eval_dataset = Dataset.from_list(_rows(num_eval_examples, split="eval", **common))
+    eval_rows = _rows(num_eval_examples, split="eval", **common)
+    eval_dataset = Dataset.from_list(eval_rows) if eval_rows else None
     parser = vf.Parser()
     rubric = vf.Rubric(funcs=[lcs_reward, exact_match], weights=[1.0, 0.0], parser=parser)
     return vf.SingleTurnEnv(dataset=dataset, eval_dataset=eval_dataset, parser=parser,
@@ -110,7 +109,9 @@ def sft_examples(
 
     They come from their own random stream ("sft"), so they are not the RL train prompts.
     """
-    _check_args(min_len, max_len, alphabet, n=n)
+    _check_args(min_len, max_len, alphabet)
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
     rows = _rows(n, seed, "sft", min_len, max_len, alphabet, system_prompt)
     return [
         {"prompt": r["prompt"], "completion": [{"role": "assistant", "content": r["answer"]}]}
@@ -135,8 +136,10 @@ def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m reverse_text",
-                                 description="Write reverse-text SFT data (prompt/completion JSONL).")
+    ap = argparse.ArgumentParser(
+        prog="python -m reverse_text",
+        description="Write reverse-text SFT data (prompt/completion JSONL).",
+    )
     ap.add_argument("--sft-out", required=True, help="output .jsonl file")
     ap.add_argument("--n", type=int, default=10000, help="number of examples")
     ap.add_argument("--seed", type=int, default=0)

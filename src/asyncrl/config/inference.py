@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -42,7 +42,13 @@ class InferenceConfig(BaseConfig):
     api_key: str | None = Field(None, description="require this bearer key on every endpoint but /health")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="embedded engine device")
     max_batch_size: int = Field(64, ge=1, description="embedded engine: sequences decoded together")
-    seed: int | None = Field(None, description="default sampling seed")
+    max_prefill_tokens: int = Field(
+        4096, ge=1, description="embedded engine: prompt tokens prefilled together in one forward"
+    )
+    kv_cache_gb: float | None = Field(
+        None, gt=0, description="embedded engine: KV cache budget in GiB (default: 4 on CPU, half the free GPU memory)"
+    )
+    seed: int | None = Field(None, description="seed the engine's random generator once at start (per-request seeds win)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: fraction of GPU memory to use")
     data_parallel_size: int = Field(1, ge=1, description="vLLM: data-parallel engines")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: tensor-parallel size")
@@ -52,16 +58,14 @@ class InferenceConfig(BaseConfig):
     output_dir: Path = Field(default_factory=default_output_dir, description="where logs/ go")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _top_level_max_model_len(cls, data: Any) -> Any:
-        # `inference --max-model-len N` (seeds' eval example) is the same as `--model.max-model-len N`.
-        if isinstance(data, dict) and "max_model_len" in data:
-            data = dict(data)
-            value = data.pop("max_model_len")
-            model = dict(data.get("model") or {})
-            if model.get("max_model_len", value) != value:
-                raise ValueError("max_model_len and model.max_model_len disagree; set only one")
-            model["max_model_len"] = value
-            data["model"] = model
-        return data
+    # `inference --max-model-len N` (the seeds' eval example) means `--model.max-model-len N`.
+    cli_aliases: ClassVar[dict[str, str]] = {"max_model_len": "model.max_model_len"}
+
+    @model_validator(mode="after")
+    def _passthrough_only_for_vllm(self) -> "InferenceConfig":
+        if self.vllm_args and self.backend != "vllm":
+            raise ValueError(
+                f"unknown option(s) {' '.join(self.vllm_args)}: extra flags are passed through to vLLM only "
+                "(add --backend vllm) — check the spelling with --help"
+            )
+        return self

@@ -54,7 +54,7 @@ class OptimConfig(BaseConfig):
     betas1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
     betas2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
-    max_norm: float | None = Field(1.0, gt=0, description="clip the global grad norm to this (None: no clipping)")
+    max_norm: float = Field(1.0, ge=0, description="clip the global grad norm to this (0: no clipping)")
 
 
 class SchedulerConfig(BaseConfig):

@@ -1,0 +1,189 @@
+"""tool-calc: a verifiers ToolEnv where the model answers arithmetic with a calculator tool.
+
+Problems such as "What is 37 * 12 + 5?" are generated from a seed (no downloads). The tool
+`calculate(expression)` evaluates arithmetic only: the expression is parsed with `ast` and
+walked node by node, so names, calls, attributes and anything else that is not a number or an
+arithmetic operator are refused. The reward is 1.0 when the last number in the final assistant
+message equals the result; ToolEnv's monitor rubric reports `total_tool_calls`/`calculate_calls`.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import random
+import re
+from typing import Any, Callable
+
+import verifiers as vf
+from datasets import Dataset
+
+DEFAULT_SYSTEM_PROMPT = (
+    "Use the calculate tool for arithmetic, then reply with the final answer as a number."
+)
+MAX_EXPRESSION_CHARS = 200
+MAX_RESULT_BITS = 256  # refuse results beyond ~1e77 so a short expression cannot eat the CPU
+
+_BIN_OPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY_OPS: dict[type[ast.unaryop], Callable[[Any], Any]] = {
+    ast.UAdd: operator.pos,
+    ast.USub: operator.neg,
+}
+
+
+def _bits(x: int | float) -> float:
+    return abs(x).bit_length() if isinstance(x, int) else math.log2(abs(x) + 1)
+
+
+def _check_size(x: int | float) -> int | float:
+    if isinstance(x, float) and not math.isfinite(x):
+        raise ValueError("result is not a finite number")
+    if _bits(x) > MAX_RESULT_BITS:
+        raise ValueError("result is too large")
+    return x
+
+
+def _eval_node(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant):
+        if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
+            raise ValueError(f"unsupported constant {node.value!r}: only numbers are allowed")
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
+        return _UNARY_OPS[type(node.op)](_eval_node(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BIN_OPS:
+        left, right = _eval_node(node.left), _eval_node(node.right)
+        is_pow = isinstance(node.op, ast.Pow)
+        if is_pow and left != 0 and math.log2(abs(left)) * right > MAX_RESULT_BITS:
+            raise ValueError("result is too large")  # checked before computing a huge power
+        result = _BIN_OPS[type(node.op)](left, right)
+        if isinstance(result, complex):
+            raise ValueError("result is not a real number")
+        return _check_size(result)
+    raise ValueError(
+        f"unsupported syntax {type(node).__name__}: use numbers, + - * / // % ** and parentheses"
+    )
+
+
+def safe_eval(expression: str) -> int | float:
+    """Evaluate an arithmetic expression without executing code; raises ValueError if refused."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"cannot parse expression: {e.msg}") from None
+    try:
+        return _eval_node(tree.body)
+    except ZeroDivisionError:
+        raise ValueError("division by zero") from None
+    except OverflowError:
+        raise ValueError("result is too large") from None
+
+
+def format_number(x: int | float) -> str:
+    if isinstance(x, float) and x.is_integer() and abs(x) < 1e15:
+        return str(int(x))
+    return str(x) if isinstance(x, int) else format(x, ".12g")
+
+
+def calculate(expression: str) -> str:
+    """Evaluate an arithmetic expression and return the result.
+
+    Args:
+        expression: Arithmetic using numbers, + - * / // % ** and parentheses, e.g. "37 * 12 + 5".
+    """
+    return format_number(safe_eval(expression))
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> float | None:
+    """The last number in `text` (thousands separators like 1,234 allowed), or None."""
+    matches = _NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3}\b)", "", text))
+    return float(matches[-1]) if matches else None
+
+
+def _final_answer(parser: vf.Parser, completion: vf.Messages) -> float | None:
+    assistant = parser.get_assistant_messages(completion)
+    if not assistant:
+        return None
+    last = assistant[-1]
+    get = last.get if isinstance(last, dict) else lambda key: getattr(last, key, None)
+    tool_calls = get("tool_calls")
+    if tool_calls:
+        return None  # the rollout ended while the model was still calling tools
+    return last_number(parser.parse_answer(completion) or "")
+
+
+def correct_answer(
+    parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any
+) -> float:
+    value = _final_answer(parser, completion)
+    return float(value is not None and math.isclose(value, float(answer), abs_tol=1e-6))
+
+
+def make_problems(
+    n: int, seed: int, split: str, num_terms: int, max_value: int
+) -> list[tuple[str, str]]:
+    """`n` (expression, result) pairs of `num_terms` integers in [1, max_value] joined by + - *."""
+    rng = random.Random(f"tool-calc:{split}:{seed}")
+    problems = []
+    for _ in range(n):
+        expr = str(rng.randint(1, max_value))
+        for _ in range(num_terms - 1):
+            expr += f" {rng.choice('+-*')} {rng.randint(1, max_value)}"
+        problems.append((expr, format_number(safe_eval(expr))))
+    return problems
+
+
+def _dataset(n: int, seed: int, split: str, num_terms: int, max_value: int,
+             system_prompt: str | None) -> Dataset:
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    rows = [
+        {"prompt": [*system, {"role": "user", "content": f"What is {expr}?"}], "answer": result}
+        for expr, result in make_problems(n, seed, split, num_terms, max_value)
+    ]
+    return Dataset.from_list(rows)
+
+
+def load_environment(
+    num_train_examples: int = 1000,
+    num_eval_examples: int = 100,
+    num_terms: int = 3,
+    max_value: int = 50,
+    seed: int = 0,
+    max_turns: int = 3,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+) -> vf.ToolEnv:
+    """Arithmetic questions answered with the `calculate` tool within `max_turns` model turns."""
+    if num_terms < 2:
+        raise ValueError(f"num_terms must be >= 2, got {num_terms}")
+    if max_value < 1:
+        raise ValueError(f"max_value must be >= 1, got {max_value}")
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if num_train_examples < 1 or num_eval_examples < 0:
+        raise ValueError("need num_train_examples >= 1 and num_eval_examples >= 0 (0: no eval set)")
+    common = dict(seed=seed, num_terms=num_terms, max_value=max_value, system_prompt=system_prompt)
+    parser = vf.Parser()
+    rubric = vf.Rubric(funcs=[correct_answer], weights=[1.0], parser=parser)
+    eval_ds = _dataset(num_eval_examples, split="eval", **common) if num_eval_examples else None
+    return vf.ToolEnv(
+        tools=[calculate],
+        max_turns=max_turns,
+        dataset=_dataset(num_train_examples, split="train", **common),
+        eval_dataset=eval_ds,
+        parser=parser,
+        rubric=rubric,
+        error_formatter=lambda e: f"Error: {e}",
+    )

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create/refresh the project environment in .venv (idempotent; fast when nothing changed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+# Install torch first, pinned: an unpinned torch makes pip fetch a multi-GB CUDA build. On a GPU
+# machine install the CUDA build you want into .venv before running this; it is kept.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "[setup] installing torch==2.13.0"
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+fi
+envs=$(ls -d environments/*/ 2>/dev/null | sed 's#/$##' | while read -r d; do [ -f "$d/pyproject.toml" ] && echo "$d"; done)
+stamp=.venv/.asyncrl-setup
+want=$(cat pyproject.toml $(for d in $envs; do echo "$d/pyproject.toml"; done) | sha1sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing asyncrl and environments: $envs"
+  args=(-e ".[dev]")
+  for d in $envs; do args+=(-e "$d"); done
+  .venv/bin/pip install -q --disable-pip-version-check "${args[@]}"
+  echo "$want" > "$stamp"
+fi

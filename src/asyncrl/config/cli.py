@@ -1,0 +1,144 @@
+"""What every entrypoint does with its command line: --help, --dry-run, one-line errors, exit codes."""
+
+from __future__ import annotations
+
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import tomli_w
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from asyncrl.config import loader
+from asyncrl.utils.errors import UserError
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def _type_name(annotation: Any) -> str:
+    inner, optional = loader._unwrap(annotation)
+    if inner is bool:
+        return "BOOL"
+    origin = typing.get_origin(inner)
+    if origin is typing.Literal:
+        name = "|".join(str(a) for a in typing.get_args(inner))
+    elif origin is list:
+        name = "LIST"
+    elif origin is dict:
+        name = "DICT"
+    elif isinstance(inner, type):
+        name = {int: "INT", float: "FLOAT", str: "STR", Path: "PATH"}.get(inner, inner.__name__.upper())
+    else:
+        name = str(inner)
+    return name + ("?" if optional else "")
+
+
+def _default(field) -> str:
+    if field.default is not PydanticUndefined:
+        value = field.default
+    elif field.default_factory is not None:
+        value = field.default_factory()
+    else:
+        return "required"
+    if isinstance(value, BaseModel):
+        return "section"
+    return repr(value) if not isinstance(value, Path) else str(value)
+
+
+def render_help(model: type[BaseModel], prog: str, summary: str) -> str:
+    lines = [
+        f"usage: {prog} [@ config.toml ...] [--key.subkey VALUE ...] [--dry-run]",
+        "",
+        summary,
+        "",
+        "Sources, highest precedence first: CLI flags > later @ files > earlier @ files > PRIME_A__B env > defaults.",
+        "Booleans: --x / --no-x. Optional sections (default 'off'): --section enables with defaults,",
+        "--section.key VALUE enables and sets, --no-section disables.",
+        "",
+        "options:",
+        f"  {'--help':<44} show this message and exit",
+        f"  {'--dry-run':<44} print the resolved config as TOML and exit",
+    ]
+
+    def walk(m: type[BaseModel], prefix: str) -> None:
+        for name, f in m.model_fields.items():
+            inner, optional = loader._unwrap(f.annotation)
+            flag = "--" + (prefix + name).replace("_", "-")
+            desc = f.description or ""
+            if loader._is_model(inner):
+                state = "off unless set" if optional else "section"
+                lines.append(f"  {flag:<44} [{state}] {desc}")
+                walk(inner, prefix + name + ".")
+            else:
+                lines.append(f"  {flag + ' ' + _type_name(f.annotation):<44} {desc} (default: {_default(f)})")
+
+    walk(model, "")
+    return "\n".join(lines)
+
+
+def _plain(value: Any) -> Any:
+    """Make a dumped config TOML-friendly: paths to str, None dropped (None means 'default/off')."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value if v is not None]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def to_toml(config: BaseModel) -> str:
+    return tomli_w.dumps(_plain(config.model_dump(mode="python")))
+
+
+def fail(message: str, code: int = 2) -> typing.NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def parse_or_exit(
+    model: type[T],
+    prog: str,
+    summary: str,
+    argv: list[str] | None = None,
+    resolve: Callable[[dict, loader.ParsedArgs], T] | None = None,
+    passthrough: bool = False,
+) -> T:
+    """Parse argv (+ env) into `model`: handles --help / --dry-run and turns user errors into exit 2.
+
+    `resolve(raw, args)` replaces plain validation when an entrypoint needs extra steps (rl's propagation).
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(render_help(model, prog, summary))
+        raise SystemExit(0)
+    try:
+        raw, args = loader.collect_raw(model, argv, passthrough=passthrough)
+        if args.passthrough and raw.get("backend") != "vllm":
+            flag = args.passthrough[0].removeprefix("--").split("=", 1)[0]
+            raise UserError(
+                f"unknown option --{flag}{loader.suggest(model, flag.replace('-', '_'))} "
+                "(unknown flags are passed through to vLLM only, with --backend vllm)"
+            )
+        if args.passthrough:
+            raw = loader.deep_merge(raw, {"vllm_args": raw.get("vllm_args", []) + args.passthrough})
+        config = resolve(raw, args) if resolve else loader.validate(model, raw)
+    except UserError as e:
+        fail(str(e))
+    if args.dry_run:
+        sys.stdout.write(to_toml(config))
+        raise SystemExit(0)
+    return config
+
+
+def run_guarded(fn: Callable[[], Any]) -> None:
+    """Run an entrypoint body: user errors -> one line + exit 2; Ctrl-C -> exit 130."""
+    try:
+        fn()
+    except UserError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130)

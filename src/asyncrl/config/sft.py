@@ -1,0 +1,52 @@
+"""Config of the `sft` entrypoint: supervised fine-tuning on prompt/completion chat data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, WandbConfig, default_output_dir
+from asyncrl.config.trainer import OptimConfig, SchedulerConfig, TokenizerConfig, TrainerModelConfig
+
+
+class SFTDataConfig(BaseConfig):
+    type: Literal["dataset", "fake"] = Field("dataset", description="dataset: a file/dir/hub name; fake: benchmark data")
+    name: str | None = Field(None, description="local .jsonl/.parquet file or dir, or a HF hub dataset name")
+    split: str = Field("train", description="dataset split")
+    seq_len: int = Field(2048, ge=1, description="tokens per packed row")
+    batch_size: int = Field(32, ge=1, description="samples per optimizer step")
+    micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward")
+    pack: bool = Field(True, description="pack several samples into one seq_len row")
+    shuffle: bool = Field(True, description="shuffle every epoch")
+    seed: int = Field(0, description="shuffle seed")
+    loss_roles: list[str] = Field(default_factory=lambda: ["assistant"], description="message roles trained on")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SFTDataConfig":
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"data.batch_size ({self.batch_size}) must be divisible by data.micro_batch_size "
+                f"({self.micro_batch_size})"
+            )
+        if self.type == "dataset" and not self.name:
+            raise ValueError("data.name is required: a .jsonl/.parquet file or dir, or a hub dataset name")
+        return self
+
+
+class SFTConfig(BaseConfig):
+    model: TrainerModelConfig = Field(default_factory=TrainerModelConfig, description="model and parallelism")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="tokenizer")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=2e-5), description="optimizer")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="learning-rate schedule")
+    data: SFTDataConfig = Field(default_factory=lambda: SFTDataConfig(type="fake"), description="training data")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    epochs: int = Field(1, ge=1, description="passes over the data (when max_steps is not set)")
+    ckpt: CkptConfig | None = Field(None, description="checkpointing (off unless set: --ckpt)")
+    wandb: WandbConfig | None = Field(None, description="W&B logging (off unless set: --wandb)")
+    log: LogConfig = Field(default_factory=LogConfig, description="logging")
+    output_dir: Path = Field(default_factory=default_output_dir, description="where weights/, checkpoints/, logs/ go")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda if available, else cpu (gloo)")
+    seed: int = Field(0, description="random seed")
+    bench: bool = Field(False, description="benchmark a few steps and print throughput/MFU")

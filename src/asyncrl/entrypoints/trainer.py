@@ -1,0 +1,30 @@
+"""`trainer`: the FSDP2 RL trainer (`torchrun --nproc-per-node N -m asyncrl.entrypoints.trainer ...`)."""
+
+from __future__ import annotations
+
+import os
+
+from asyncrl.config.cli import parse_or_exit, run_guarded
+from asyncrl.config.trainer import TrainerConfig
+from asyncrl.utils.logging import setup_logger
+
+SUMMARY = "RL trainer: reads packed rollout batches, updates the policy with FSDP2, publishes weights."
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_or_exit(TrainerConfig, "trainer", SUMMARY, argv)
+    rank = int(os.environ.get("RANK", "0"))
+    # every rank logs to its own file; only rank 0 prints to the console
+    component = "trainer" if rank == 0 else f"trainer_rank{rank}"
+    setup_logger(component, config.output_dir, config.log.level, config.log.file, console=rank == 0)
+
+    def run() -> None:
+        from asyncrl.trainer.rl import train
+
+        train(config)
+
+    run_guarded(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The contract between the HTTP server and an engine: sampling parameters, output deltas, `Backend`.
+
+The server (server.py, routes) only talks to a `Backend`; the embedded engine implements it, and any
+other engine can too. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidRequest(Exception):
+    """A request the engine refuses (bad weights dir, unknown adapter, ...): the server answers 4xx."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling; every field is already validated and resolved (max_tokens is concrete)."""
+
+    max_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): off
+    min_p: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+
+
+@dataclass
+class SeqDelta:
+    """What one sequence (choice `index`) produced since its last delta; `finish_reason` set on the last."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+class Backend(ABC):
+    """An engine the OpenAI-compatible server can serve."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any  # a HF tokenizer, used by the server for chat templates and (de)tokenizing; server thread only
+
+    async def start(self) -> None:
+        """Called once when the server starts."""
+
+    async def shutdown(self) -> None:
+        """Called once when the server stops."""
+
+    @abstractmethod
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, lora_name: str | None = None
+    ) -> AsyncIterator[SeqDelta]:
+        """Submit a request; the returned iterator streams deltas of its `params.n` sequences to the end.
+
+        Called on the event loop. Raises InvalidRequest right away for a request the engine can never
+        serve. Closing the iterator early (or abandoning it after starting it) aborts the request.
+        """
+
+    @abstractmethod
+    async def update_weights(self, weight_dir: str) -> None:
+        """Load a HF safetensors dir into the live model (raise InvalidRequest if it does not fit)."""
+
+    @abstractmethod
+    async def reload_weights(self) -> None:
+        """Go back to the weights the server started with."""
+
+    @abstractmethod
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Register a PEFT adapter; requests with model=lora_name then use it."""
+
+    @abstractmethod
+    def lora_names(self) -> list[str]:
+        """Names of the loaded adapters."""
+
+    def is_healthy(self) -> bool:
+        return True

@@ -1,0 +1,402 @@
+"""The embedded engine: a HF causal LM (torch + transformers) with continuous batching on CPU or CUDA.
+
+One background thread owns the model. Each loop iteration it (1) runs queued control operations
+(weight swaps, adapter loads) — so no forward ever mixes weights, (2) admits waiting requests that
+fit the batch and KV budget and prefills their prompts together in one packed forward, (3) runs one
+decode step for every active sequence, then hands each request its new tokens. Sequences in flight
+during a weight swap keep their KV cache and continue with the new weights from the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.inference.backend import Backend, InvalidRequest, SamplingParams, SeqDelta
+from asyncrl.inference.kv_cache import MaskBuilder, SlotKVCache
+from asyncrl.inference.lora import LoraAdapter, LoraManager, read_adapter
+from asyncrl.inference.sampling import RowSampler, sample
+from asyncrl.inference.sequence import Sequence
+from asyncrl.inference.weights import copy_into, load_matching_weights
+from asyncrl.utils.errors import UserError
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_SEED_STRIDE = 1_000_003  # seeds of the n sequences of one seeded request: seed + i * stride
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    lora: LoraAdapter | None
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    reserve: int  # context positions each of its sequences may reach
+    seqs: list[Sequence] = field(default_factory=list)
+    aborted: bool = False
+
+
+@dataclass
+class _Active:
+    """An active sequence occupying cache row `row`."""
+
+    seq: Sequence
+    req: _Request
+    sampler: RowSampler
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("device = 'cuda' but no CUDA GPU is visible; use --device cpu (or auto)")
+    return torch.device(name)
+
+
+def _model_dir(name: str) -> Path:
+    """Local dir of the model's files (for reload_weights); hub ids resolve to the local HF cache."""
+    if Path(name).is_dir():
+        return Path(name)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, allow_patterns=["*.safetensors", "*.json"], local_files_only=True))
+
+
+class EmbeddedEngine(Backend):
+    def __init__(self, config: InferenceConfig):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        mcfg = config.model
+        self.config = config
+        self.device = resolve_device(config.device)
+        dtype: torch.dtype | str = _DTYPES.get(mcfg.dtype, "auto")
+        if mcfg.dtype == "auto" and self.device.type == "cpu":
+            dtype = torch.float32
+        load = dict(trust_remote_code=mcfg.trust_remote_code)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(mcfg.name, **load)
+            self._engine_tokenizer = AutoTokenizer.from_pretrained(mcfg.name, **load)  # fast tokenizers aren't thread-safe
+            try:
+                model = AutoModelForCausalLM.from_pretrained(mcfg.name, dtype=dtype, attn_implementation="sdpa", **load)
+            except ValueError:  # architecture without sdpa support
+                model = AutoModelForCausalLM.from_pretrained(mcfg.name, dtype=dtype, attn_implementation="eager", **load)
+        except OSError as e:
+            raise UserError(f"cannot load model '{mcfg.name}': {e}. Pass a HF model id or a local model dir") from e
+        self.model = model.to(self.device).eval()
+        self.dtype = next(self.model.parameters()).dtype
+        self.model_name = mcfg.name
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
+        if mcfg.max_model_len is not None and mcfg.max_model_len > limit:
+            raise UserError(f"max_model_len {mcfg.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        self.max_model_len = mcfg.max_model_len or limit
+        try:
+            self.masks = MaskBuilder(self.model.config, self.dtype)
+        except ValueError as e:
+            raise UserError(str(e)) from e
+
+        eos: set[int] = set()
+        try:
+            gen_eos = GenerationConfig.from_pretrained(mcfg.name).eos_token_id
+        except OSError:
+            gen_eos = self.model.config.eos_token_id
+        for ids in (gen_eos, self.tokenizer.eos_token_id):
+            eos |= set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        self.eos_ids = eos
+
+        self.cache = SlotKVCache(self.model.config.num_hidden_layers, self.dtype, self.device)
+        self.lora = LoraManager(self.model)
+        self.max_batch_size = config.max_batch_size
+        self.max_prefill_tokens = max(config.max_prefill_tokens, 1)
+        self.kv_budget = self._kv_budget_bytes(config.kv_cache_gb)
+        self._bytes_per_token = self._estimate_bytes_per_token()
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+        self._waiting: deque[_Request] = deque()
+        self._active: list[_Active] = []
+        self._ops: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._healthy = True
+        logger.info(
+            f"embedded engine: {mcfg.name} on {self.device} ({self.dtype}), max_model_len={self.max_model_len}, "
+            f"max_batch_size={self.max_batch_size}, kv budget {self.kv_budget / 2**30:.2f} GiB"
+        )
+
+    # ---- sizing ---------------------------------------------------------------------------------
+    def _kv_budget_bytes(self, gb: float | None) -> int:
+        if gb is not None:
+            return int(gb * 2**30)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.5)
+        return 4 * 2**30
+
+    def _estimate_bytes_per_token(self) -> int:
+        cfg = self.model.config
+        heads = getattr(cfg, "num_attention_heads", 1)
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return 2 * cfg.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+
+    def _kv_bytes(self, slots: int, positions: int) -> int:
+        return slots * positions * self._bytes_per_token
+
+    # ---- public API (event loop side) -------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is None:
+            if self.config.seed is not None:
+                torch.manual_seed(self.config.seed)
+            self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+
+    def is_healthy(self) -> bool:
+        return self._healthy and self._thread is not None and self._thread.is_alive()
+
+    def lora_names(self) -> list[str]:
+        return list(self.lora.adapters)
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, lora_name: str | None = None
+    ) -> AsyncIterator[SeqDelta]:
+        lora = None
+        if lora_name is not None:
+            lora = self.lora.adapters.get(lora_name)
+            if lora is None:
+                raise InvalidRequest(f"unknown LoRA adapter '{lora_name}'", param="model", status=404)
+        reserve = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        if params.n > self.max_batch_size:
+            raise InvalidRequest(f"n={params.n} exceeds the server's max_batch_size {self.max_batch_size}", "n")
+        need = self._kv_bytes(params.n, reserve)
+        if need > self.kv_budget:
+            raise InvalidRequest(
+                f"this request needs {need / 2**30:.2f} GiB of KV cache (n={params.n} x {reserve} tokens), more "
+                f"than the engine's {self.kv_budget / 2**30:.2f} GiB; lower max_tokens or n, or raise kv_cache_gb",
+                param="max_tokens",
+            )
+        loop = asyncio.get_running_loop()
+        req = _Request(list(prompt_ids), params, lora, loop, asyncio.Queue(), reserve)
+        with self._wake:
+            self._waiting.append(req)
+            self._wake.notify()
+        return self._stream(req)
+
+    async def _stream(self, req: _Request) -> AsyncIterator[SeqDelta]:
+        remaining = req.params.n
+        try:
+            while remaining:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            if remaining:
+                req.aborted = True  # the engine drops it at the next step boundary
+                with self._wake:
+                    self._wake.notify()
+
+    async def update_weights(self, weight_dir: str) -> None:
+        tensors = await asyncio.to_thread(load_matching_weights, weight_dir, self.model)
+        await self._run_op(lambda: copy_into(self.model, tensors))
+        logger.info(f"loaded weights from {weight_dir}")
+
+    async def reload_weights(self) -> None:
+        base = await asyncio.to_thread(_model_dir, self.model_name)
+        tensors = await asyncio.to_thread(load_matching_weights, base, self.model)
+        await self._run_op(lambda: copy_into(self.model, tensors))
+        logger.info(f"reloaded base weights from {base}")
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        adapter = await asyncio.to_thread(read_adapter, lora_name, lora_path, self.model)
+        await self._run_op(lambda: self.lora.add(adapter))
+        logger.info(f"loaded LoRA adapter '{lora_name}' from {lora_path}")
+
+    async def _run_op(self, fn: Callable[[], object]) -> object:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            self._ops.append((fn, fut))
+            self._wake.notify()
+        return await asyncio.wrap_future(fut)
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    while not (self._stop or self._ops or self._waiting or self._active):
+                        self._wake.wait()
+                    if self._stop:
+                        break
+                    ops = list(self._ops)
+                    self._ops.clear()
+                for fn, fut in ops:
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - handed to the waiting request
+                        fut.set_exception(e)
+                try:
+                    self._drop_aborted()
+                    admitted = self._admit()
+                    if admitted:
+                        self._prefill(admitted)
+                    if self._active:
+                        self._decode()
+                except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
+                    logger.exception("engine step failed; failing the requests in flight")
+                    self._fail_all(e)
+        self._fail_all(RuntimeError("the inference engine shut down"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        reqs = {id(a.req): a.req for a in self._active}
+        self._active.clear()
+        self.cache.release()
+        for req in reqs.values():
+            req.loop.call_soon_threadsafe(req.queue.put_nowait, error)
+
+    def _drop_aborted(self) -> None:
+        with self._wake:
+            self._waiting = deque(r for r in self._waiting if not r.aborted)
+        dead = [i for i, a in enumerate(self._active) if a.req.aborted]
+        self._remove_rows(dead)
+
+    def _admit(self) -> list[_Request]:
+        """Pop waiting requests (FIFO) that fit the batch, the KV budget and the prefill budget."""
+        admitted: list[_Request] = []
+        slots = len(self._active)
+        reserve = max((a.req.reserve for a in self._active), default=0)
+        tokens = 0
+        with self._wake:
+            while self._waiting:
+                req = self._waiting[0]
+                new_slots, new_reserve = slots + req.params.n, max(reserve, req.reserve)
+                if new_slots > self.max_batch_size or self._kv_bytes(new_slots, new_reserve) > self.kv_budget:
+                    break
+                if admitted and tokens + len(req.prompt_ids) > self.max_prefill_tokens:
+                    break
+                self._waiting.popleft()
+                admitted.append(req)
+                slots, reserve, tokens = new_slots, new_reserve, tokens + len(req.prompt_ids)
+        if admitted:
+            self.cache.ensure(slots, reserve)
+        return admitted
+
+    def _prefill(self, reqs: list[_Request]) -> None:
+        """One packed forward over all new prompts; each request's first tokens are sampled from it."""
+        dev = self.device
+        first_row = len(self._active)
+        rows, ids, positions, segments, last, names = [], [], [], [], [], []
+        row = first_row
+        for j, req in enumerate(reqs):
+            n_prompt = len(req.prompt_ids)
+            ids += req.prompt_ids
+            rows += [row] * n_prompt
+            positions += range(n_prompt)
+            segments += [j] * n_prompt
+            names += [req.lora.name if req.lora else None] * n_prompt
+            last.append(len(ids) - 1)
+            row += req.params.n
+        pos = torch.tensor(positions, device=dev)
+        self.cache.set_prefill(torch.tensor(rows, device=dev), pos)
+        self.lora.set_rows(names, dev)
+        kwargs = {"logits_to_keep": torch.tensor(last, device=dev)} if self._logits_to_keep else {}
+        out = self.model(
+            input_ids=torch.tensor([ids], device=dev),
+            position_ids=pos[None],
+            attention_mask=self.masks.prefill(torch.tensor(segments, device=dev), pos),
+            past_key_values=self.cache,
+            use_cache=True,
+            **kwargs,
+        )
+        logits = out.logits[0] if self._logits_to_keep else out.logits[0, last]
+        # fan out: request j's n sequences all start from its prompt's last-position logits
+        row, new, expanded = first_row, [], []
+        for j, req in enumerate(reqs):
+            for i in range(req.params.n):
+                if i:
+                    self.cache.copy_row(row, row + i, len(req.prompt_ids))
+                seq = Sequence(i, req.prompt_ids, req.params, self._engine_tokenizer, self.eos_ids)
+                seed = None if req.params.seed is None else req.params.seed + i * _SEED_STRIDE
+                req.seqs.append(seq)
+                new.append(_Active(seq, req, RowSampler(req.params, seed, dev)))
+                expanded.append(j)
+            row += req.params.n
+        self._active.extend(new)
+        self._sample_and_emit(logits[torch.tensor(expanded, device=dev)], first_row)
+
+    def _decode(self) -> None:
+        dev = self.device
+        lengths = [a.seq.length for a in self._active]
+        positions = torch.tensor(lengths, device=dev) - 1  # the newest token is not cached yet
+        kv_len = max(lengths)
+        self.cache.set_decode(len(lengths), positions, kv_len)
+        self.lora.set_rows([a.req.lora.name if a.req.lora else None for a in self._active], dev)
+        tokens = torch.tensor([[a.seq.output_ids[-1]] for a in self._active], device=dev)
+        out = self.model(
+            input_ids=tokens,
+            position_ids=positions[:, None],
+            attention_mask=self.masks.decode(positions, kv_len),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self._sample_and_emit(out.logits[:, -1], 0)
+
+    def _sample_and_emit(self, logits: torch.Tensor, first_row: int) -> None:
+        """Sample for active rows first_row.. (one logits row each), record, deliver, retire finished."""
+        group = self._active[first_row:]
+        banned = [a.seq.banned_ids() for a in group]
+        result = sample(logits, [a.sampler for a in group], banned if any(banned) else None)
+        finished = []
+        for k, a in enumerate(group):
+            top = result.top[k] if result.top is not None else None
+            if a.seq.append(result.tokens[k], result.logprobs[k], top, self.max_model_len):
+                finished.append(first_row + k)
+        self._deliver(group)
+        self._remove_rows(finished)
+
+    def _deliver(self, group: list[_Active]) -> None:
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, SeqDelta]]] = {}
+        for a in group:
+            delta = a.seq.take_delta()
+            if delta is not None:
+                per_loop.setdefault(a.req.loop, []).append((a.req.queue, delta))
+        for loop, items in per_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _remove_rows(self, rows: list[int]) -> None:
+        """Retire rows, moving the last active row into each hole so rows stay 0..B-1."""
+        for row in sorted(rows, reverse=True):
+            last = len(self._active) - 1
+            if row != last:
+                moved = self._active[last]
+                self.cache.copy_row(last, row, moved.seq.length)
+                self._active[row] = moved
+            self._active.pop()
+        if not self._active:
+            self.cache.release()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, SeqDelta]]) -> None:
+    for queue, delta in items:
+        queue.put_nowait(delta)
+

@@ -1,0 +1,167 @@
+"""The embedded engine's KV cache: one row ("slot") per active sequence, plus the attention masks for it.
+
+Buffers per layer are [slots, kv_heads, capacity, head_dim]. Active sequences always occupy rows
+0..B-1 (the engine compacts rows when one finishes), so a decode step attends over the view
+`buf[:B, :, :L]` without gathering. Two forward modes:
+
+- prefill (packed): all new prompts concatenated into one row of T tokens, a block-diagonal causal
+  mask keeps them apart; keys/values are scattered into their slots and the forward attends over the
+  fresh keys only (every prompt starts at position 0, there is no prefix reuse).
+- decode: one token per active row, written at that row's own position; the mask hides each row's
+  stale tail, so rows of different lengths share one batched forward without left padding.
+
+Both modes hand the model a ready 4D mask (or a dict per layer type), so HF skips its own mask logic.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+class SlotKVCache(Cache):
+    """A HF `Cache` whose `update` writes into per-sequence slots (see module docstring)."""
+
+    def __init__(self, num_layers: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(layers=[])
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = device
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.slots = 0
+        self.capacity = 0
+        self._mode = "decode"
+        self._rows: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None
+        self._batch = 0
+        self._kv_len = 0
+
+    # ---- sizing -------------------------------------------------------------------------------
+    def ensure(self, slots: int, capacity: int) -> None:
+        """Grow buffers (doubling) so `slots` rows of `capacity` positions fit; keeps contents."""
+        new_slots = max(self.slots, 1)
+        while new_slots < slots:
+            new_slots *= 2
+        new_cap = max(self.capacity, 64)
+        while new_cap < capacity:
+            new_cap *= 2
+        if new_slots == self.slots and new_cap == self.capacity:
+            return
+        for i in range(self.num_layers):
+            for store in (self.keys, self.values):
+                old = store[i]
+                if old is None:
+                    continue
+                new = old.new_zeros(new_slots, old.shape[1], new_cap, old.shape[3])
+                new[: self.slots, :, : self.capacity] = old
+                store[i] = new
+        self.slots, self.capacity = new_slots, new_cap
+
+    def release(self) -> None:
+        """Free all buffers (nothing is active)."""
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        self.slots = self.capacity = 0
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of row `src` into row `dst` (n>1 fan-out, compaction)."""
+        if src == dst or length == 0:
+            return
+        for store in (self.keys, self.values):
+            for buf in store:
+                if buf is not None:
+                    buf[dst, :, :length] = buf[src, :, :length]
+
+    # ---- per-forward modes --------------------------------------------------------------------
+    def set_prefill(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Packed prefill: token t of the single input row goes to slot rows[t], position positions[t]."""
+        self._mode, self._rows, self._pos = "prefill", rows, positions
+
+    def set_decode(self, batch: int, positions: torch.Tensor, kv_len: int) -> None:
+        """Decode: row r writes its one new token at positions[r] and attends over [0, kv_len)."""
+        self._mode, self._batch, self._pos, self._kv_len = "decode", batch, positions, kv_len
+        self._rows = torch.arange(batch, device=positions.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.keys[layer_idx] is None:
+            _, heads, _, dim = key_states.shape
+            shape = (self.slots, heads, self.capacity, dim)
+            self.keys[layer_idx] = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+            self.values[layer_idx] = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        if self._mode == "prefill":
+            # [1, H, T, D] -> [T, H, D] scattered to (slot, :, position)
+            k_buf[self._rows, :, self._pos] = key_states[0].transpose(0, 1)
+            v_buf[self._rows, :, self._pos] = value_states[0].transpose(0, 1)
+            return key_states, value_states
+        k_buf[self._rows, :, self._pos] = key_states[:, :, 0]
+        v_buf[self._rows, :, self._pos] = value_states[:, :, 0]
+        return k_buf[: self._batch, :, : self._kv_len], v_buf[: self._batch, :, : self._kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_len
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def bytes_per_token(self) -> int:
+        """KV bytes per cached token (all layers), known after the first forward."""
+        total = 0
+        for store in (self.keys, self.values):
+            for buf in store:
+                if buf is not None:
+                    total += buf.shape[1] * buf.shape[3] * buf.element_size()
+        return total
+
+
+class MaskBuilder:
+    """Builds the 4D masks (bool for sdpa, additive float for eager) the model receives."""
+
+    def __init__(self, config, dtype: torch.dtype):
+        self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        unsupported = self.layer_types - SUPPORTED_LAYER_TYPES
+        if unsupported:
+            raise ValueError(
+                f"the embedded engine supports attention layers {sorted(SUPPORTED_LAYER_TYPES)}, "
+                f"this model has {sorted(unsupported)}; serve it with backend = \"vllm\""
+            )
+        self.window = getattr(config, "sliding_window", None)
+        self.additive = getattr(config, "_attn_implementation", "sdpa") == "eager"
+        self.dtype = dtype
+
+    def _finish(self, masks: dict[str, torch.Tensor]):
+        if self.additive:
+            neg = torch.finfo(self.dtype).min
+            masks = {
+                k: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(~m, neg)
+                for k, m in masks.items()
+            }
+        if self.layer_types == {"full_attention"}:
+            return masks["full_attention"]
+        return masks
+
+    def decode(self, positions: torch.Tensor, kv_len: int):
+        """[B, 1, 1, L]: row r sees keys 0..positions[r] (its own token included)."""
+        keys = torch.arange(kv_len, device=positions.device)[None, :]
+        pos = positions[:, None]
+        full = keys <= pos
+        masks = {"full_attention": full[:, None, None, :]}
+        if "sliding_attention" in self.layer_types:
+            masks["sliding_attention"] = (full & (keys > pos - self.window))[:, None, None, :]
+        return self._finish(masks)
+
+    def prefill(self, segments: torch.Tensor, positions: torch.Tensor):
+        """[1, 1, T, T] block-diagonal causal mask over packed prompts."""
+        same = segments[:, None] == segments[None, :]
+        full = same & (positions[None, :] <= positions[:, None])
+        masks = {"full_attention": full[None, None]}
+        if "sliding_attention" in self.layer_types:
+            sliding = full & (positions[None, :] > positions[:, None] - self.window)
+            masks["sliding_attention"] = sliding[None, None]
+        return self._finish(masks)

@@ -1,0 +1,335 @@
+"""`inference --backend vllm`: vLLM's own OpenAI server, in this process, plus asyncrl's RL endpoints.
+
+vLLM already answers chat/completions (with `return_token_ids`, `prompt_token_ids` and logprobs),
+`/tokenize`, `/health` and, with `--enable-scale-out` (always set here), `/inference/v1/generate`.
+On top of its app this module adds:
+
+- `POST /update_weights {"weight_dir"}`: checks the dir against the base checkpoint (tensor names and
+  shapes, from safetensors headers only), then reloads the weights in place in every worker
+  (vLLM's `reload_weights` worker method via `collective_rpc`) and drops the prefix cache;
+- `POST /reload_weights {}`: the same from the base model (`model.name`);
+- `POST /load_lora_adapter {lora_name, lora_path}`: vLLM's adapter loading (needs `--enable-lora`);
+- `POST /v1/chat/completions/tokens`: a chat request whose prompt is exactly `tokens`.
+
+When `api_key` is set, every route but `/health` needs it. Nothing outside this module imports vllm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+from safetensors import safe_open
+
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.inference.backend import InvalidRequest
+from asyncrl.inference.weights import safetensors_files
+from asyncrl.utils.errors import UserError
+
+UNGUARDED_PATHS = ("/health",)
+
+
+# --- config -> vLLM flags -------------------------------------------------------------------------
+
+
+def build_vllm_argv(config: InferenceConfig) -> list[str]:
+    """vLLM server flags equivalent to `config`; `config.vllm_args` come last so they win."""
+    m = config.model
+    argv = [
+        "--model", m.name,
+        "--served-model-name", m.name,
+        "--dtype", m.dtype,
+        "--host", config.server.host,
+        "--port", str(config.server.port),
+        "--gpu-memory-utilization", str(config.gpu_memory_utilization),
+        "--data-parallel-size", str(config.data_parallel_size),
+        "--tensor-parallel-size", str(config.tensor_parallel_size),
+        "--enable-scale-out",  # registers /inference/v1/generate (token in, token out)
+    ]  # fmt: skip
+    if m.max_model_len is not None:
+        argv += ["--max-model-len", str(m.max_model_len)]
+    if m.enforce_eager:
+        argv.append("--enforce-eager")
+    if m.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if m.enable_auto_tool_choice:
+        argv.append("--enable-auto-tool-choice")
+    if m.tool_call_parser:
+        argv += ["--tool-call-parser", m.tool_call_parser]
+    if m.reasoning_parser:
+        argv += ["--reasoning-parser", m.reasoning_parser]
+    if config.seed is not None:
+        argv += ["--seed", str(config.seed)]
+    return argv + list(config.vllm_args)
+
+
+def parse_vllm_args(argv: list[str]):
+    """vLLM's own serve parser, so every vLLM flag (and its defaults) is available."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="inference --backend vllm"))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed what was wrong
+        raise UserError(f"invalid vLLM flags {argv} (see the message above; check --vllm-args)") from e
+    validate_parsed_serve_args(args)
+    return args
+
+
+# --- weight dirs ----------------------------------------------------------------------------------
+
+
+def checkpoint_shapes(path: str | Path, param: str = "weight_dir") -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a HF safetensors dir, read from the file headers (no tensor data)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in safetensors_files(path, param=param):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():
+                    shapes[key] = tuple(fh.get_slice(key).get_shape())
+        except Exception as e:  # truncated or not safetensors: the caller's mistake
+            raise InvalidRequest(f"cannot read {f}: {e}", param=param) from e
+    return shapes
+
+
+def check_weight_dir(weight_dir: str | Path, expected: dict[str, tuple[int, ...]] | None) -> None:
+    """Raise InvalidRequest unless `weight_dir` holds exactly the tensors (names, shapes) of `expected`."""
+    shapes = checkpoint_shapes(weight_dir)
+    if expected is None:  # base checkpoint not on local disk: only readability was checked
+        return
+    unexpected = sorted(set(shapes) - set(expected))
+    missing = sorted(set(expected) - set(shapes))
+    wrong = [f"{k}: {shapes[k]} vs {expected[k]}" for k in sorted(shapes) if k in expected and shapes[k] != expected[k]]
+    for what, items in (("unexpected tensors", unexpected), ("missing tensors", missing), ("shape mismatch", wrong)):
+        if items:
+            more = " ..." if len(items) > 3 else ""
+            raise InvalidRequest(
+                f"weights in '{weight_dir}' do not match the served model: {what} {items[:3]}{more}",
+                param="weight_dir",
+            )
+
+
+def local_checkpoint_dir(name: str) -> Path | None:
+    """The local directory holding `name`'s weights (a dir, or a hub id already in the HF cache)."""
+    if Path(name).is_dir():
+        return Path(name)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]))
+    except Exception:
+        return None
+
+
+# --- routes ---------------------------------------------------------------------------------------
+
+
+def _error(message: str, status: int = 400, param: str | None = None, err_type: str | None = None):
+    from fastapi.responses import JSONResponse
+
+    err_type = err_type or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
+        status, "InternalServerError"
+    )
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+async def _json_body(request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+class WeightUpdater:
+    """Serialises weight swaps; the engine applies them between two scheduler steps."""
+
+    def __init__(self, engine_client, base_model: str):
+        self.engine = engine_client
+        self.base_model = base_model
+        base_dir = local_checkpoint_dir(base_model)
+        self.expected = checkpoint_shapes(base_dir, param="model.name") if base_dir else None
+        if self.expected is None:
+            logger.warning(f"base checkpoint of {base_model} not found locally: weight dirs are not shape-checked")
+        self.lock = asyncio.Lock()
+        self.weight_dir: str | None = None
+
+    async def load(self, weight_dir: str | None) -> None:
+        """Load `weight_dir` (None: the base model) into every worker, then drop the prefix cache."""
+        if weight_dir is not None:
+            check_weight_dir(weight_dir, self.expected)
+        path = str(Path(weight_dir).resolve()) if weight_dir is not None else self.base_model
+        async with self.lock:
+            await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            # Running requests are preempted and recomputed with the new weights: no stale KV survives.
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
+            self.weight_dir = weight_dir
+        logger.info(f"serving weights from {path}")
+
+
+def _tokens_chat_handler(chat):
+    """A copy of vLLM's chat handler whose rendered prompt is replaced by the request's `tokens`."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    handler = copy.copy(chat)
+
+    async def render_chat_request(request):
+        rendered = await chat.render_chat_request(request)
+        if isinstance(rendered, ErrorResponse):
+            return rendered
+        conversation, engine_inputs = rendered
+        if len(engine_inputs) != 1 or engine_inputs[0].get("type") != "token":
+            raise InvalidRequest("/v1/chat/completions/tokens supports text-only chats", param="tokens")
+        engine_input = {k: v for k, v in engine_inputs[0].items() if k not in ("prompt", "prompt_token_offsets")}
+        engine_input["prompt_token_ids"] = list(request.tokens)
+        return conversation, [engine_input]
+
+    handler.render_chat_request = render_chat_request
+    return handler
+
+
+def _chat_tokens_request_class():
+    from typing import ClassVar
+
+    from pydantic import Field
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    class ChatTokensRequest(ChatCompletionRequest):
+        field_names: ClassVar[set[str] | None] = None  # vLLM caches field names per class
+        tokens: list[int] = Field(min_length=1, description="the exact prompt token ids")
+
+    return ChatTokensRequest
+
+
+def attach_asyncrl_routes(app, config: InferenceConfig) -> None:
+    """Add asyncrl's endpoints and api-key guard to vLLM's app (state is filled in at startup)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    ChatTokensRequest = _chat_tokens_request_class()
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(_: Request, exc: InvalidRequest):
+        return _error(exc.message, exc.status, exc.param)
+
+    if config.api_key:
+        @app.middleware("http")
+        async def _require_key(request: Request, call_next):
+            if request.url.path not in UNGUARDED_PATHS and request.method != "OPTIONS":
+                if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+                    return _error("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
+            return await call_next(request)
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request):
+        body = await _json_body(request)
+        weight_dir = body.get("weight_dir")
+        if not isinstance(weight_dir, str) or not weight_dir:
+            raise InvalidRequest("'weight_dir' (a directory path) is required", param="weight_dir")
+        await request.app.state.asyncrl_weights.load(weight_dir)
+        return {"status": "ok", "weight_dir": weight_dir}
+
+    @app.post("/reload_weights")
+    async def reload_weights(request: Request):
+        await request.app.state.asyncrl_weights.load(None)
+        return {"status": "ok", "weight_dir": None}
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await _json_body(request)
+        for key in ("lora_name", "lora_path"):
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise InvalidRequest(f"'{key}' (a string) is required", param=key)
+        if request.app.state.engine_client.vllm_config.lora_config is None:
+            raise InvalidRequest("LoRA is off: start the server with --vllm-args '[\"--enable-lora\"]'")
+        if not Path(body["lora_path"]).is_dir():
+            raise InvalidRequest(f"lora_path '{body['lora_path']}' is not a directory", param="lora_path")
+        lora = LoadLoRAAdapterRequest(lora_name=body["lora_name"], lora_path=body["lora_path"])
+        result = await request.app.state.openai_serving_models.load_lora_adapter(lora)
+        if isinstance(result, ErrorResponse):
+            return JSONResponse(result.model_dump(), status_code=result.error.code)
+        return {"status": "ok", "lora_name": body["lora_name"]}
+
+    @app.post("/v1/chat/completions/tokens")
+    async def chat_completions_tokens(request: ChatTokensRequest, raw_request: Request):
+        result = await raw_request.app.state.asyncrl_tokens_chat.create_chat_completion(request, raw_request)
+        if isinstance(result, ErrorResponse):
+            return JSONResponse(result.model_dump(), status_code=result.error.code)
+        if isinstance(result, ChatCompletionResponse):
+            return JSONResponse(result.model_dump())
+        return StreamingResponse(result, media_type="text/event-stream")
+
+
+async def _init_asyncrl_state(app, engine_client, config: InferenceConfig) -> None:
+    app.state.asyncrl_weights = await asyncio.to_thread(WeightUpdater, engine_client, config.model.name)
+    app.state.asyncrl_tokens_chat = _tokens_chat_handler(app.state.openai_serving_chat)
+
+
+# --- serving --------------------------------------------------------------------------------------
+
+
+async def _serve(args, config: InferenceConfig) -> None:
+    """vLLM's single-API-server startup (entry.run_server), with our routes added to its app."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    try:
+        async with build_async_engine_client(args) as engine_client:
+            tasks = await engine_client.get_supported_tasks()
+            if "generate" not in tasks:
+                raise UserError(f"{config.model.name} cannot generate text (vLLM tasks: {tasks})")
+            app = build_app(args, tasks, engine_client.model_config)
+            attach_asyncrl_routes(app, config)
+            await init_app_state(engine_client, app.state, args, tasks)
+            await _init_asyncrl_state(app, engine_client, config)
+            uvicorn_kwargs = {}
+            if (log_config := get_uvicorn_log_config(args)) is not None:
+                uvicorn_kwargs["log_config"] = log_config
+            logger.info(f"vLLM server with asyncrl routes on {listen_address}")
+            shutdown = await serve_http(
+                app,
+                sock=sock,
+                host=args.host,
+                port=args.port,
+                log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile,
+            )
+        await shutdown
+    finally:
+        sock.close()
+
+
+def run_vllm_server(config: InferenceConfig) -> None:
+    """Serve `config.model` with vLLM until interrupted (blocks)."""
+    try:
+        import uvloop
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise UserError(
+            f"--backend vllm needs vLLM ({e}); install it with scripts/install_vllm.sh and run .venv-vllm/bin/inference"
+        ) from e
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM's own CLI sets
+    args = parse_vllm_args(build_vllm_argv(config))
+    logger.info(f"starting vLLM {vllm.__version__} for {config.model.name}: {json.dumps(build_vllm_argv(config))}")
+    try:
+        uvloop.run(_serve(args, config))
+    except KeyboardInterrupt:
+        logger.info("vLLM server stopped")

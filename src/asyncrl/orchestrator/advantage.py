@@ -1,0 +1,44 @@
+"""Per-group advantages: each prompt's rollouts are compared with each other, never across prompts.
+
+- mean:     A_i = r_i - mean(r)                              (the seeds' default)
+- mean_std: A_i = (r_i - mean(r)) / (std(r) + eps)           (GRPO-style normalisation)
+- rloo:     A_i = r_i - mean(r_j for j != i)                 (leave-one-out baseline)
+- opo:      A_i = r_i - sum(l_j r_j) / sum(l_j)              (length-weighted baseline, l = completion tokens)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Sequence
+
+AdvantageType = Literal["mean", "mean_std", "rloo", "opo"]
+STD_EPS = 1e-6
+
+
+def compute_advantages(
+    rewards: Sequence[float], kind: AdvantageType = "mean", lengths: Sequence[int] | None = None
+) -> list[float]:
+    """Advantages of one group's rewards (a group of one gets 0: it has no baseline)."""
+    n = len(rewards)
+    if n == 0:
+        return []
+    if n == 1:
+        return [0.0]
+    mean = sum(rewards) / n
+    if kind == "mean":
+        return [r - mean for r in rewards]
+    if kind == "mean_std":
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
+        return [(r - mean) / (std + STD_EPS) for r in rewards]
+    if kind == "rloo":
+        total = sum(rewards)
+        return [r - (total - r) / (n - 1) for r in rewards]
+    if kind == "opo":
+        if lengths is None or len(lengths) != n:
+            raise ValueError("opo advantages need one completion length per reward")
+        weight = sum(lengths)
+        if weight <= 0:
+            return [r - mean for r in rewards]
+        baseline = sum(l * r for l, r in zip(lengths, rewards)) / weight
+        return [r - baseline for r in rewards]
+    raise ValueError(f"unknown advantage type {kind!r}; use mean, mean_std, rloo or opo")

@@ -1,0 +1,84 @@
+"""HTTP control calls to the inference server: wait for health, load weights, return to the base model.
+
+Rollout requests themselves go through verifiers' token client (see `envs.py`); this is the admin
+side: `GET /health`, `POST /update_weights {"weight_dir": ...}`, `POST /reload_weights {}`, all at
+the server root (the OpenAI API lives under `/v1`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+from loguru import logger
+
+from asyncrl.config.orchestrator import ClientConfig
+from asyncrl.utils.errors import UserError
+
+
+def server_root(url: str) -> str:
+    """`http://host:port/v1` -> `http://host:port` (the admin endpoints live at the root)."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def start_hint(url: str) -> str:
+    return (
+        f"start one with `inference @ infer.toml` (or `inference --model.name <model> --server.port <port>`) "
+        f"or point the orchestrator at a running one with --client.base-url (now {url})"
+    )
+
+
+class InferenceClient:
+    """Async admin client for one inference server."""
+
+    def __init__(self, config: ClientConfig):
+        self.url = config.url
+        self.root = server_root(config.url)
+        headers = {}
+        api_key = os.environ.get(config.api_key_var)
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._http = httpx.AsyncClient(base_url=self.root, headers=headers, timeout=config.timeout)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def is_healthy(self) -> bool:
+        try:
+            response = await self._http.get("/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def wait_healthy(self, timeout: float = 600.0, poll: float = 1.0) -> None:
+        """Block until `/health` answers 200; a UserError naming the URL after `timeout` seconds."""
+        start = time.monotonic()
+        logged = False
+        while not await self.is_healthy():
+            waited = time.monotonic() - start
+            if waited > timeout:
+                raise UserError(f"inference server at {self.root} not reachable after {timeout:.0f}s; {start_hint(self.url)}")
+            if not logged and waited > 2 * poll:
+                logger.info(f"waiting for the inference server at {self.root} ...")
+                logged = True
+            await asyncio.sleep(poll)
+
+    async def update_weights(self, weight_dir: str | Path) -> None:
+        """Make the server load the HF weights in `weight_dir` (its prefix cache is reset too)."""
+        await self._post("/update_weights", {"weight_dir": str(Path(weight_dir).resolve())})
+
+    async def reload_weights(self) -> None:
+        """Make the server go back to the base model's weights."""
+        await self._post("/reload_weights", {})
+
+    async def _post(self, path: str, body: dict) -> None:
+        try:
+            response = await self._http.post(path, json=body)
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"POST {self.root}{path} failed: {e!r}; {start_hint(self.url)}") from e
+        if response.status_code != 200:
+            raise RuntimeError(f"POST {self.root}{path} answered {response.status_code}: {response.text[:500]}")

@@ -1,0 +1,185 @@
+"""Verifiers environments: load them, sample prompts across several by ratio, run rollout groups.
+
+Environments are installed packages loaded with verifiers' classic `load_environment(id, **args)`.
+Rollouts go through verifiers' own `run_group` with its token client
+(`openai_chat_completions_token`) against our server, so single-turn, multi-turn and tool
+environments run unmodified and every turn comes back with token ids and sampling logprobs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from loguru import logger
+
+from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
+from asyncrl.utils.errors import UserError
+
+# (env slot, group inputs, sampling args) -> verifiers rollout outputs; the boundary tests replace.
+RunGroup = Callable[["EnvSlot", list[dict], dict], Awaitable[list[dict]]]
+TOKEN_CLIENT = "openai_chat_completions_token"
+# Keys the orchestrator sets itself; the same key in sampling.extra_body would be sent twice.
+_OWN_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens",
+                      "seed", "logprobs", "n", "return_token_ids"}
+
+
+def env_module(env_id: str) -> str:
+    return env_id.replace("-", "_").split("/")[-1]
+
+
+def install_hint(env_id: str) -> str:
+    if "/" in env_id:
+        owner, name = env_id.split("/", 1)
+        return (f"install it with `prime env install {env_id}` or `uv pip install {name} "
+                f"--extra-index-url https://hub.primeintellect.ai/{owner}/simple/`, then use id = \"{name}\"")
+    return (f"install it with `uv pip install -e environments/{env_module(env_id)}` (a local environment) "
+            f"or `pip install {env_id}`")
+
+
+def load_env(cfg: EnvConfig) -> Any:
+    """`verifiers.load_environment(cfg.id, **cfg.args)` with user-facing errors."""
+    import verifiers as vf
+
+    module = env_module(cfg.id)
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"environment '{cfg.id}' is not installed (no module '{module}'); {install_hint(cfg.id)}")
+    try:
+        return vf.load_environment(module, **cfg.args)
+    except (TypeError, ValueError, RuntimeError) as e:
+        cause = e.__cause__ or e
+        raise UserError(f"environment '{cfg.id}' failed to load with args {cfg.args}: {cause}") from e
+
+
+@dataclass
+class EnvSlot:
+    """One environment of the mixture, with its prompt order and position for resumable sampling."""
+
+    name: str
+    env: Any
+    ratio: float
+    rows: list[dict] = field(default_factory=list)
+    epoch: int = 0
+    cursor: int = 0
+    order: list[int] = field(default_factory=list)
+
+    def next_row(self, seed: int) -> dict:
+        if not self.order or self.cursor >= len(self.order):
+            if self.order:
+                self.epoch += 1
+            self.cursor = 0
+            self.order = shuffled(len(self.rows), f"{seed}:{self.name}:{self.epoch}")
+        row = self.rows[self.order[self.cursor]]
+        self.cursor += 1
+        return row
+
+
+def shuffled(n: int, seed: str) -> list[int]:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+class EnvMixture:
+    """Several environments sampled per prompt by their ratios (equal when unset)."""
+
+    def __init__(self, slots: list[EnvSlot], seed: int = 0):
+        if not slots:
+            raise UserError("at least one environment is needed")
+        names = [s.name for s in slots]
+        if len(set(names)) != len(names):
+            raise UserError(f"environment names must be unique, got {names}; give duplicates a distinct `name`")
+        self.slots = slots
+        self.by_name = {s.name: s for s in slots}
+        self.seed = seed
+        self.problems = 0  # prompts drawn so far (the next draw's index)
+
+    @classmethod
+    def load(cls, configs: list[EnvConfig], seq_len: int | None, seed: int = 0, eval_split: bool = False) -> "EnvMixture":
+        slots = []
+        for cfg in configs:
+            env = load_env(cfg)
+            if seq_len is not None and hasattr(env, "set_max_seq_len"):
+                env.set_max_seq_len(seq_len)
+            dataset = env.get_eval_dataset() if eval_split else env.get_dataset()
+            rows = dataset.to_list()
+            if not rows:
+                raise UserError(f"environment '{cfg.id}' has an empty {'eval ' if eval_split else ''}dataset")
+            slots.append(EnvSlot(name=cfg.name or cfg.id, env=env, ratio=cfg.ratio or 1.0, rows=rows))
+            logger.info(f"loaded environment {slots[-1].name} ({type(env).__name__}, {len(rows)} prompts)")
+        return cls(slots, seed)
+
+    def draw(self) -> tuple[EnvSlot, dict]:
+        """The next prompt: an environment chosen by ratio, then its next row."""
+        rng = random.Random(f"{self.seed}:draw:{self.problems}")
+        self.problems += 1
+        slot = rng.choices(self.slots, weights=[s.ratio for s in self.slots])[0]
+        return slot, slot.next_row(self.seed)
+
+    def state(self) -> dict:
+        return {"problems": self.problems,
+                "envs": {s.name: {"epoch": s.epoch, "cursor": s.cursor, "size": len(s.rows)} for s in self.slots}}
+
+    def load_state(self, state: dict) -> None:
+        self.problems = int(state.get("problems", 0))
+        for name, st in (state.get("envs") or {}).items():
+            slot = self.by_name.get(name)
+            if slot is None:
+                logger.warning(f"checkpoint has sampling state for unknown environment {name!r}; ignored")
+                continue
+            if st.get("size") != len(slot.rows):
+                logger.warning(f"environment {name!r} changed size since the checkpoint; restarting its order")
+                continue
+            slot.epoch, slot.cursor = int(st["epoch"]), int(st["cursor"])
+            slot.order = shuffled(len(slot.rows), f"{self.seed}:{slot.name}:{slot.epoch}")
+
+
+def group_inputs(row: dict, n: int) -> list[dict]:
+    return [dict(row) for _ in range(n)]
+
+
+def sampling_args(cfg: SamplingConfig, with_seed: bool = False) -> dict:
+    """Request arguments for every model turn (top_p=1/top_k=-1/min_p=0 keep importance ratios exact)."""
+    clash = _OWN_SAMPLING_KEYS & set(cfg.extra_body)
+    if clash:
+        raise UserError(f"sampling.extra_body sets {sorted(clash)}, which the orchestrator sets itself; "
+                        "use the [orchestrator.sampling] fields instead")
+    args: dict[str, Any] = {"n": 1, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                            "extra_body": {"top_k": cfg.top_k, "min_p": cfg.min_p, **cfg.extra_body}}
+    if cfg.max_tokens is not None:
+        args["max_tokens"] = cfg.max_tokens
+    if with_seed and cfg.seed is not None:
+        args["seed"] = cfg.seed
+    return args
+
+
+def make_vf_client(cfg: ClientConfig) -> Any:
+    """Verifiers' token client for our server (one shared connection pool)."""
+    import verifiers as vf
+    from verifiers.clients import resolve_client
+
+    vf_config = vf.ClientConfig(client_type=TOKEN_CLIENT, api_base_url=cfg.url, api_key_var=cfg.api_key_var,
+                                timeout=cfg.timeout, max_retries=2)
+    return resolve_client(vf_config)
+
+
+def verifiers_run_group(vf_client: Any, model: str) -> RunGroup:
+    """The production RunGroup: the slot's environment runs and scores the group via verifiers."""
+
+    async def run(slot: EnvSlot, inputs: list[dict], args: dict) -> list[dict]:
+        merged = {**slot.env.sampling_args, **args,
+                  "extra_body": {**(slot.env.sampling_args.get("extra_body") or {}), **args.get("extra_body", {})}}
+        return await slot.env.run_group(inputs, vf_client, model, merged, state_columns=["trajectory"])
+
+    return run
+
+
+def problems_per_step(batch_size: int, rollouts_per_example: int) -> int:
+    return max(1, batch_size // rollouts_per_example)
+
+
+def in_flight_target(problems: int, oversampling_factor: float) -> int:
+    return max(problems, math.ceil(problems * oversampling_factor))

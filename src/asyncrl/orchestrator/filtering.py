@@ -1,0 +1,64 @@
+"""Group-level decisions: drop errored rollouts, score groups, and online difficulty filtering.
+
+A group is the `rollouts_per_example` rollouts of one prompt. Rollouts that errored (env exception,
+server error, missing tokens) are dropped from their group and counted; the rest of the group keeps
+its advantages computed among the valid rollouts only; a group where every rollout failed is
+'failed'. With `online_difficulty_filtering`, groups whose rewards are
+all at or above `easy_threshold` (solved every time) or all at or below `hard_threshold` (never
+solved) are dropped too, and the orchestrator keeps sampling prompts to fill the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from asyncrl.config.orchestrator import BufferConfig
+from asyncrl.orchestrator.advantage import AdvantageType, compute_advantages
+from asyncrl.orchestrator.samples import Rollout
+
+Verdict = Literal["accept", "too_easy", "too_hard", "failed"]
+
+
+@dataclass
+class Group:
+    """The rollouts of one prompt, generated under the policy after `policy_step` updates."""
+
+    env: str
+    example_id: int
+    policy_step: int
+    rollouts: list[Rollout] = field(default_factory=list)
+    verdict: Verdict = "accept"
+
+    @property
+    def valid(self) -> list[Rollout]:
+        return [r for r in self.rollouts if r.ok]
+
+    @property
+    def num_errors(self) -> int:
+        return sum(not r.ok for r in self.rollouts)
+
+
+def difficulty(rewards: list[float], buffer: BufferConfig) -> Verdict:
+    """'too_easy' / 'too_hard' if every reward is past a threshold, else 'accept'."""
+    if rewards and all(r >= buffer.easy_threshold for r in rewards):
+        return "too_easy"
+    if rewards and all(r <= buffer.hard_threshold for r in rewards):
+        return "too_hard"
+    return "accept"
+
+
+def judge_group(group: Group, buffer: BufferConfig, advantage: AdvantageType) -> Verdict:
+    """Set advantages on the group's valid rollouts and decide whether it goes into a batch."""
+    valid = group.valid
+    for r in group.rollouts:
+        r.advantage = 0.0
+    if not valid:
+        group.verdict = "failed"
+        return group.verdict
+    advantages = compute_advantages([r.reward for r in valid], advantage, [r.completion_len for r in valid])
+    for r, a in zip(valid, advantages):
+        r.advantage = a
+    verdict = difficulty([r.reward for r in valid], buffer)
+    group.verdict = verdict if buffer.online_difficulty_filtering else "accept"
+    return group.verdict

@@ -1,0 +1,76 @@
+"""The async bound: which trainer weights step n's rollouts may use, and waiting for them.
+
+Rollouts of step n must come from a policy >= n-k (k = max_async_level). Policy p is the model after
+p trainer updates: p = 0 is the base model, p >= 1 lives in `broadcast/step_p` (STABLE marker).
+Before generating step n the orchestrator takes the newest policy in [max(n-k, 0), n] that exists:
+it waits only when none does, i.e. only when the trainer is more than k steps behind.
+
+On resume at step N the trainer's checkpoint weights `weights/step_N` also count as policy N (the
+broadcast dirs of that window may be gone); later `weights/` dirs are never used, since they may be
+left from an earlier, longer run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncrl.transport.weights import is_stable, step_dirs, weights_dir
+
+
+@dataclass(frozen=True)
+class Policy:
+    step: int
+    path: Path | None  # None: the base model
+
+    @property
+    def is_base(self) -> bool:
+        return self.path is None
+
+
+def checkpoint_policy(output_dir: str | Path, step: int) -> Policy | None:
+    """`weights/step_{step}` as a policy if it is complete (renamed into place whole)."""
+    path = weights_dir(output_dir, step)
+    if step >= 1 and path.is_dir() and (is_stable(path) or (path / "config.json").exists()):
+        return Policy(step, path)
+    return None
+
+
+class PolicyGate:
+    """Chooses (and waits for) the policy each step generates with."""
+
+    def __init__(self, output_dir: str | Path, max_async_level: int, resume_policy: Policy | None = None):
+        self.output_dir = Path(output_dir)
+        self.k = max_async_level
+        self.resume_policy = resume_policy
+
+    def newest(self, step: int) -> Policy | None:
+        """The newest policy step `step` may use, or None if it must wait for the trainer."""
+        need = step - self.k
+        found = {
+            s: p for s, p in step_dirs(self.output_dir / "broadcast").items()
+            if max(need, 1) <= s <= step and is_stable(p)
+        }
+        best = Policy(max(found), found[max(found)]) if found else None
+        r = self.resume_policy
+        if r is not None and need <= r.step <= step and (best is None or r.step > best.step):
+            best = r
+        if best is None and need <= 0:
+            best = Policy(0, None)
+        return best
+
+    async def wait(self, step: int, poll: float = 0.1, timeout: float | None = None) -> tuple[Policy, float]:
+        """Wait until step `step` may generate; returns the policy to use and the seconds waited."""
+        start = time.monotonic()
+        while True:
+            policy = self.newest(step)
+            if policy is not None:
+                return policy, time.monotonic() - start
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise TimeoutError(
+                    f"step {step} needs trainer weights of step >= {step - self.k} in "
+                    f"{self.output_dir / 'broadcast'}; none after {timeout:.0f}s (is the trainer running?)"
+                )
+            await asyncio.sleep(poll)

@@ -1,0 +1,116 @@
+"""Orchestrator metrics: per-step statistics of rollout groups, and where they are written.
+
+Each record goes to `{output_dir}/metrics/orchestrator.jsonl` (one JSON object per line, with
+`kind` = "train" or "eval"), to loguru as one console line, and to W&B when configured.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from asyncrl.config.base import WandbConfig
+from asyncrl.orchestrator.filtering import Group
+from asyncrl.orchestrator.samples import Rollout
+from asyncrl.utils.errors import UserError
+
+
+def _mean(values: list[float]) -> float:
+    return float(statistics.fmean(values)) if values else 0.0
+
+
+def rollout_metrics(rollouts: list[Rollout], prefix: str = "") -> dict[str, float]:
+    """Reward, rubric metrics and lengths of valid rollouts (overall and per environment)."""
+    out: dict[str, float] = {}
+    if not rollouts:
+        return out
+    rewards = [r.reward for r in rollouts]
+    out[f"{prefix}reward/mean"] = _mean(rewards)
+    out[f"{prefix}reward/std"] = float(statistics.pstdev(rewards))
+    by_env: dict[str, list[Rollout]] = defaultdict(list)
+    for r in rollouts:
+        by_env[r.env].append(r)
+    for env, rs in by_env.items():
+        out[f"{prefix}reward/{env}/mean"] = _mean([r.reward for r in rs])
+        names = sorted({k for r in rs for k in r.metrics})
+        for name in names:
+            out[f"{prefix}metrics/{env}/{name}"] = _mean([r.metrics[name] for r in rs if name in r.metrics])
+    seq = [sum(len(s) for s in r.samples) for r in rollouts]
+    out[f"{prefix}seq_len/mean"] = _mean(seq)
+    out[f"{prefix}seq_len/max"] = float(max(seq))
+    out[f"{prefix}prompt_len/mean"] = _mean([r.prompt_len for r in rollouts])
+    out[f"{prefix}completion_len/mean"] = _mean([r.completion_len for r in rollouts])
+    out[f"{prefix}completion_len/max"] = float(max(r.completion_len for r in rollouts))
+    out[f"{prefix}num_turns/mean"] = _mean([r.num_turns for r in rollouts])
+    out[f"{prefix}truncated/frac"] = _mean([float(r.is_truncated) for r in rollouts])
+    return out
+
+
+def group_metrics(used: list[Group], finished: list[Group], easy: float, hard: float) -> dict[str, float]:
+    """Batch-level statistics: solve-none/solve-all over every finished group, errors, advantages."""
+    out: dict[str, float] = {}
+    judged = [g for g in finished if g.valid]
+    rewards = [[r.reward for r in g.valid] for g in judged]
+    out["groups/solve_none"] = _mean([float(all(x <= hard for x in rs)) for rs in rewards])
+    out["groups/solve_all"] = _mean([float(all(x >= easy for x in rs)) for rs in rewards])
+    out["groups/finished"] = float(len(finished))
+    out["groups/filtered"] = float(sum(g.verdict in ("too_easy", "too_hard") for g in finished))
+    out["groups/failed"] = float(sum(g.verdict == "failed" for g in finished))
+    all_rollouts = [r for g in finished for r in g.rollouts]
+    out["rollouts/errors"] = float(sum(not r.ok for r in all_rollouts))
+    out["rollouts/error_frac"] = _mean([float(not r.ok) for r in all_rollouts])
+    valid = [r for g in used for r in g.valid]
+    out["batch/rollouts"] = float(len(valid))
+    out["batch/effective_rollouts"] = float(sum(abs(r.advantage) > 1e-8 for r in valid))
+    out["advantage/mean_abs"] = _mean([abs(r.advantage) for r in valid])
+    levels = [g.policy_step for g in used]
+    return out | {"policy/min_step": float(min(levels)) if levels else 0.0}
+
+
+class MetricsSink:
+    """JSONL + console + optional W&B."""
+
+    def __init__(self, output_dir: str | Path, wandb_config: WandbConfig | None = None, run_config: dict | None = None):
+        self.path = Path(output_dir) / "metrics" / "orchestrator.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._wandb = None
+        if wandb_config is not None:
+            try:
+                import wandb
+            except ImportError as e:
+                raise UserError("W&B logging is on but wandb is not installed; `pip install wandb` or drop --wandb") from e
+            self._wandb = wandb.init(
+                project=wandb_config.project, name=wandb_config.name, id=wandb_config.id, resume="allow",
+                mode="offline" if wandb_config.offline else "online", config=run_config,
+            )
+
+    def log(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            step = record.get("step")
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def console_line(r: dict[str, Any]) -> str:
+    return (
+        f"step {r['step']} | reward {r.get('reward/mean', 0.0):.3f} | policy {r['policy/step']} "
+        f"(off-policy {r['off_policy/level']}) | {int(r['batch/samples'])} samples, "
+        f"{int(r['batch/micro_batches'])} mbs/rank | seq {r.get('seq_len/mean', 0.0):.0f} | "
+        f"{r['perf/gen_tokens_per_s']:.0f} tok/s | wait weights {r['time/wait_weights']:.2f}s, "
+        f"rollouts {r['time/rollouts']:.2f}s"
+    )
+
+
+def log_step(sink: MetricsSink, record: dict[str, Any]) -> None:
+    logger.info(console_line(record))
+    sink.log(record)

@@ -1,0 +1,142 @@
+"""Collect one step's rollout groups: keep groups in flight, judge each as it finishes, fill the batch.
+
+Up to `ceil(problems * oversampling_factor)` groups are in flight at once. Every finished group gets
+its advantages and a verdict (see `filtering.py`); accepted groups fill the step until it has
+`batch_size / rollouts_per_example` of them, filtered or failed ones are replaced by new prompts.
+When the step is full the groups still in flight are cancelled, so no generation spans a weight
+update; accepted groups that finished beyond the need wait in a buffer for the next step, which
+takes them only while they stay within the async bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from loguru import logger
+
+from asyncrl.config.orchestrator import BufferConfig
+from asyncrl.orchestrator.advantage import AdvantageType
+from asyncrl.orchestrator.envs import EnvMixture, RunGroup, group_inputs
+from asyncrl.orchestrator.filtering import Group, judge_group
+from asyncrl.orchestrator.samples import Rollout, TrajectoryConverter
+
+MAX_DRAWS_FACTOR = 8  # stop drawing new prompts for a step after this many times the in-flight target
+
+
+class RolloutFailure(RuntimeError):
+    """Rollouts keep failing: nothing can be trained on."""
+
+    def __init__(self, message: str, last_error: str | None):
+        super().__init__(message)
+        self.last_error = last_error
+
+
+@dataclass
+class StepRollouts:
+    groups: list[Group]  # the accepted groups that make the batch
+    finished: list[Group] = field(default_factory=list)  # every group that finished this step
+    seconds: float = 0.0
+    launched: int = 0
+    cancelled: int = 0
+    reused: int = 0
+    stale_dropped: int = 0
+    filler: int = 0  # filtered groups used because too few passed the filter
+
+
+class GroupCollector:
+    def __init__(
+        self,
+        mixture: EnvMixture,
+        run_group: RunGroup,
+        converter: TrajectoryConverter,
+        rollouts_per_example: int,
+        buffer: BufferConfig,
+        advantage: AdvantageType,
+        fail_limit: int,
+    ):
+        self.mixture = mixture
+        self.run_group = run_group
+        self.converter = converter
+        self.n = rollouts_per_example
+        self.buffer_config = buffer
+        self.advantage = advantage
+        self.fail_limit = max(fail_limit, 1)
+        self.buffer: list[Group] = []
+        self.consecutive_failures = 0
+        self.last_error: str | None = None
+
+    async def _run_one(self, step_policy: int, args: dict) -> Group:
+        slot, row = self.mixture.draw()
+        group = Group(env=slot.name, example_id=int(row.get("example_id", -1)), policy_step=step_policy)
+        try:
+            outputs = await self.run_group(slot, group_inputs(row, self.n), args)
+            group.rollouts = [self.converter.convert(o, slot.name) for o in outputs]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # an environment bug or a broken server must not kill the run
+            error = f"{type(e).__name__}: {e}"
+            group.rollouts = [Rollout(env=slot.name, example_id=group.example_id, reward=0.0, error=error)
+                              for _ in range(self.n)]
+        judge_group(group, self.buffer_config, self.advantage)
+        return group
+
+    def _note(self, group: Group) -> None:
+        errors = [r.error for r in group.rollouts if r.error]
+        if errors:
+            self.last_error = errors[-1]
+        if group.verdict == "failed":
+            self.consecutive_failures += 1
+            if self.consecutive_failures >= self.fail_limit:
+                raise RolloutFailure(
+                    f"{self.consecutive_failures} rollout groups in a row failed completely; last error: {self.last_error}",
+                    self.last_error,
+                )
+        else:
+            self.consecutive_failures = 0
+
+    async def collect(self, step: int, policy_step: int, max_async_level: int, problems: int,
+                      in_flight: int, args: dict) -> StepRollouts:
+        start = time.perf_counter()
+        usable = [g for g in self.buffer if step - g.policy_step <= max_async_level]
+        result = StepRollouts(groups=usable[:problems], reused=min(len(usable), problems),
+                              stale_dropped=len(self.buffer) - len(usable))
+        self.buffer = usable[problems:]
+        filtered: list[Group] = []
+        tasks: set[asyncio.Task] = set()
+        max_draws = MAX_DRAWS_FACTOR * in_flight
+        try:
+            while len(result.groups) < problems:
+                while len(result.groups) + len(tasks) < in_flight and result.launched < max_draws:
+                    tasks.add(asyncio.create_task(self._run_one(policy_step, args)))
+                    result.launched += 1
+                if not tasks:
+                    break
+                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    group = task.result()
+                    result.finished.append(group)
+                    self._note(group)
+                    if group.verdict == "accept":
+                        (result.groups if len(result.groups) < problems else self.buffer).append(group)
+                    elif group.verdict != "failed":
+                        filtered.append(group)
+        finally:
+            result.cancelled = len(tasks)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        if len(result.groups) < problems:
+            result.filler = min(problems - len(result.groups), len(filtered))
+            result.groups += filtered[: result.filler]
+            logger.warning(
+                f"step {step}: only {len(result.groups) - result.filler}/{problems} groups passed after {result.launched} "
+                f"draws; filled with {result.filler} filtered (zero-advantage) groups"
+            )
+        if not result.groups:
+            raise RolloutFailure(f"step {step}: no usable rollout group after {result.launched} tries; "
+                                 f"last error: {self.last_error}", self.last_error)
+        result.seconds = time.perf_counter() - start
+        return result

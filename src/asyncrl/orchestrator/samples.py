@@ -1,0 +1,167 @@
+"""Turn verifiers rollout outputs into token-level training samples (interleaved or branching).
+
+A verifiers rollout made with the token client carries `trajectory`: one step per model turn, each
+with `tokens = {prompt_ids, completion_ids, completion_mask, completion_logprobs, ...}` exactly as
+the server saw and produced them.
+
+- interleaved: one sample per rollout = turn 1's prompt + every completion and the env tokens in
+  between; the loss mask is on model-generated tokens only. This is only correct when each turn's
+  prompt ids extend the previous turn's prompt+completion ids (the exact-prefix invariant); when a
+  rollout breaks it (e.g. a template that rewrites history) that rollout falls back to branching.
+- branching: one sample per turn (that turn's prompt + completion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from loguru import logger
+
+Strategy = Literal["interleaved", "branching"]
+
+
+@dataclass
+class TokenSample:
+    """One training sequence: ids, which tokens the model produced, and their sampling logprobs."""
+
+    input_ids: list[int]
+    loss_mask: list[bool]
+    logprobs: list[float]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class Rollout:
+    """One finished rollout reduced to what training and metrics need."""
+
+    env: str
+    example_id: int
+    reward: float
+    samples: list[TokenSample] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    prompt_len: int = 0
+    completion_len: int = 0
+    num_turns: int = 0
+    is_truncated: bool = False
+    error: str | None = None
+    advantage: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class TrajectoryError(ValueError):
+    """A rollout's trajectory cannot be turned into training tokens."""
+
+
+class TrajectoryConverter:
+    """Converts rollout outputs into `Rollout`s; remembers prefix-invariant fallbacks to warn once."""
+
+    def __init__(self, strategy: Strategy = "interleaved"):
+        self.strategy = strategy
+        self.fallbacks = 0
+
+    def convert(self, output: Mapping[str, Any], env: str) -> Rollout:
+        """A `Rollout` for one verifiers output; errors become `Rollout.error`, never exceptions."""
+        rollout = Rollout(env=env, example_id=int(output.get("example_id", -1)), reward=0.0)
+        error = _output_error(output)
+        if error is not None:
+            rollout.error = error
+            return rollout
+        reward = output.get("reward")
+        if reward is None:
+            rollout.error = "rollout has no reward (scoring failed)"
+            return rollout
+        rollout.reward = float(reward)
+        rollout.metrics = {k: float(v) for k, v in (output.get("metrics") or {}).items() if _is_number(v)}
+        rollout.is_truncated = bool(output.get("is_truncated", False))
+        try:
+            steps = [_step_tokens(step) for step in output.get("trajectory") or []]
+            if not steps:
+                raise TrajectoryError("rollout has no model turns (empty trajectory)")
+            rollout.samples = self._samples(steps)
+        except TrajectoryError as e:
+            rollout.error = str(e)
+            return rollout
+        rollout.num_turns = len(steps)
+        rollout.prompt_len = len(steps[0]["prompt_ids"])
+        rollout.completion_len = sum(len(s["completion_ids"]) for s in steps)
+        rollout.is_truncated = rollout.is_truncated or any(s["is_truncated"] for s in steps)
+        return rollout
+
+    def _samples(self, steps: list[dict]) -> list[TokenSample]:
+        if self.strategy == "branching" or len(steps) == 1:
+            return [branch_sample(s) for s in steps]
+        sample = interleave(steps)
+        if sample is not None:
+            return [sample]
+        if self.fallbacks == 0:
+            logger.warning(
+                "a multi-turn rollout broke the exact-prefix invariant (a turn's prompt ids do not extend the "
+                "previous turn's ids, e.g. a chat template that rewrites history); such rollouts are trained "
+                "as branching samples. Set trajectory_strategy = 'branching' to silence this."
+            )
+        self.fallbacks += 1
+        return [branch_sample(s) for s in steps]
+
+
+def branch_sample(step: Mapping[str, Any]) -> TokenSample:
+    prompt, completion = step["prompt_ids"], step["completion_ids"]
+    return TokenSample(
+        input_ids=list(prompt) + list(completion),
+        loss_mask=[False] * len(prompt) + [bool(m) for m in step["completion_mask"]],
+        logprobs=[0.0] * len(prompt) + [float(x) for x in step["completion_logprobs"]],
+    )
+
+
+def interleave(steps: list[Mapping[str, Any]]) -> TokenSample | None:
+    """One sample for a whole multi-turn rollout, or None if the exact-prefix invariant breaks."""
+    sample = branch_sample(steps[0])
+    for step in steps[1:]:
+        prompt = step["prompt_ids"]
+        n = len(sample.input_ids)
+        if len(prompt) < n or list(prompt[:n]) != sample.input_ids:
+            return None
+        env_tokens = list(prompt[n:])
+        sample.input_ids += env_tokens + list(step["completion_ids"])
+        sample.loss_mask += [False] * len(env_tokens) + [bool(m) for m in step["completion_mask"]]
+        sample.logprobs += [0.0] * len(env_tokens) + [float(x) for x in step["completion_logprobs"]]
+    return sample
+
+
+def _step_tokens(step: Mapping[str, Any]) -> dict:
+    tokens = step.get("tokens")
+    if tokens is None:
+        raise TrajectoryError(
+            "the server returned no token ids/logprobs for a turn; the inference server must answer "
+            "chat completions with `return_token_ids` (asyncrl's `inference` server or vLLM do)"
+        )
+    out = {k: list(tokens.get(k) or []) for k in ("prompt_ids", "completion_ids", "completion_mask",
+                                                   "completion_logprobs")}
+    if not out["completion_mask"]:
+        out["completion_mask"] = [1] * len(out["completion_ids"])
+    n = len(out["completion_ids"])
+    if len(out["completion_logprobs"]) != n or len(out["completion_mask"]) != n:
+        raise TrajectoryError(
+            f"turn has {n} completion ids but {len(out['completion_logprobs'])} logprobs and "
+            f"{len(out['completion_mask'])} mask entries"
+        )
+    out["is_truncated"] = bool(tokens.get("is_truncated") or step.get("is_truncated"))
+    return out
+
+
+def _output_error(output: Mapping[str, Any]) -> str | None:
+    error = output.get("error")
+    if not error:
+        return None
+    if isinstance(error, Mapping):
+        return str(error.get("error_chain_repr") or error.get("message") or error.get("error"))
+    return str(error)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

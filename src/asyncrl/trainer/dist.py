@@ -1,0 +1,91 @@
+"""Process-group setup for the trainers: torchrun or a lone process, gloo on CPU, NCCL on CUDA, one 1-D mesh."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from asyncrl.utils.errors import UserError
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    owns_group: bool  # we created the default group, so we destroy it at the end
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over ranks (in place on a device copy); returns the result on CPU."""
+        out = values.detach().to(self.device, torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(out)
+        return out.cpu()
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; asking for cuda without one is a user error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("device = 'cuda' but no CUDA GPU is visible; use --device cpu (or auto)")
+    return device
+
+
+def init_distributed(device: str = "auto") -> DistContext:
+    """Join (or create) the default process group and build a 1-D data-parallel mesh over all ranks.
+
+    Under torchrun the env (RANK, WORLD_SIZE, MASTER_ADDR, ...) is used; a plain process makes a
+    1-rank group on a free local port so FSDP2 and DCP run the same code path either way.
+    """
+    kind = resolve_device(device)
+    owns = False
+    if not dist.is_initialized():
+        # CUDA runs still get a gloo side for CPU tensors (object collectives, async checkpoint group).
+        backend = "cpu:gloo,cuda:nccl" if kind == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend=backend)
+        else:
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            )
+        owns = True
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if kind == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(
+                f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
+                "use --nproc-per-node <= the number of GPUs"
+            )
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    mesh = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
+    return DistContext(rank, world, local_rank, dev, mesh, owns)

@@ -1,0 +1,160 @@
+"""Load a HF causal LM + tokenizer and make it trainable: LoRA, activation checkpointing, FSDP2 sharding.
+
+Master weights are always float32; `optimization_dtype` only sets the compute dtype of FSDP2's mixed
+precision policy and `reduce_dtype` the gradient reduce-scatter dtype. Every decoder layer is its own
+FSDP2 unit; the root unit holds embeddings, final norm and lm_head (kept together so tied embeddings
+stay one parameter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from loguru import logger
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from asyncrl.config.trainer import TrainerModelConfig
+from asyncrl.trainer.lora import apply_lora
+from asyncrl.utils.errors import UserError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object
+    hf_config: object  # the model's PretrainedConfig
+    export_dtype: torch.dtype  # dtype of the checkpoint we loaded; exports use it again
+    matmul_params: int  # weights of all linear layers (incl. lm_head), for FLOP estimates
+    lora_scale: float | None  # alpha / rank when LoRA is on
+
+
+def _load_hf(name: str, attn: str, trust_remote_code: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        hf_config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load model config '{name}': {str(e).splitlines()[0]} (check --model.name)") from e
+    export_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    if isinstance(export_dtype, str):
+        export_dtype = getattr(torch, export_dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=torch.float32, attn_implementation=attn, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError, ImportError) as e:
+        raise UserError(f"cannot load model '{name}' with attn_implementation='{attn}': {str(e).splitlines()[0]}") from e
+    model.config.use_cache = False
+    return model, export_dtype
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load tokenizer '{name}': {str(e).splitlines()[0]} (check --tokenizer.name)") from e
+
+
+def count_matmul_params(model: nn.Module) -> int:
+    """Weights of every nn.Linear (a tied lm_head counts: its matmul runs every token)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of transformer blocks (`model.model.layers` for most HF causal LMs)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    n = getattr(model.config, "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return module
+    raise UserError(f"cannot find the decoder layers of {type(model).__name__} (no ModuleList of {n} blocks)")
+
+
+@torch.no_grad()
+def check_packing(model: nn.Module) -> None:
+    """Two samples packed in one row (position_ids restart) must give the same logits as run alone.
+
+    HF models derive a block-diagonal causal mask from restarting position_ids (sdpa/eager/flex) or
+    use varlen kernels (flash attention). A model or attention backend that ignores them would let
+    packed samples attend to each other, so we refuse it up front.
+    """
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, vocab, (5,), generator=g), torch.randint(0, vocab, (4,), generator=g)
+    ids = torch.cat([a, b])[None]
+    pos = torch.cat([torch.arange(5), torch.arange(4)])[None]
+    was_training = model.training
+    model.eval()
+    packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0, 5:]
+    alone = model(input_ids=b[None], position_ids=torch.arange(4)[None], use_cache=False).logits[0]
+    model.train(was_training)
+    err = (packed - alone).abs().max().item()
+    if err > 1e-3:
+        raise UserError(
+            f"model '{model.config.name_or_path}' with attn_implementation="
+            f"'{model.config._attn_implementation}' lets packed samples attend to each other (max logit "
+            f"diff {err:.2g}); use --model.attn-implementation sdpa, eager or flash_attention_2"
+        )
+
+
+def _apply_ac(layers: nn.ModuleList, freq: int) -> int:
+    wrapped = 0
+    for i in range(len(layers)):
+        if i % freq == 0:
+            layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+            wrapped += 1
+    return wrapped
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerModelConfig) -> None:
+    """FSDP2: one unit per decoder layer, then the root; mixed precision and CPU offload from the config."""
+    param_dtype, reduce_dtype = DTYPES[cfg.optimization_dtype], DTYPES[cfg.reduce_dtype]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload: OffloadPolicy = OffloadPolicy()
+    if cfg.fsdp_cpu_offload:
+        if mesh.device_type == "cpu":
+            logger.warning("model.fsdp_cpu_offload has no effect when training on CPU; ignoring it")
+        else:
+            offload = CPUOffloadPolicy()
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # the last layer's params are needed again right away by backward: don't reshard them
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+
+def load_model(cfg: TrainerModelConfig, tokenizer_name: str | None, mesh: DeviceMesh) -> LoadedModel:
+    """Load, check packing, add LoRA / activation checkpointing, shard onto `mesh`."""
+    model, export_dtype = _load_hf(cfg.name, cfg.attn_implementation, cfg.trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer_name or cfg.name, cfg.trust_remote_code)
+    check_packing(model)
+    matmul = count_matmul_params(model)
+    lora_scale = None
+    if cfg.lora is not None:
+        n = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        lora_scale = cfg.lora.alpha / cfg.lora.rank
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        logger.info(f"LoRA rank {cfg.lora.rank} on {n} layers: {trainable:,} trainable parameters")
+    if cfg.ac is not None:
+        n = _apply_ac(decoder_layers(model), cfg.ac.freq)
+        logger.info(f"activation checkpointing on {n}/{len(decoder_layers(model))} decoder layers")
+    shard_model(model, mesh, cfg)
+    model.train()
+    total = sum(p.numel() for p in model.parameters())
+    logger.info(
+        f"loaded {cfg.name}: {total:,} parameters, compute {cfg.optimization_dtype}, reduce {cfg.reduce_dtype}, "
+        f"attention {model.config._attn_implementation}, world {mesh.size()}"
+    )
+    return LoadedModel(model, tokenizer, model.config, export_dtype, matmul, lora_scale)

@@ -1,0 +1,47 @@
+"""AdamW over the trainable parameters and the learning-rate schedules (constant, linear, cosine + warmup)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from asyncrl.config.trainer import OptimConfig, SchedulerConfig
+from asyncrl.utils.errors import UserError
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UserError("the model has no trainable parameters (check model.lora.target_modules)")
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(cfg.betas1, cfg.betas2), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+
+
+def lr_factor(step: int, cfg: SchedulerConfig, base_lr: float, max_steps: int | None) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based): linear warmup, then the decay."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.type == "constant":
+        return 1.0
+    decay_steps = cfg.decay_steps or (max_steps - cfg.warmup_steps if max_steps else None)
+    if not decay_steps or decay_steps <= 0:
+        raise UserError(f"scheduler.type = '{cfg.type}' needs scheduler.decay_steps or max_steps > warmup_steps")
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    floor = cfg.min_lr / base_lr
+    if cfg.type == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (1.0 - floor) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_steps: int | None) -> LambdaLR:
+    base_lr = optimizer.param_groups[0]["lr"]
+    if cfg.min_lr > base_lr:
+        raise UserError(f"scheduler.min_lr ({cfg.min_lr}) is above optim.lr ({base_lr})")
+    lr_factor(cfg.warmup_steps, cfg, base_lr, max_steps)  # fail on a bad config now, not at the warmup's end
+    return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, base_lr, max_steps))
