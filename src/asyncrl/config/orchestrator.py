@@ -18,6 +18,7 @@ class ClientConfig(BaseConfig):
     base_url: str | None = Field(None, description="full base URL, e.g. http://10.0.0.2:8000/v1")
     api_key_var: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
     timeout: float = Field(1200.0, gt=0, description="request timeout in seconds")
+    health_timeout: float = Field(600.0, gt=0, description="seconds to wait for the server's /health at startup")
 
     @property
     def url(self) -> str:
@@ -80,6 +81,9 @@ class OrchestratorConfig(BaseConfig):
     max_concurrent: int | None = Field(None, ge=1, description="cap on requests in flight (None: no cap)")
     max_steps: int | None = Field(None, ge=1, description="stop after this step")
     max_async_level: int = Field(2, ge=0, description="async bound k: rollouts of step n use policy >= n-k")
+    weights_timeout: float | None = Field(
+        None, gt=0, description="seconds to wait for the trainer's weights before failing (None: wait forever)"
+    )
     output_dir: Path = Field(default_factory=default_output_dir, description="run directory shared with the trainer")
     ckpt: CkptConfig | None = Field(None, description="checkpoint progress (off unless set: --ckpt)")
     wandb: WandbConfig | None = Field(None, description="W&B logging (off unless set: --wandb)")

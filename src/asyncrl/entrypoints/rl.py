@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from asyncrl.config.cli import fail, parse_or_exit
+from asyncrl.config.cli import parse_or_exit, run_guarded
 from asyncrl.config.rl import RLConfig, resolve_rl
+from asyncrl.utils.logging import setup_logger
 
 SUMMARY = (
     "RL launcher: `rl @ rl.toml` or `rl --trainer @ t.toml --orchestrator @ o.toml [--inference @ i.toml]`.\n"
@@ -13,8 +14,16 @@ SUMMARY = (
 
 
 def main(argv: list[str] | None = None) -> None:
-    parse_or_exit(RLConfig, "rl", SUMMARY, argv, resolve=resolve_rl)
-    fail("rl launching is not implemented yet (config parsing and --dry-run work)")
+    config = parse_or_exit(RLConfig, "rl", SUMMARY, argv, resolve=resolve_rl)
+    log = config.log or config.trainer.log
+    setup_logger("rl", config.trainer.output_dir, log.level, log.file)
+
+    def run() -> None:
+        from asyncrl.launcher import launch
+
+        launch(config)
+
+    run_guarded(run)
 
 
 if __name__ == "__main__":

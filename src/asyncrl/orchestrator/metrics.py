@@ -68,8 +68,7 @@ def group_metrics(used: list[Group], finished: list[Group], easy: float, hard: f
     out["batch/rollouts"] = float(len(valid))
     out["batch/effective_rollouts"] = float(sum(abs(r.advantage) > 1e-8 for r in valid))
     out["advantage/mean_abs"] = _mean([abs(r.advantage) for r in valid])
-    levels = [g.policy_step for g in used]
-    return out | {"policy/min_step": float(min(levels)) if levels else 0.0}
+    return out
 
 
 class MetricsSink:

@@ -50,7 +50,6 @@ def _load_hf(name: str, attn: str, trust_remote_code: bool):
         )
     except (OSError, ValueError, ImportError) as e:
         raise UserError(f"cannot load model '{name}' with attn_implementation='{attn}': {str(e).splitlines()[0]}") from e
-    model.config.use_cache = False
     return model, export_dtype
 
 

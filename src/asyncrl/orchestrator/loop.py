@@ -1,0 +1,276 @@
+"""The orchestrator's main loop: per step, pick weights, generate, score, pack, write the batch.
+
+Step n (0-based): wait for a policy >= n-k in the trainer's broadcast dirs (k = max_async_level;
+n-k <= 0 allows the base model), tell the server to load it if it is newer than what it holds, run
+online eval when due, collect the step's rollout groups, compute advantages, pack them into
+micro-batches and write `rollouts/step_n` atomically. The loop then goes straight on to step n+1
+while the trainer trains on step n, so generation and training overlap within the bound.
+`update_weights` is only ever sent between two steps' generations (nothing is in flight then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from typing import Any
+
+from loguru import logger
+
+from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.orchestrator import ckpt
+from asyncrl.orchestrator.client import InferenceClient, start_hint
+from asyncrl.orchestrator.envs import (
+    EnvMixture,
+    RunGroup,
+    in_flight_target,
+    make_vf_client,
+    problems_per_step,
+    sampling_args,
+    verifiers_run_group,
+)
+from asyncrl.orchestrator.evaluation import run_eval
+from asyncrl.orchestrator.gating import Policy, PolicyGate, checkpoint_policy
+from asyncrl.orchestrator.metrics import MetricsSink, group_metrics, log_step, rollout_metrics
+from asyncrl.orchestrator.packing import PackItem, pack
+from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts
+from asyncrl.orchestrator.samples import TrajectoryConverter
+from asyncrl.transport.batch import prune_batches, write_batch
+from asyncrl.transport.weights import step_dirs
+from asyncrl.utils.errors import UserError
+from asyncrl.utils.logging import setup_logger
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        mixture: EnvMixture,
+        run_group: RunGroup,
+        server: InferenceClient,
+        eval_mixture: EnvMixture | None = None,
+        sink: MetricsSink | None = None,
+    ):
+        self.config = config
+        self.mixture = mixture
+        self.eval_mixture = eval_mixture
+        self.run_group = run_group
+        self.server = server
+        self.sink = sink or MetricsSink(config.output_dir, config.wandb, config.model_dump(mode="json"))
+        self.converter = TrajectoryConverter(config.trajectory_strategy)
+        self.problems = problems_per_step(config.batch_size, config.rollouts_per_example)
+        target = in_flight_target(self.problems, config.oversampling_factor)
+        if config.max_concurrent is not None:
+            target = max(1, min(target, config.max_concurrent // config.rollouts_per_example))
+        self.in_flight = target
+        self.collector = GroupCollector(
+            mixture, run_group, self.converter, config.rollouts_per_example, config.buffer,
+            config.advantage.type, fail_limit=max(4, 2 * target),
+        )
+        self.args = sampling_args(config.sampling)
+        self.progress = ckpt.Progress()
+        self.loaded_policy: int | None = None  # unknown until we set it
+        self.policy_log: list[tuple[int, int]] = []  # (step, policy step used), for tests and inspection
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _resume(self) -> Policy | None:
+        cfg = self.config
+        if cfg.ckpt is None or cfg.ckpt.resume_step is None:
+            return None
+        step = ckpt.resolve_resume_step(cfg.output_dir, cfg.ckpt.resume_step)
+        if step == 0:
+            return None
+        self.progress, self.collector.buffer = ckpt.load(cfg.output_dir, step)
+        self.mixture.load_state(self.progress.sampler)
+        logger.info(f"resuming at step {step} ({self.progress.total_samples} samples so far, "
+                    f"{len(self.collector.buffer)} buffered groups)")
+        return checkpoint_policy(cfg.output_dir, step)
+
+    def _clear_stale(self, start: int) -> None:
+        """Remove batches >= start and broadcast weights > start left by an earlier attempt of this run."""
+        out = self.config.output_dir
+        stale = [(p, "batch") for s, p in step_dirs(out / "rollouts").items() if s >= start]
+        stale += [(p, "weights") for s, p in step_dirs(out / "broadcast").items() if s > start]
+        for path, _ in stale:
+            shutil.rmtree(path, ignore_errors=True)
+        if stale:
+            logger.warning(f"removed {len(stale)} rollout/broadcast dirs past step {start} left by an earlier run: "
+                           f"{sorted(str(p.relative_to(out)) for p, _ in stale)}")
+
+    # ---- per step ----------------------------------------------------------------------------
+    async def _use_policy(self, policy: Policy) -> float:
+        if policy.step == self.loaded_policy:
+            return 0.0
+        start = time.perf_counter()
+        if policy.is_base:
+            await self.server.reload_weights()
+        else:
+            await self.server.update_weights(policy.path)
+        self.loaded_policy = policy.step
+        logger.debug(f"server now serves policy {policy.step} ({policy.path or 'base model'})")
+        return time.perf_counter() - start
+
+    async def _maybe_eval(self, step: int) -> None:
+        ev = self.config.eval
+        if ev is None or self.eval_mixture is None or step % ev.interval or (step == 0 and not ev.eval_base):
+            return
+        metrics = await run_eval(self.eval_mixture, self.run_group, TrajectoryConverter(self.config.trajectory_strategy),
+                                 ev.num_examples, ev.rollouts_per_example, sampling_args(self.config.sampling, True),
+                                 self.in_flight)
+        record = {"kind": "eval", "step": step, "policy/step": self.loaded_policy, **metrics}
+        logger.info(f"eval step {step} (policy {self.loaded_policy}): reward {metrics.get('eval/reward/mean', 0.0):.3f} "
+                    f"over {int(metrics['eval/rollouts'])} rollouts in {metrics['eval/seconds']:.1f}s")
+        self.sink.log(record)
+
+    def _batch(self, step: int, got: StepRollouts) -> tuple[list, Any, dict]:
+        temperature = self.config.sampling.temperature
+        items = [PackItem(s, r.advantage, temperature) for g in got.groups for r in g.valid for s in r.samples]
+        per_rank, stats = pack(items, self.config.seq_len, self.config.num_train_workers)
+        return per_rank, stats, {"num_samples": stats.num_samples, "num_tokens": stats.num_tokens}
+
+    async def step(self, step: int, gate: PolicyGate) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        policy, waited = await gate.wait(step, timeout=self.config.weights_timeout)
+        if waited > 0.05:
+            logger.debug(f"step {step}: waited {waited:.2f}s for trainer weights (policy {policy.step})")
+        t_update = await self._use_policy(policy)
+        await self._maybe_eval(step)
+        got = await self.collector.collect(step, policy.step, self.config.max_async_level, self.problems,
+                                           self.in_flight, self.args)
+        min_policy = min(g.policy_step for g in got.groups)
+        t_pack = time.perf_counter()
+        per_rank, stats, meta = self._batch(step, got)
+        meta |= {"policy_step": policy.step, "min_policy_step": min_policy}
+        write_batch(self.config.output_dir, step, per_rank, meta)
+        if policy.step > 0:
+            prune_batches(self.config.output_dir, keep_from_step=policy.step)  # the trainer has consumed those
+        t_write = time.perf_counter() - t_pack
+        self.policy_log.append((step, min_policy))
+
+        p = self.progress
+        p.step = step + 1
+        p.total_tokens += stats.num_tokens
+        p.total_samples += stats.num_samples
+        p.total_problems += len(got.groups)
+        p.sampler = self.mixture.state()
+        used = [r for g in got.groups for r in g.valid]
+        gen_tokens = sum(r.completion_len for g in got.finished for r in g.valid)
+        gen_rollouts = sum(len(g.valid) for g in got.finished)
+        record: dict[str, Any] = {
+            "kind": "train", "step": step,
+            **rollout_metrics(used),
+            **group_metrics(got.groups, got.finished, self.config.buffer.easy_threshold, self.config.buffer.hard_threshold),
+            "policy/step": policy.step,
+            "off_policy/level": step - min_policy,
+            "batch/samples": stats.num_samples, "batch/tokens": stats.num_tokens,
+            "batch/loss_tokens": stats.num_loss_tokens, "batch/truncated_samples": stats.num_truncated,
+            "batch/micro_batches": len(per_rank[0]), "batch/dummy_micro_batches": stats.num_dummies,
+            "groups/launched": got.launched, "groups/cancelled": got.cancelled, "groups/reused": got.reused,
+            "groups/stale_dropped": got.stale_dropped, "groups/filler": got.filler,
+            "trajectory/prefix_fallbacks": self.converter.fallbacks,
+            "perf/gen_tokens_per_s": gen_tokens / max(got.seconds, 1e-9),
+            "perf/rollouts_per_s": gen_rollouts / max(got.seconds, 1e-9),
+            "time/wait_weights": waited, "time/update_weights": t_update, "time/rollouts": got.seconds,
+            "time/pack_write": t_write, "time/step": time.perf_counter() - t0,
+            "progress/total_tokens": p.total_tokens, "progress/total_samples": p.total_samples,
+            "progress/total_problems": p.total_problems,
+        }
+        log_step(self.sink, record)
+        cfg = self.config.ckpt
+        if cfg is not None and (p.step % cfg.interval == 0 or p.step == self.config.max_steps):
+            path = ckpt.save(self.config.output_dir, p, self.collector.buffer)
+            ckpt.prune(self.config.output_dir, cfg)
+            logger.info(f"saved orchestrator checkpoint {path}")
+        return record
+
+    async def run(self) -> None:
+        resume_policy = self._resume()
+        start = self.progress.step
+        self._clear_stale(start)
+        gate = PolicyGate(self.config.output_dir, self.config.max_async_level, resume_policy)
+        if self.config.sampling.seed is not None:
+            logger.info("sampling.seed is used for eval requests only (a shared seed would make a group's rollouts identical)")
+        end = self.config.max_steps
+        logger.info(f"orchestrator: steps {start}..{'' if end is None else end - 1}, {self.problems} prompts x "
+                    f"{self.config.rollouts_per_example} rollouts per step, async level {self.config.max_async_level}")
+        step = start
+        try:
+            while end is None or step < end:
+                await self.step(step, gate)
+                step += 1
+        except RolloutFailure as e:
+            if not await self.server.is_healthy():
+                raise UserError(f"rollouts failed because the inference server at {self.server.root} stopped "
+                                f"answering; {start_hint(self.server.url)}") from e
+            raise
+        finally:
+            self.sink.close()
+        logger.success(f"orchestrator finished {step - start} steps ({self.progress.total_samples} samples in total)")
+
+
+async def run_bench(config: OrchestratorConfig, mixture: EnvMixture, run_group: RunGroup) -> list[dict]:
+    """Generate a few batches against a running server (no weights, no batches written); print throughput."""
+    from asyncrl.config.orchestrator import BufferConfig
+
+    problems = problems_per_step(config.batch_size, config.rollouts_per_example)
+    in_flight = in_flight_target(problems, config.oversampling_factor)
+    if config.max_concurrent is not None:
+        in_flight = max(1, min(in_flight, config.max_concurrent // config.rollouts_per_example))
+    collector = GroupCollector(mixture, run_group, TrajectoryConverter(config.trajectory_strategy),
+                               config.rollouts_per_example, BufferConfig(), config.advantage.type,
+                               fail_limit=max(4, 2 * in_flight))
+    args = sampling_args(config.sampling)
+    rows = []
+    for step in range(config.max_steps or 3):
+        collector.buffer.clear()
+        got = await collector.collect(step, 0, 0, problems, in_flight, args)
+        valid = [r for g in got.finished for r in g.valid]
+        completion = sum(r.completion_len for r in valid)
+        total = sum(r.prompt_len + r.completion_len for r in valid)
+        rows.append({"step": step, "rollouts": len(valid), "seconds": got.seconds,
+                     "rollouts_per_s": len(valid) / got.seconds, "gen_tokens_per_s": completion / got.seconds,
+                     "total_tokens_per_s": total / got.seconds,
+                     "errors": sum(not r.ok for g in got.finished for r in g.rollouts)})
+    timed = rows[1:] or rows  # the first step includes connection warm-up
+    secs = sum(r["seconds"] for r in timed)
+    summary = {"step": "mean" if len(rows) > 1 else "all", "rollouts": sum(r["rollouts"] for r in timed),
+               "seconds": secs, "errors": sum(r["errors"] for r in timed),
+               "rollouts_per_s": sum(r["rollouts"] for r in timed) / secs,
+               "gen_tokens_per_s": sum(r["gen_tokens_per_s"] * r["seconds"] for r in timed) / secs,
+               "total_tokens_per_s": sum(r["total_tokens_per_s"] * r["seconds"] for r in timed) / secs}
+    print(f"orchestrator bench: {problems} prompts x {config.rollouts_per_example} rollouts per step, "
+          f"max_tokens={config.sampling.max_tokens}, server {config.client.url}")
+    print(f"{'step':>5} {'rollouts':>9} {'seconds':>8} {'rollouts/s':>11} {'gen tok/s':>10} {'total tok/s':>12} {'errors':>7}")
+    for r in rows + [summary]:
+        print(f"{r['step']:>5} {r['rollouts']:>9} {r['seconds']:>8.2f} {r['rollouts_per_s']:>11.2f} "
+              f"{r['gen_tokens_per_s']:>10.1f} {r['total_tokens_per_s']:>12.1f} {r['errors']:>7}")
+    return rows + [summary]
+
+
+async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = None) -> None:
+    """Load environments, connect to the server and run (or bench)."""
+    mixture = EnvMixture.load(config.env, config.seq_len, config.seed)
+    eval_mixture = None
+    if config.eval is not None and not config.bench:
+        eval_mixture = EnvMixture.load(config.eval.env or config.env, config.seq_len, config.seed, eval_split=True)
+    server = InferenceClient(config.client)
+    vf_client = None
+    try:
+        await server.wait_healthy(timeout=config.client.health_timeout)
+        if run_group is None:
+            vf_client = make_vf_client(config.client)
+            run_group = verifiers_run_group(vf_client, config.model.name)
+        if config.bench:
+            await run_bench(config, mixture, run_group)
+        else:
+            await Orchestrator(config, mixture, run_group, server, eval_mixture).run()
+    finally:
+        await server.close()
+        if vf_client is not None:
+            await vf_client.close()
+
+
+def run_orchestrator(config: OrchestratorConfig) -> None:
+    """Entry point: set up logging and run the orchestrator to completion."""
+    setup_logger("orchestrator", config.output_dir, config.log.level, config.log.file)
+    asyncio.run(orchestrate(config))

@@ -1,0 +1,157 @@
+"""Trainer checkpoints: DCP shards of model + optimizer, JSON progress, a STABLE marker, retention rules.
+
+Layout (one per checkpoint step; `step_N` = the state after N optimizer steps, resume runs step N)::
+
+    checkpoints/step_N/trainer/.metadata, __*_*.distcp     torch.distributed.checkpoint (sharded)
+    checkpoints/step_N/trainer/progress.json               step, tokens, samples, scheduler, world size
+    checkpoints/step_N/trainer/STABLE                      written last: the checkpoint is complete
+
+A dir without the marker is partial (a save that died) and is never loaded. Async saves stage a CPU
+copy of the state synchronously and write it in a background thread on a separate gloo group, so the
+next optimizer step cannot race them; the marker and retention happen once the write has finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from loguru import logger
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from asyncrl.config.base import CkptConfig
+from asyncrl.transport.weights import STABLE, step_dirs
+from asyncrl.utils.errors import UserError
+
+PROGRESS = "progress.json"
+
+
+def checkpoints_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def trainer_ckpt_dir(output_dir: str | Path, step: int) -> Path:
+    return checkpoints_root(output_dir) / f"step_{step}" / "trainer"
+
+
+def complete_steps(output_dir: str | Path) -> list[int]:
+    """Steps with a complete (STABLE) trainer checkpoint, ascending."""
+    return [s for s, d in step_dirs(checkpoints_root(output_dir)).items() if (d / "trainer" / STABLE).exists()]
+
+
+def steps_to_delete(steps: list[int], keep_last: int | None, keep_interval: int | None) -> list[int]:
+    """Retention: keep the newest `keep_last` (all if None) plus multiples of `keep_interval`."""
+    if keep_last is None:
+        return []
+    newest = set(sorted(steps)[-keep_last:])
+    return [s for s in sorted(steps) if s not in newest and not (keep_interval and s % keep_interval == 0)]
+
+
+def resolve_resume_step(output_dir: str | Path, requested: int) -> int:
+    """-1 -> the latest complete checkpoint; N -> N if complete. Clear errors otherwise."""
+    root = checkpoints_root(output_dir)
+    complete = complete_steps(output_dir)
+    all_dirs = {s: d / "trainer" for s, d in step_dirs(root).items() if (d / "trainer").exists()}
+    if requested == -1:
+        if not complete:
+            raise UserError(f"ckpt.resume_step = -1 but there is no complete trainer checkpoint under {root}")
+        partial = [s for s in all_dirs if s > complete[-1]]
+        if partial:
+            logger.warning(f"skipping partial checkpoints (no {STABLE} marker) at steps {partial}")
+        return complete[-1]
+    if requested in complete:
+        return requested
+    if requested in all_dirs:
+        raise UserError(
+            f"checkpoint {all_dirs[requested]} is partial or corrupted (no {STABLE} marker: its save did not "
+            f"finish); resume from one of {complete or 'none'} or delete it"
+        )
+    raise UserError(f"no trainer checkpoint for step {requested} under {root}; available steps: {complete or 'none'}")
+
+
+class CheckpointManager:
+    """Saves (sync or async) and loads trainer checkpoints. Every method is collective over all ranks."""
+
+    def __init__(self, output_dir: str | Path, cfg: CkptConfig, rank: int) -> None:
+        self.output_dir = Path(output_dir)
+        self.cfg = cfg
+        self.rank = rank
+        self._group = dist.new_group(backend="gloo")  # async writes must not share the training group
+        self._pending: tuple[Future, int, dict[str, Any]] | None = None
+
+    def due(self, step: int, final: bool) -> bool:
+        return final or step % self.cfg.interval == 0
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
+        """Checkpoint the state after `step` steps; `extra` (JSON-able progress, scheduler) goes to progress.json."""
+        self.wait()
+        path = trainer_ckpt_dir(self.output_dir, step)
+        if self.rank == 0 and path.exists():
+            shutil.rmtree(path)
+        dist.barrier(group=self._group)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.cfg.save_async:
+            future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
+            self._pending = (future, step, extra)
+            logger.debug(f"checkpoint step_{step}: staged, writing in the background")
+        else:
+            dcp.save(state, checkpoint_id=str(path), process_group=self._group)
+            self._finish(step, extra)
+
+    def wait(self) -> None:
+        """Block until a pending async save is on disk, then mark it complete."""
+        if self._pending is None:
+            return
+        future, step, extra = self._pending
+        self._pending = None
+        future.result()
+        self._finish(step, extra)
+
+    def _finish(self, step: int, extra: dict[str, Any]) -> None:
+        dist.barrier(group=self._group)  # every rank's shards are written
+        if self.rank == 0:
+            path = trainer_ckpt_dir(self.output_dir, step)
+            (path / PROGRESS).write_text(json.dumps(extra, indent=1))
+            tmp = path / f".{STABLE}.tmp"
+            tmp.write_text("")
+            os.replace(tmp, path / STABLE)
+            logger.info(f"saved checkpoint {path}")
+            self._apply_retention()
+        dist.barrier(group=self._group)
+
+    def _apply_retention(self) -> None:
+        for step in steps_to_delete(complete_steps(self.output_dir), self.cfg.keep_last, self.cfg.keep_interval):
+            path = trainer_ckpt_dir(self.output_dir, step)
+            shutil.rmtree(path, ignore_errors=True)
+            try:
+                path.parent.rmdir()  # only when the orchestrator has nothing there either
+            except OSError:
+                pass
+            logger.debug(f"deleted checkpoint {path} (retention)")
+
+    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Restore model + optimizer in place from step `step`; returns its progress.json."""
+        path = trainer_ckpt_dir(self.output_dir, step)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        try:
+            dcp.load(state, checkpoint_id=str(path), process_group=self._group)
+            extra = json.loads((path / PROGRESS).read_text())
+        except Exception as e:  # DCP wraps per-rank failures; the message names the broken file
+            first = str(e).strip().splitlines()
+            raise UserError(f"checkpoint {path} is corrupted and cannot be loaded: {first[-1] if first else e}") from e
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return extra
+
+    def close(self) -> None:
+        self.wait()
+        dist.destroy_process_group(self._group)

@@ -1,0 +1,95 @@
+"""Export the sharded model as a HF weight dir (safetensors + config + tokenizer) for the inference server.
+
+The full state dict is gathered to rank 0 (CPU), LoRA adapters are merged into their base weights,
+tensors are cast back to the dtype of the checkpoint we loaded, a tied lm_head is dropped (HF re-ties
+it on load), and the files are written through `transport.weights.publish_dir` (temp dir, rename,
+`STABLE` marker last). Large models are sharded into several safetensors files plus an index.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from asyncrl.trainer.lora import merge_lora_state_dict
+from asyncrl.transport.weights import STABLE, publish_dir
+
+MAX_SHARD_SIZE = "5GB"
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: every rank must call it. Rank 0 gets the full CPU state dict, the others an empty one."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def to_hf_state_dict(
+    state: dict[str, torch.Tensor], hf_config, dtype: torch.dtype, lora_scale: float | None = None
+) -> dict[str, torch.Tensor]:
+    """Trainer state dict -> the key names and dtype a plain HF checkpoint of this model has."""
+    if lora_scale is not None:
+        state = merge_lora_state_dict(state, lora_scale)
+    tied = getattr(hf_config, "tie_word_embeddings", False)
+    out = {}
+    for key, value in state.items():
+        if tied and key == "lm_head.weight":
+            continue
+        out[key] = value.detach().to(dtype).contiguous()
+    return out
+
+
+def write_hf_dir(path: Path, state: dict[str, torch.Tensor], hf_config, tokenizer, dtype: torch.dtype) -> None:
+    """Write safetensors (sharded past MAX_SHARD_SIZE), config.json and the tokenizer files."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(state, max_shard_size=MAX_SHARD_SIZE)
+    for filename, keys in split.filename_to_tensors.items():
+        save_file({k: state[k] for k in keys}, str(path / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = copy.deepcopy(hf_config)
+    config.dtype = dtype
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def link_dir(src: Path, dst: Path) -> None:
+    """Fill `dst` with hard links to `src`'s files (copies where linking fails); the marker is skipped."""
+    for f in src.iterdir():
+        if f.name == STABLE or not f.is_file():
+            continue
+        try:
+            os.link(f, dst / f.name)
+        except OSError:
+            shutil.copy2(f, dst / f.name)
+
+
+def export_weights(
+    model: nn.Module, dests: list[Path], hf_config, tokenizer, dtype: torch.dtype, lora_scale: float | None,
+    is_main: bool, generation_config=None,
+) -> None:
+    """Collective: gather the weights and (rank 0) publish them to every dir in `dests`, marker last."""
+    state = gather_full_state_dict(model)
+    if not is_main or not dests:
+        return
+    hf_state = to_hf_state_dict(state, hf_config, dtype, lora_scale)
+    del state
+    first = dests[0]
+
+    def write(tmp: Path) -> None:
+        write_hf_dir(tmp, hf_state, hf_config, tokenizer, dtype)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+
+    publish_dir(first, write)
+    for other in dests[1:]:
+        publish_dir(other, lambda tmp: link_dir(first, tmp))
