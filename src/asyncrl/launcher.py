@@ -191,12 +191,19 @@ class Launcher:
                     row = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                reward = row.get("reward/mean", row.get("reward"))
-                if reward is None or "step" not in row:
+                if row.get("kind", "train") != "train" or "reward/mean" not in row or "step" not in row:
                     continue
+                reward = row["reward/mean"]
                 self.rewards.append((row["step"], reward))
-                level = row.get("off_policy_level", "?")
-                print(f"[rl] step {row['step']:>4}  reward {reward:.3f}  off-policy {level}", flush=True)
+                extras = "".join(
+                    f"  {k.rsplit('/', 1)[-1]} {v:.3f}" for k, v in row.items()
+                    if k.startswith("metrics/") and k.endswith("exact_match")
+                )
+                print(
+                    f"[rl] step {row['step']:>4}  reward {reward:.3f}{extras}  "
+                    f"off-policy {row.get('off_policy/level', '?')}",
+                    flush=True,
+                )
 
     def supervise(self) -> None:
         finished: set[str] = set()

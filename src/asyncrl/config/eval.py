@@ -22,6 +22,7 @@ class EvalConfig(BaseConfig):
     steps: list[int] | None = Field(None, description="only these steps of weights_dir, e.g. 10,50")
     eval_base: bool = Field(True, description="also evaluate the base model (with weights_dir)")
     max_concurrent: int | None = Field(None, ge=1, description="cap on requests in flight")
+    server_wait: float = Field(30.0, ge=0, description="seconds to wait for the server to answer before failing")
     output_dir: Path = Field(default_factory=default_output_dir, description="results go to {output_dir}/eval")
     wandb: WandbConfig | None = Field(None, description="W&B logging (off unless set)")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")

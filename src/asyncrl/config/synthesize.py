@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -21,6 +22,8 @@ class SynthesizeConfig(BaseConfig):
     min_reward: float | None = Field(None, description="keep only rollouts with reward >= this")
     output: Path | None = Field(None, description="dataset file (.jsonl); default {output_dir}/synthetic/data.jsonl")
     max_concurrent: int | None = Field(None, ge=1, description="cap on requests in flight")
+    server_wait: float = Field(30.0, ge=0, description="seconds to wait for the server to answer before failing")
+    split: Literal["train", "eval"] = Field("train", description="environment dataset split to roll out")
     output_dir: Path = Field(default_factory=default_output_dir, description="run directory")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.config.cli import fail, parse_or_exit
+from asyncrl.config.cli import parse_or_exit, run_guarded
 from asyncrl.config.eval import EvalConfig
 from asyncrl.utils.logging import setup_logger
 
@@ -12,7 +12,13 @@ SUMMARY = "Evaluate environments against a server, optionally over saved weight 
 def main(argv: list[str] | None = None) -> None:
     config = parse_or_exit(EvalConfig, "eval", SUMMARY, argv)
     setup_logger("eval", config.output_dir, config.log.level, config.log.file)
-    fail("eval is not implemented yet (config parsing and --dry-run work)")
+
+    def run() -> None:
+        from asyncrl.evaluation.evaluate import run_eval
+
+        run_eval(config)
+
+    run_guarded(run)
 
 
 if __name__ == "__main__":

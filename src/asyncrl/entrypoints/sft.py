@@ -1,8 +1,10 @@
-"""`sft`: Supervised fine-tuning on prompt/completion chat data (FSDP2)."""
+"""`sft`: Supervised fine-tuning on prompt/completion chat data (FSDP2; `torchrun --nproc-per-node N` for several ranks)."""
 
 from __future__ import annotations
 
-from asyncrl.config.cli import fail, parse_or_exit
+import os
+
+from asyncrl.config.cli import parse_or_exit, run_guarded
 from asyncrl.config.sft import SFTConfig
 from asyncrl.utils.logging import setup_logger
 
@@ -11,8 +13,17 @@ SUMMARY = "Supervised fine-tuning on prompt/completion chat data (FSDP2)."
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_or_exit(SFTConfig, "sft", SUMMARY, argv)
-    setup_logger("sft", config.output_dir, config.log.level, config.log.file)
-    fail("sft is not implemented yet (config parsing and --dry-run work)")
+    rank = int(os.environ.get("RANK", "0"))
+    # every rank logs to its own file; only rank 0 prints to the console
+    component = "sft" if rank == 0 else f"sft_rank{rank}"
+    setup_logger(component, config.output_dir, config.log.level, config.log.file, console=rank == 0)
+
+    def run() -> None:
+        from asyncrl.trainer.sft import train_sft
+
+        train_sft(config)
+
+    run_guarded(run)
 
 
 if __name__ == "__main__":

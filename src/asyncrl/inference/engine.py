@@ -198,23 +198,12 @@ class EmbeddedEngine(Backend):
         with self._wake:
             self._waiting.append(req)
             self._wake.notify()
-        return self._stream(req)
+        return _RequestStream(self, req)
 
-    async def _stream(self, req: _Request) -> AsyncIterator[SeqDelta]:
-        remaining = req.params.n
-        try:
-            while remaining:
-                item = await req.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finish_reason is not None:
-                    remaining -= 1
-                yield item
-        finally:
-            if remaining:
-                req.aborted = True  # the engine drops it at the next step boundary
-                with self._wake:
-                    self._wake.notify()
+    def _abort(self, req: _Request) -> None:
+        req.aborted = True  # the engine drops it at the next step boundary
+        with self._wake:
+            self._wake.notify()
 
     async def update_weights(self, weight_dir: str) -> None:
         tensors = await asyncio.to_thread(load_matching_weights, weight_dir, self.model)
@@ -394,6 +383,38 @@ class EmbeddedEngine(Backend):
             self._active.pop()
         if not self._active:
             self.cache.release()
+
+
+class _RequestStream:
+    """Async iterator over one request's deltas; `aclose()` (or garbage collection) before the end aborts it."""
+
+    def __init__(self, engine: EmbeddedEngine, req: _Request):
+        self._engine = engine
+        self._req = req
+        self._remaining = req.params.n
+
+    def __aiter__(self) -> "_RequestStream":
+        return self
+
+    async def __anext__(self) -> SeqDelta:
+        if self._remaining == 0:
+            raise StopAsyncIteration
+        item = await self._req.queue.get()
+        if isinstance(item, BaseException):
+            self._remaining = 0
+            raise item
+        if item.finish_reason is not None:
+            self._remaining -= 1
+        return item
+
+    async def aclose(self) -> None:
+        if self._remaining:
+            self._remaining = 0
+            self._engine._abort(self._req)
+
+    def __del__(self) -> None:
+        if self._remaining:
+            self._req.aborted = True
 
 
 def _put_all(items: list[tuple[asyncio.Queue, SeqDelta]]) -> None:

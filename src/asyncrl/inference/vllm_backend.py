@@ -6,15 +6,15 @@ On top of its app this module adds:
 
 - `POST /update_weights {"weight_dir"}`: checks the dir against the base checkpoint (tensor names and
   shapes, from safetensors headers only), then reloads the weights in place in every worker
-  (vLLM's `reload_weights` worker method via `collective_rpc`) and drops the prefix cache;
+  (vLLM's `reload_weights` plus a fix for tied weights, vllm_worker.py, via `collective_rpc`) and
+  drops the prefix cache;
 - `POST /reload_weights {}`: the same from the base model (`model.name`);
 - `POST /load_lora_adapter {lora_name, lora_path}`: vLLM's adapter loading (needs `--enable-lora`);
+  a name already loaded is replaced in place (a new RL step) and the prefix cache dropped;
 - `POST /v1/chat/completions/tokens`: a chat request whose prompt is exactly `tokens`.
 
 When `api_key` is set, every route but `/health` needs it. Nothing outside this module imports vllm.
 """
-
-from __future__ import annotations
 
 import asyncio
 import copy
@@ -32,6 +32,7 @@ from asyncrl.inference.weights import safetensors_files
 from asyncrl.utils.errors import UserError
 
 UNGUARDED_PATHS = ("/health",)
+WORKER_EXTENSION = "asyncrl.inference.vllm_worker.WeightReloadExtension"
 
 
 # --- config -> vLLM flags -------------------------------------------------------------------------
@@ -50,6 +51,7 @@ def build_vllm_argv(config: InferenceConfig) -> list[str]:
         "--data-parallel-size", str(config.data_parallel_size),
         "--tensor-parallel-size", str(config.tensor_parallel_size),
         "--enable-scale-out",  # registers /inference/v1/generate (token in, token out)
+        "--worker-extension-cls", WORKER_EXTENSION,
     ]  # fmt: skip
     if m.max_model_len is not None:
         argv += ["--max-model-len", str(m.max_model_len)]
@@ -169,7 +171,7 @@ class WeightUpdater:
             check_weight_dir(weight_dir, self.expected)
         path = str(Path(weight_dir).resolve()) if weight_dir is not None else self.base_model
         async with self.lock:
-            await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            await self.engine.collective_rpc("asyncrl_load_weights", kwargs={"weights_path": path})
             # Running requests are preempted and recomputed with the new weights: no stale KV survives.
             await self.engine.reset_prefix_cache(reset_running_requests=True)
             self.weight_dir = weight_dir
@@ -210,16 +212,87 @@ def _chat_tokens_request_class():
     return ChatTokensRequest
 
 
+def _with_token_strings(body: dict[str, Any]) -> dict[str, Any]:
+    """Add `token: "token_id:N"` next to each `token_id` in generate logprobs (older clients read it)."""
+    for choice in body.get("choices") or []:
+        for entry in (choice.get("logprobs") or {}).get("content") or []:
+            for item in [entry, *(entry.get("top_logprobs") or [])]:
+                if "token_id" in item and "token" not in item:
+                    item["token"] = f"token_id:{item['token_id']}"
+    return body
+
+
 def attach_asyncrl_routes(app, config: InferenceConfig) -> None:
-    """Add asyncrl's endpoints and api-key guard to vLLM's app (state is filled in at startup)."""
-    from fastapi import Request
+    """Add asyncrl's endpoints and api-key guard to vLLM's app; ours replace vLLM's on the same path."""
+    from fastapi import APIRouter, Request
     from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.routing import APIRoute
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest, GenerateResponseBase
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
     from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
     ChatTokensRequest = _chat_tokens_request_class()
+    router = APIRouter()
 
+    def answer(result, transform=lambda body: body):
+        if isinstance(result, ErrorResponse):
+            return JSONResponse(result.model_dump(), status_code=result.error.code)
+        if isinstance(result, (ChatCompletionResponse, GenerateResponseBase)):
+            return JSONResponse(transform(result.model_dump()))
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    @router.post("/update_weights")
+    async def update_weights(request: Request):
+        body = await _json_body(request)
+        weight_dir = body.get("weight_dir")
+        if not isinstance(weight_dir, str) or not weight_dir:
+            raise InvalidRequest("'weight_dir' (a directory path) is required", param="weight_dir")
+        await request.app.state.asyncrl_weights.load(weight_dir)
+        return {"status": "ok", "weight_dir": weight_dir}
+
+    @router.post("/reload_weights")
+    async def reload_weights(request: Request):
+        await request.app.state.asyncrl_weights.load(None)
+        return {"status": "ok", "weight_dir": None}
+
+    @router.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await _json_body(request)
+        for key in ("lora_name", "lora_path"):
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise InvalidRequest(f"'{key}' (a string) is required", param=key)
+        if request.app.state.engine_client.vllm_config.lora_config is None:
+            raise InvalidRequest("LoRA is off: start the server with the vLLM flag --enable-lora")
+        if not Path(body["lora_path"]).is_dir():
+            raise InvalidRequest(f"lora_path '{body['lora_path']}' is not a directory", param="lora_path")
+        models = request.app.state.openai_serving_models
+        replacing = body["lora_name"] in models.lora_requests  # a new step of the same adapter
+        lora = LoadLoRAAdapterRequest(lora_name=body["lora_name"], lora_path=body["lora_path"], load_inplace=replacing)
+        result = await models.load_lora_adapter(lora)
+        if isinstance(result, ErrorResponse):
+            return JSONResponse(result.model_dump(), status_code=result.error.code)
+        if replacing:  # cached KV blocks of this adapter were computed with its old weights
+            await request.app.state.engine_client.reset_prefix_cache(reset_running_requests=True)
+        return {"status": "ok", "lora_name": body["lora_name"]}
+
+    @router.post("/v1/chat/completions/tokens")
+    async def chat_completions_tokens(request: ChatTokensRequest, raw_request: Request):
+        return answer(await raw_request.app.state.asyncrl_tokens_chat.create_chat_completion(request, raw_request))
+
+    @router.post("/inference/v1/generate")
+    async def generate(request: GenerateRequest, raw_request: Request):
+        return answer(await raw_request.app.state.serving_tokens.serve_tokens(request, raw_request),
+                      transform=_with_token_strings)
+
+    ours = {(r.path, m) for r in router.routes for m in r.methods}
+    app.router.routes[:] = [
+        r for r in app.router.routes
+        if not (isinstance(r, APIRoute) and any((r.path, m) in ours for m in r.methods))
+    ]
+    app.include_router(router)
+
+    app.middleware_stack = None  # vLLM built its stack already; rebuilt lazily with ours in it
     @app.exception_handler(InvalidRequest)
     async def _invalid(_: Request, exc: InvalidRequest):
         return _error(exc.message, exc.status, exc.param)
@@ -231,45 +304,6 @@ def attach_asyncrl_routes(app, config: InferenceConfig) -> None:
                 if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
                     return _error("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
             return await call_next(request)
-
-    @app.post("/update_weights")
-    async def update_weights(request: Request):
-        body = await _json_body(request)
-        weight_dir = body.get("weight_dir")
-        if not isinstance(weight_dir, str) or not weight_dir:
-            raise InvalidRequest("'weight_dir' (a directory path) is required", param="weight_dir")
-        await request.app.state.asyncrl_weights.load(weight_dir)
-        return {"status": "ok", "weight_dir": weight_dir}
-
-    @app.post("/reload_weights")
-    async def reload_weights(request: Request):
-        await request.app.state.asyncrl_weights.load(None)
-        return {"status": "ok", "weight_dir": None}
-
-    @app.post("/load_lora_adapter")
-    async def load_lora_adapter(request: Request):
-        body = await _json_body(request)
-        for key in ("lora_name", "lora_path"):
-            if not isinstance(body.get(key), str) or not body[key]:
-                raise InvalidRequest(f"'{key}' (a string) is required", param=key)
-        if request.app.state.engine_client.vllm_config.lora_config is None:
-            raise InvalidRequest("LoRA is off: start the server with --vllm-args '[\"--enable-lora\"]'")
-        if not Path(body["lora_path"]).is_dir():
-            raise InvalidRequest(f"lora_path '{body['lora_path']}' is not a directory", param="lora_path")
-        lora = LoadLoRAAdapterRequest(lora_name=body["lora_name"], lora_path=body["lora_path"])
-        result = await request.app.state.openai_serving_models.load_lora_adapter(lora)
-        if isinstance(result, ErrorResponse):
-            return JSONResponse(result.model_dump(), status_code=result.error.code)
-        return {"status": "ok", "lora_name": body["lora_name"]}
-
-    @app.post("/v1/chat/completions/tokens")
-    async def chat_completions_tokens(request: ChatTokensRequest, raw_request: Request):
-        result = await raw_request.app.state.asyncrl_tokens_chat.create_chat_completion(request, raw_request)
-        if isinstance(result, ErrorResponse):
-            return JSONResponse(result.model_dump(), status_code=result.error.code)
-        if isinstance(result, ChatCompletionResponse):
-            return JSONResponse(result.model_dump())
-        return StreamingResponse(result, media_type="text/event-stream")
 
 
 async def _init_asyncrl_state(app, engine_client, config: InferenceConfig) -> None:

@@ -156,12 +156,15 @@ def sampling_args(cfg: SamplingConfig, with_seed: bool = False) -> dict:
     return args
 
 
-def make_vf_client(cfg: ClientConfig) -> Any:
-    """Verifiers' token client for our server (one shared connection pool)."""
+def make_vf_client(cfg: ClientConfig, client_type: str = TOKEN_CLIENT) -> Any:
+    """Verifiers' token client for our server (one shared connection pool).
+
+    `eval`/`synthesize` pass client_type="openai_chat_completions": no token ids, any OpenAI-compatible server.
+    """
     import verifiers as vf
     from verifiers.clients import resolve_client
 
-    vf_config = vf.ClientConfig(client_type=TOKEN_CLIENT, api_base_url=cfg.url, api_key_var=cfg.api_key_var,
+    vf_config = vf.ClientConfig(client_type=client_type, api_base_url=cfg.url, api_key_var=cfg.api_key_var,
                                 timeout=cfg.timeout, max_retries=2)
     return resolve_client(vf_config)
 

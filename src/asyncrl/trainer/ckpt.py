@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from loguru import logger
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from asyncrl.config.base import CkptConfig
@@ -146,9 +147,12 @@ class CheckpointManager:
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self._group)
             extra = json.loads((path / PROGRESS).read_text())
-        except Exception as e:  # DCP wraps per-rank failures; the message names the broken file
-            first = str(e).strip().splitlines()
-            raise UserError(f"checkpoint {path} is corrupted and cannot be loaded: {first[-1] if first else e}") from e
+        except CheckpointException as e:  # per-rank failures; name the first underlying error
+            rank, (inner, _) = next(iter(e.failures.items()))
+            raise UserError(f"checkpoint {path} is corrupted and cannot be loaded (rank {rank}: "
+                            f"{type(inner).__name__}: {inner}); resume from another step") from None
+        except (OSError, ValueError, RuntimeError) as e:
+            raise UserError(f"checkpoint {path} is corrupted and cannot be loaded ({type(e).__name__}: {e})") from e
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return extra
 

@@ -45,3 +45,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_
         raise UserError(f"scheduler.min_lr ({cfg.min_lr}) is above optim.lr ({base_lr})")
     lr_factor(cfg.warmup_steps, cfg, base_lr, max_steps)  # fail on a bad config now, not at the warmup's end
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, base_lr, max_steps))
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """Global L2 grad norm over all ranks (FSDP2 grads are DTensors); clips to `max_norm` unless it is 0."""
+    with_grad = [p for p in params if p.grad is not None]
+    total = nn.utils.get_total_norm([p.grad for p in with_grad])
+    if max_norm > 0:
+        nn.utils.clip_grads_with_norm_(with_grad, max_norm, total)
+    if hasattr(total, "full_tensor"):  # a DTensor with a pending cross-rank reduction
+        total = total.full_tensor()
+    return float(total)

@@ -1,0 +1,1 @@
+"""Offline evaluation (`eval`) and synthetic SFT data generation (`synthesize`) over verifiers environments."""

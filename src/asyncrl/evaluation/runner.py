@@ -1,0 +1,241 @@
+"""Run environments' examples against an OpenAI-compatible server and keep each rollout's messages and scores.
+
+Shared by `eval` and `synthesize`. Environments are loaded and rolled out with the orchestrator's
+code (`orchestrator.envs`: load_env / EnvMixture, verifiers' run_group), but through verifiers'
+plain chat client, so any OpenAI-compatible server works (ours, vLLM, a hosted API): no token ids
+are needed here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import httpx
+from loguru import logger
+
+from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
+from asyncrl.orchestrator.envs import (
+    EnvMixture,
+    EnvSlot,
+    RunGroup,
+    group_inputs,
+    make_vf_client,
+    sampling_args,
+    verifiers_run_group,
+)
+from asyncrl.utils.errors import UserError
+
+PLAIN_CLIENT = "openai_chat_completions"
+DEFAULT_MAX_CONCURRENT = 256  # requests in flight when max_concurrent is unset
+
+
+@dataclass
+class RolloutRecord:
+    env: str
+    example_id: int
+    rollout: int  # index within the example's rollouts
+    reward: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    prompt: list[dict] | None = None
+    completion: list[dict] | None = None
+    tools: list[dict] | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class Job:
+    """One example's rollouts still to run: indices `first` .. `first + n - 1`."""
+
+    slot: EnvSlot
+    example_id: int
+    row: dict
+    n: int
+    first: int = 0
+
+
+def make_run_group(client: ClientConfig, model: str) -> RunGroup:
+    """verifiers' run_group through its plain chat client (one shared connection pool)."""
+    return verifiers_run_group(make_vf_client(client, PLAIN_CLIENT), model)
+
+
+def load_slots(envs: list[EnvConfig], eval_split: bool) -> list[EnvSlot]:
+    """The environments (orchestrator loader: clear errors for missing ones) with their split's rows."""
+    return EnvMixture.load(envs, seq_len=None, eval_split=eval_split).slots
+
+
+def example_rows(slot: EnvSlot, num_examples: int) -> list[tuple[int, dict]]:
+    """The first `num_examples` rows (-1: all) with their example ids (verifiers sets `example_id`)."""
+    rows = slot.rows if num_examples < 0 else slot.rows[:num_examples]
+    return [(int(row.get("example_id", i)), row) for i, row in enumerate(rows)]
+
+
+def request_args(cfg: SamplingConfig) -> dict:
+    """Sampling arguments without the vLLM-only defaults (top_k=-1, min_p=0) hosted APIs would reject."""
+    args = sampling_args(cfg, with_seed=True)
+    extra = {k: v for k, v in args.pop("extra_body").items()
+             if not ((k == "top_k" and v == -1) or (k == "min_p" and v == 0.0))}
+    if extra:
+        args["extra_body"] = extra
+    return args
+
+
+def start_hint(url: str) -> str:
+    return (f"start one with `inference --model.name <model> --server.port <port>` and pass "
+            f"--client.base-url http://localhost:<port>/v1 (now {url})")
+
+
+async def check_server(cfg: ClientConfig, model: str, wait: float) -> None:
+    """Wait up to `wait` s for `GET {url}/models`; a UserError naming the URL when nothing answers."""
+    headers = {}
+    key = os.environ.get(cfg.api_key_var)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    url = cfg.url.rstrip("/") + "/models"
+    deadline = time.monotonic() + wait
+    last = ""
+    async with httpx.AsyncClient(headers=headers, timeout=10.0) as http:
+        while True:
+            try:
+                response = await http.get(url)
+                if response.status_code in (401, 403):
+                    raise UserError(f"server at {cfg.url} refused the API key ({response.status_code}); set the "
+                                    f"key in ${cfg.api_key_var} or pick the variable with --client.api-key-var")
+                if response.status_code == 200:
+                    served = [m.get("id") for m in response.json().get("data", []) if isinstance(m, dict)]
+                    if served and model not in served:
+                        logger.warning(f"server at {cfg.url} lists {served[:5]}, not '{model}' (--model.name)")
+                    return
+                last = f"GET {url} answered {response.status_code}"
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+            except ValueError:  # a non-JSON answer: something is there, let the requests tell
+                return
+            if time.monotonic() >= deadline:
+                raise UserError(f"no OpenAI-compatible server reachable at {cfg.url} ({last}); {start_hint(cfg.url)}")
+            await asyncio.sleep(1.0)
+
+
+def plain_messages(messages: Any) -> list[dict] | None:
+    """verifiers' message objects (pydantic) or dicts -> JSON-able dicts."""
+    if messages is None:
+        return None
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    return [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in messages]
+
+
+def _records(job: Job, outputs: list[dict]) -> list[RolloutRecord]:
+    out = []
+    for i, o in enumerate(outputs):
+        error = o.get("error")
+        if isinstance(error, dict):
+            error = error.get("error_chain_repr") or error.get("message") or str(error)
+        reward = o.get("reward")
+        if error is None and reward is None:
+            error = "rollout has no reward (scoring failed)"
+        metrics = {k: float(v) for k, v in (o.get("metrics") or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        out.append(RolloutRecord(
+            env=job.slot.name, example_id=job.example_id, rollout=job.first + i, reward=float(reward or 0.0),
+            metrics=metrics, prompt=plain_messages(o.get("prompt")), completion=plain_messages(o.get("completion")),
+            tools=o.get("tool_defs") or None, error=str(error) if error else None,
+        ))
+    return out
+
+
+async def run_jobs(
+    jobs: list[Job],
+    run_group: RunGroup,
+    args: dict,
+    max_concurrent: int | None,
+    on_group: Callable[[Job, list[RolloutRecord]], Awaitable[None] | None] | None = None,
+) -> list[RolloutRecord]:
+    """Run every job (one group of n rollouts each), at most `max_concurrent` requests in flight.
+
+    A failing group (server down, environment bug) becomes records with `error` set, never an exception.
+    `on_group` sees each finished group in completion order (synthesize appends it to disk there).
+    """
+    limit = max_concurrent or DEFAULT_MAX_CONCURRENT
+    sem = asyncio.Semaphore(max(1, limit // max(1, max((j.n for j in jobs), default=1))))
+    done = 0
+    start = time.monotonic()
+
+    async def one(job: Job) -> list[RolloutRecord]:
+        nonlocal done
+        async with sem:
+            try:
+                outputs = await run_group(job.slot, group_inputs(job.row, job.n), args)
+                records = _records(job, list(outputs))
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                records = [RolloutRecord(job.slot.name, job.example_id, job.first + i, 0.0, error=error)
+                           for i in range(job.n)]
+        if on_group is not None:
+            result = on_group(job, records)
+            if asyncio.iscoroutine(result):
+                await result
+        done += 1
+        if done * 10 // len(jobs) > (done - 1) * 10 // len(jobs):  # every 10%
+            logger.info(f"{done}/{len(jobs)} examples done ({time.monotonic() - start:.1f}s)")
+        return records
+
+    results = await asyncio.gather(*(one(j) for j in jobs))
+    return [r for rs in results for r in rs]
+
+
+def first_error(records: list[RolloutRecord]) -> str | None:
+    return next((r.error for r in records if r.error), None)
+
+
+def summarize(records: list[RolloutRecord]) -> dict[str, dict[str, Any]]:
+    """Per environment: reward mean/std over valid rollouts, rubric metric means, counts."""
+    import statistics
+
+    by_env: dict[str, list[RolloutRecord]] = {}
+    for r in records:
+        by_env.setdefault(r.env, []).append(r)
+    out = {}
+    for env, rs in by_env.items():
+        valid = [r for r in rs if r.ok]
+        rewards = [r.reward for r in valid]
+        names = sorted({k for r in valid for k in r.metrics})
+        out[env] = {
+            "reward_mean": statistics.fmean(rewards) if rewards else None,
+            "reward_std": statistics.pstdev(rewards) if rewards else None,
+            "rollouts": len(rs),
+            "errors": len(rs) - len(valid),
+            "metrics": {n: statistics.fmean([r.metrics[n] for r in valid if n in r.metrics]) for n in names},
+        }
+    return out
+
+
+def completion_text(messages: list[dict] | None) -> str:
+    """The assistant messages' text of a completion, joined (for logs and eval rows)."""
+    if not messages:
+        return ""
+    parts = []
+    for m in messages:
+        if m.get("role") != "assistant":
+            continue
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(content or "")
+    return "\n".join(parts)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder and rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,230 @@
+"""Request bodies of the server's routes (pydantic), validated strictly, and their mapping to SamplingParams.
+
+Unknown fields are accepted and ignored (clients send provider-specific extras); known fields are
+range-checked so a bad value is a 400, never an engine error. NaN/inf are refused everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from asyncrl.inference.backend import InvalidRequest, SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+Finite = dict(allow_inf_nan=False)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+
+class SamplingFields(_Body):
+    """Sampling knobs shared by every generating route (OpenAI names plus vLLM's extras)."""
+
+    n: int = Field(1, ge=1, le=1024)
+    temperature: float | None = Field(None, ge=0, **Finite)
+    top_p: float | None = Field(None, gt=0, le=1, **Finite)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1, **Finite)
+    max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = Field(0.0, **Finite)
+    frequency_penalty: float = Field(0.0, **Finite)
+    repetition_penalty: float = Field(1.0, gt=0, **Finite)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "SamplingFields":
+        if self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0:
+            raise ValueError("presence/frequency/repetition penalties are not supported; leave them at 0/0/1")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    def to_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else -1
+        return SamplingParams(
+            max_tokens=max_tokens,
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=top_k,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            min_tokens=min(self.min_tokens, max_tokens),
+            stop=stops,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(..., min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _roles(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, m in enumerate(v):
+            if not isinstance(m.get("role"), str):
+                raise ValueError(f"messages[{i}] has no 'role'")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError("tool_choice must be 'none', 'auto', 'required' or a named function")
+        return v
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+
+class ChatCompletionTokensRequest(ChatCompletionRequest):
+    """/v1/chat/completions/tokens: a chat request whose prompt ids are given (`tokens`)."""
+
+    tokens: list[int] = Field(..., min_length=1)
+
+
+class CompletionRequest(SamplingFields):
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _checks(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class GenerateSamplingParams(SamplingFields):
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class GenerateRequest(_Body):
+    """/inference/v1/generate: token ids in, token ids (+ logprobs) out."""
+
+    model: str | None = None
+    token_ids: list[int] = Field(..., min_length=1)
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    stream: Literal[False] = False
+
+
+class UpdateWeightsRequest(_Body):
+    weight_dir: str = Field(..., min_length=1)
+
+
+class LoadLoraRequest(_Body):
+    lora_name: str = Field(..., min_length=1)
+    lora_path: str = Field(..., min_length=1)
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+    """Concrete max_tokens; refuses prompts that (with max_tokens) overflow the context, vLLM-style wording."""
+    if prompt_len >= max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
+            f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length of the input.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the input, {requested} in the completion). "
+            "Please reduce the length of the input or of max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"{param} contains ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param=param)
+
+
+def finite_logprob(x: float) -> float:
+    """JSON has no -inf: a filtered-out token's logprob is reported as -9999.0 (vLLM's convention)."""
+    return x if math.isfinite(x) else -9999.0

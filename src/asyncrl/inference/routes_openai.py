@@ -1,0 +1,370 @@
+"""OpenAI routes: POST /v1/chat/completions and /v1/completions (JSON or SSE), with vLLM's extras
+(`return_token_ids` -> choices[].token_ids + prompt_token_ids, `top_k`, `min_p`, `stop_token_ids`, ...).
+
+`serve_chat` and `collect` are shared with the token routes in routes_extra.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from loguru import logger
+
+from asyncrl.inference.backend import InvalidRequest, SamplingParams, SeqDelta
+from asyncrl.inference.chat import ChatOutputParser, render_chat
+from asyncrl.inference.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_token_ids,
+    finite_logprob,
+    resolve_max_tokens,
+)
+from asyncrl.inference.server import ServerState
+
+_DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ChoiceResult:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, d: SeqDelta) -> None:
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs
+        if d.top_logprobs:
+            self.top += d.top_logprobs
+        self.text += d.text
+        if d.finish_reason is not None:
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+
+
+class TokenText:
+    """Display strings of single tokens (for logprobs), cached per id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return s
+
+
+def token_str(text: TokenText, token_id: int, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else text(token_id)
+
+
+def chat_logprobs(text: TokenText, ids: list[int], lps: list[float], top: list, as_ids: bool) -> dict[str, Any]:
+    """OpenAI chat `logprobs` object: content[] with token, logprob, bytes, top_logprobs."""
+    content = []
+    for i, (t, lp) in enumerate(zip(ids, lps)):
+        s = token_str(text, t, as_ids)
+        entry = {"token": s, "logprob": finite_logprob(lp), "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+        if top and i < len(top):
+            for tid, tlp in top[i]:
+                ts = token_str(text, tid, as_ids)
+                entry["top_logprobs"].append({"token": ts, "logprob": finite_logprob(tlp), "bytes": list(ts.encode())})
+        content.append(entry)
+    return {"content": content}
+
+
+def usage(prompt_len: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def collect(request: Request, stream: AsyncIterator[SeqDelta], n: int) -> list[ChoiceResult]:
+    """Drain a backend stream into n choices; a client that disconnects aborts the generation."""
+    choices = [ChoiceResult() for _ in range(n)]
+
+    async def drain() -> None:
+        async with aclosing(stream) as it:
+            async for d in it:
+                choices[d.index].add(d)
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                task.result()
+                break
+            if await request.is_disconnected():
+                logger.debug("client disconnected; aborting its generation")
+                break
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return choices
+
+
+def _tool_parsing(state: ServerState, body: ChatCompletionRequest) -> bool:
+    """Whether to parse tool calls out of this request's output."""
+    if not body.tools or body.tool_choice == "none":
+        return False
+    if body.tool_choice == "required" or isinstance(body.tool_choice, dict):
+        raise InvalidRequest("tool_choice 'required' or a named function is not supported; use 'auto'", "tool_choice")
+    enabled = state.config.model.enable_auto_tool_choice
+    if body.tool_choice == "auto" and not enabled:
+        raise InvalidRequest(
+            '"auto" tool choice needs the server started with --model.enable-auto-tool-choice '
+            "and --model.tool-call-parser hermes",
+            param="tool_choice",
+        )
+    return enabled
+
+
+def chat_params(state: ServerState, body: ChatCompletionRequest, prompt_ids: list[int]) -> SamplingParams:
+    check_token_ids(prompt_ids, state.backend.vocab_size, "tokens")
+    check_token_ids(body.stop_token_ids or [], state.backend.vocab_size, "stop_token_ids")
+    max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids), state.backend.max_model_len)
+    return body.to_params(max_tokens, body.logprobs_k())
+
+
+async def serve_chat(state: ServerState, request: Request, body: ChatCompletionRequest, prompt_ids: list[int]):
+    """Run a chat request whose prompt is already tokenized; JSON or SSE response."""
+    lora = state.resolve_model(body.model)
+    parse_tools = _tool_parsing(state, body)
+    params = chat_params(state, body, prompt_ids)
+    stream = state.backend.generate(prompt_ids, params, lora)
+    reasoning = state.config.model.reasoning_parser
+    as_ids = bool(body.model_extra and body.model_extra.get("return_tokens_as_token_ids"))
+    text = TokenText(state.backend.tokenizer)
+    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model or state.served_name
+    if body.stream:
+        gen = _stream_chat(stream, body, params, prompt_ids, rid, created, model, reasoning, parse_tools, text, as_ids)
+        return StreamingResponse(gen, media_type="text/event-stream")
+
+    results = await collect(request, stream, params.n)
+    choices = []
+    for i, r in enumerate(results):
+        message = ChatOutputParser(reasoning, parse_tools).final(r.text)
+        finish = "tool_calls" if message.get("tool_calls") and r.finish_reason == "stop" else r.finish_reason
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": message,
+            "logprobs": chat_logprobs(text, r.token_ids, r.logprobs, r.top, as_ids) if params.logprobs is not None else None,
+            "finish_reason": finish,
+            "stop_reason": r.stop_reason,
+        }
+        if body.return_token_ids:
+            choice["token_ids"] = r.token_ids
+        choices.append(choice)
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(len(prompt_ids), sum(len(r.token_ids) for r in results)),
+    }
+    if body.return_token_ids:
+        out["prompt_token_ids"] = prompt_ids
+    return JSONResponse(out)
+
+
+async def _stream_chat(
+    stream, body, params, prompt_ids, rid, created, model, reasoning, parse_tools, text, as_ids
+) -> AsyncIterator[str]:
+    parsers = [ChatOutputParser(reasoning, parse_tools) for _ in range(params.n)]
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    n_completion = 0
+    try:
+        first: dict[str, Any] = dict(base, choices=[
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(params.n)
+        ])
+        if body.return_token_ids:
+            first["prompt_token_ids"] = prompt_ids
+        yield sse(first)
+        async with aclosing(stream) as it:
+            async for d in it:
+                n_completion += len(d.token_ids)
+                parser = parsers[d.index]
+                delta: dict[str, Any] = parser.delta(d.text)
+                finish = d.finish_reason
+                if finish is not None:
+                    for key, value in parser.finish().items():
+                        delta[key] = delta.get(key, "") + value if isinstance(value, str) else value
+                    if delta.get("tool_calls") and finish == "stop":
+                        finish = "tool_calls"
+                choice: dict[str, Any] = {
+                    "index": d.index,
+                    "delta": delta,
+                    "logprobs": chat_logprobs(text, d.token_ids, d.logprobs, d.top_logprobs or [], as_ids)
+                    if params.logprobs is not None
+                    else None,
+                    "finish_reason": finish,
+                }
+                if finish is not None:
+                    choice["stop_reason"] = d.stop_reason
+                if body.return_token_ids:
+                    choice["token_ids"] = d.token_ids
+                yield sse(dict(base, choices=[choice]))
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse(dict(base, choices=[], usage=usage(len(prompt_ids), n_completion)))
+    except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
+        logger.exception("streaming chat completion failed")
+        yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
+    yield "data: [DONE]\n\n"
+
+
+def _completion_logprobs(text: TokenText, r: ChoiceResult, as_ids: bool) -> dict[str, Any]:
+    tokens = [token_str(text, t, as_ids) for t in r.token_ids]
+    offsets, pos = [], 0
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    top = None
+    if r.top:
+        top = [{token_str(text, t, as_ids): finite_logprob(lp) for t, lp in row} for row in r.top]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [finite_logprob(x) for x in r.logprobs],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def router(state: ServerState) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        prompt_ids = render_chat(
+            state.backend.tokenizer,
+            body.messages,
+            body.tools,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.chat_template_kwargs,
+        )
+        return await serve_chat(state, request, body, prompt_ids)
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        lora = state.resolve_model(body.model)
+        tok = state.backend.tokenizer
+        prompts = []
+        for p in body.prompts():
+            ids = tok.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else p
+            if not ids:
+                raise InvalidRequest("prompt is empty", param="prompt")
+            check_token_ids(ids, state.backend.vocab_size, "prompt")
+            prompts.append(ids)
+        check_token_ids(body.stop_token_ids or [], state.backend.vocab_size, "stop_token_ids")
+        params = [
+            body.to_params(resolve_max_tokens(body.max_tokens, len(ids), state.backend.max_model_len), body.logprobs)
+            for ids in prompts
+        ]
+        streams = []
+        try:
+            for ids, p in zip(prompts, params):
+                streams.append(state.backend.generate(ids, p, lora))
+        except Exception:
+            for s in streams:
+                await s.aclose()
+            raise
+        as_ids = bool(body.model_extra and body.model_extra.get("return_tokens_as_token_ids"))
+        text = TokenText(tok)
+        rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model or state.served_name
+        n = body.n
+        if body.stream:
+            return StreamingResponse(
+                _stream_completions(streams, body, prompts, rid, created, model, text, as_ids),
+                media_type="text/event-stream",
+            )
+        results = await asyncio.gather(*[collect(request, s, n) for s in streams])
+        choices = []
+        for p_idx, (ids, rs) in enumerate(zip(prompts, results)):
+            for i, r in enumerate(rs):
+                choice: dict[str, Any] = {
+                    "index": p_idx * n + i,
+                    "text": r.text,
+                    "logprobs": _completion_logprobs(text, r, as_ids) if body.logprobs is not None else None,
+                    "finish_reason": r.finish_reason,
+                    "stop_reason": r.stop_reason,
+                }
+                if body.return_token_ids:
+                    choice["token_ids"] = r.token_ids
+                    choice["prompt_token_ids"] = ids
+                choices.append(choice)
+        completion_tokens = sum(len(r.token_ids) for rs in results for r in rs)
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage(sum(len(ids) for ids in prompts), completion_tokens),
+        }
+
+    return api
+
+
+async def _stream_completions(streams, body, prompts, rid, created, model, text, as_ids) -> AsyncIterator[str]:
+    queue: asyncio.Queue = asyncio.Queue()
+    n = body.n
+
+    async def pump(p_idx: int, stream) -> None:
+        try:
+            async with aclosing(stream) as it:
+                async for d in it:
+                    await queue.put((p_idx, d))
+        except Exception as e:  # noqa: BLE001
+            await queue.put((p_idx, e))
+        finally:
+            await queue.put((p_idx, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    live, n_completion = len(tasks), 0
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    try:
+        while live:
+            p_idx, item = await queue.get()
+            if item is None:
+                live -= 1
+                continue
+            if isinstance(item, Exception):
+                yield sse({"error": {"message": str(item), "type": "server_error", "param": None, "code": 500}})
+                continue
+            n_completion += len(item.token_ids)
+            r = ChoiceResult()
+            r.add(item)
+            choice: dict[str, Any] = {
+                "index": p_idx * n + item.index,
+                "text": item.text,
+                "logprobs": _completion_logprobs(text, r, as_ids) if body.logprobs is not None else None,
+                "finish_reason": item.finish_reason,
+            }
+            if body.return_token_ids:
+                choice["token_ids"] = item.token_ids
+                if item.finish_reason is not None:
+                    choice["prompt_token_ids"] = prompts[p_idx]
+            yield sse(dict(base, choices=[choice]))
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse(dict(base, choices=[], usage=usage(sum(len(p) for p in prompts), n_completion)))
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()

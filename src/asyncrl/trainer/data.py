@@ -1,0 +1,104 @@
+"""Where the RL trainer's micro-batches come from: the orchestrator's batch files, or fake data for --bench.
+
+Both give each rank a list of packed rows in the `transport.batch` format; `prepare` turns one row into
+device tensors plus the packed-sample index of every token (samples start where position_ids is 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from asyncrl.config.base import BenchDataConfig
+from asyncrl.trainer.loss import sample_ids_from_positions
+from asyncrl.transport.batch import FIELDS, MicroBatch, check_micro_batch, read_batch, read_meta, wait_for_batch
+from asyncrl.utils.errors import UserError
+
+
+@dataclass
+class PackedRow:
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    inference_logprobs: torch.Tensor
+    temperatures: torch.Tensor
+    sample_ids: torch.Tensor
+    num_samples: int
+    sample_lengths: torch.Tensor  # CPU, for FLOP counting
+
+
+def prepare(mb: MicroBatch, device: torch.device) -> PackedRow:
+    check_micro_batch(mb)
+    sample_ids, n = sample_ids_from_positions(mb["position_ids"])
+    lengths = torch.bincount(sample_ids, minlength=n)
+    t = {k: mb[k].to(device, non_blocking=True) for k in FIELDS}
+    return PackedRow(
+        input_ids=t["input_ids"].long(),
+        position_ids=t["position_ids"].long(),
+        loss_mask=t["loss_mask"].bool(),
+        advantages=t["advantages"].float(),
+        inference_logprobs=t["inference_logprobs"].float(),
+        temperatures=t["temperatures"].float(),
+        sample_ids=sample_ids.to(device),
+        num_samples=n,
+        sample_lengths=lengths,
+    )
+
+
+class RolloutSource:
+    """Step n's micro-batches for this rank, from `{output_dir}/rollouts/step_n` (blocks until written)."""
+
+    def __init__(self, output_dir: str | Path, rank: int, world_size: int, timeout: float | None) -> None:
+        self.output_dir, self.rank, self.world_size, self.timeout = Path(output_dir), rank, world_size, timeout
+
+    def get(self, step: int) -> list[MicroBatch]:
+        try:
+            wait_for_batch(self.output_dir, step, timeout=self.timeout)
+        except TimeoutError as e:
+            raise UserError(f"{e}; is the orchestrator running with the same output_dir?") from e
+        meta = read_meta(self.output_dir, step)
+        if meta.get("num_ranks") != self.world_size:
+            raise UserError(
+                f"rollout batch of step {step} was packed for {meta.get('num_ranks')} trainer ranks but the trainer "
+                f"runs {self.world_size}; set the orchestrator's trainer world size to {self.world_size}"
+            )
+        return read_batch(self.output_dir, step, self.rank)
+
+
+class FakeSource:
+    """Random rows shaped like real batches: micro_batch_size samples of seq_len tokens packed per row."""
+
+    def __init__(self, cfg: BenchDataConfig, vocab_size: int, rank: int, world_size: int, seed: int) -> None:
+        rows = cfg.batch_size // cfg.micro_batch_size
+        if rows % world_size:
+            raise UserError(
+                f"data.fake gives {rows} micro-batches per step (batch_size / micro_batch_size), "
+                f"not divisible by {world_size} trainer ranks"
+            )
+        self.cfg, self.vocab, self.rank, self.seed = cfg, vocab_size, rank, seed
+        self.rows_per_rank = rows // world_size
+
+    def get(self, step: int) -> list[MicroBatch]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + self.rank)
+        s, n = self.cfg.seq_len, self.cfg.micro_batch_size
+        rows = []
+        for _ in range(self.rows_per_rank):
+            length = s * n
+            positions = torch.arange(s).repeat(n)
+            loss_mask = positions >= s // 2  # second half of each sample is "completion"
+            adv = torch.randn(n, generator=g).repeat_interleave(s)
+            rows.append({
+                "input_ids": torch.randint(0, self.vocab, (length,), generator=g),
+                "position_ids": positions,
+                "loss_mask": loss_mask,
+                "advantages": adv * loss_mask,
+                # about what a random-init model assigns (ratios near 1, so tokens are not masked)
+                "inference_logprobs": (-math.log(self.vocab) + 0.1 * torch.randn(length, generator=g)) * loss_mask,
+                "temperatures": torch.ones(length),
+            })
+        return rows
+

@@ -1,0 +1,616 @@
+"""The inference server contract, run against every backend in BACKENDS over real HTTP.
+
+One server per backend for the module (tiny random model, api key on, hermes tools + qwen3 reasoning
+parsing on). To add a backend: append it to BACKENDS and teach `start_server` to start it.
+Tests that change the server's weights put the base weights back before they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+BACKENDS = [pytest.param("embedded", id="embedded")]
+API_KEY = "contract-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MESSAGES = [{"role": "user", "content": "reverse: abcdef"}]
+# What the "trained" weights say to any chat prompt (reasoning, content and one hermes tool call).
+REPLY = '<think>ok</think>hi<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "f", "description": "f", "parameters": {"type": "object"}}}]
+LOGPROB_TOL = {"embedded": 2e-5}
+
+
+@dataclass
+class RunningServer:
+    backend: str
+    base_url: str
+    model: str
+    stop: Callable[[], None]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
+    """Start `backend` serving `model_dir` with the contract's options; returns when it answers."""
+    model = {
+        "name": str(model_dir),
+        "enable_auto_tool_choice": True,
+        "tool_call_parser": "hermes",
+        "reasoning_parser": "qwen3",
+        "max_model_len": 512,
+    }
+    if backend == "embedded":
+        import uvicorn
+
+        from asyncrl.config.inference import InferenceConfig
+        from asyncrl.inference.server import build_backend, create_app
+
+        config = InferenceConfig(model=model, api_key=API_KEY, max_batch_size=16, **overrides)
+        app = create_app(build_backend(config), config)
+        port = _free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("embedded server did not start")
+            time.sleep(0.05)
+
+        def stop() -> None:
+            server.should_exit = True
+            thread.join(30)
+
+        return RunningServer(backend, f"http://127.0.0.1:{port}", str(model_dir), stop)
+    raise ValueError(f"unknown backend {backend}")
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from asyncrl.utils.tiny_model import build_tiny_model
+
+    # head_dim 32 (hidden 128 / 4 heads) so vLLM's CPU attention can serve the same model.
+    return build_tiny_model(tmp_path_factory.mktemp("contract_model"), hidden_size=128, num_layers=2, num_heads=4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def trained_dir(model_dir, tokenizer, tmp_path_factory) -> Path:
+    """The base model fine-tuned (all weights, a few seconds) to answer REPLY + eos to any chat prompt."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    reply = tokenizer.encode(REPLY, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    rng = random.Random(0)
+    for _ in range(60):
+        rows = []
+        for _ in range(8):
+            text = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 12)))
+            msgs = [{"role": "user", "content": text}]
+            if rng.random() < 0.5:  # also a second turn, so multi-turn prompts get the same answer
+                msgs += [{"role": "assistant", "content": REPLY}, {"role": "user", "content": "again"}]
+            prompt = tokenizer.encode(
+                tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False,
+            )
+            rows.append((prompt, reply))
+        width = max(len(p) + len(r) for p, r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        labels = torch.full((len(rows), width), -100)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, (p, r) in enumerate(rows):
+            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
+            mask[i, : len(p) + len(r)] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out = tmp_path_factory.mktemp("trained")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request, model_dir):
+    srv = start_server(request.param, model_dir)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture
+def trained_weights(http, trained_dir):
+    """Serve the trained weights for one test, then go back to the base weights."""
+    r = http.post("/update_weights", json={"weight_dir": str(trained_dir)})
+    assert r.status_code == 200, r.text
+    yield trained_dir
+    r = http.post("/reload_weights", json={})
+    assert r.status_code == 200, r.text
+
+
+_HF_CACHE: dict[str, torch.nn.Module] = {}
+
+
+def hf_logprobs(weights_dir, prompt: list[int], completion: list[int], temperature: float = 1.0) -> list[float]:
+    """log p(completion | prompt) under a plain HF forward in fp32, logits / T (T=0: unscaled)."""
+    from transformers import AutoModelForCausalLM
+
+    key = str(weights_dir)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = _HF_CACHE[key](torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+    if temperature > 0:
+        logits = logits / temperature
+    return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+def chat(http, server, **body) -> dict:
+    body = {"model": server.model, "messages": MESSAGES, "max_tokens": 8, **body}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def greedy(http, server, **body) -> tuple[list[int], list[float]]:
+    """Greedy token ids and their logprobs (random-init models often repeat one token, so ids alone
+    rarely tell two weight sets apart)."""
+    choice = chat(http, server, temperature=0, logprobs=True, return_token_ids=True, **body)["choices"][0]
+    return choice["token_ids"], [round(c["logprob"], 5) for c in choice["logprobs"]["content"]]
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_error(r: httpx.Response, status: int | tuple[int, ...] = 400) -> None:
+    statuses = (status,) if isinstance(status, int) else status
+    assert r.status_code in statuses, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert {"type", "param", "code"} <= set(err)
+
+
+def assert_alive(http, server) -> None:
+    assert http.get("/health").status_code == 200
+    assert chat(http, server, max_tokens=2)["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+# ---- basics -------------------------------------------------------------------------------------
+
+
+def test_health_models_and_auth(server, http):
+    assert httpx.get(server.base_url + "/health").status_code == 200  # no key needed
+    cards = http.get("/v1/models").json()["data"]
+    assert cards[0]["id"] == server.model and cards[0]["max_model_len"] == 512
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+                         ("POST", "/inference/v1/generate"), ("POST", "/update_weights")]:  # fmt: skip
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.request(method, server.base_url + path, json={}, headers=headers)
+            assert_error(r, 401)
+
+
+def test_chat_with_openai_client(server, oai, http, tokenizer):
+    r = oai.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=3,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    choice = r.choices[0]
+    extra = r.model_extra
+    assert choice.finish_reason in ("stop", "length")
+    assert len(choice.logprobs.content) == len(choice.token_ids) == r.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 for c in choice.logprobs.content)
+    expected_prompt = http.post("/tokenize", json={"model": server.model, "messages": MESSAGES}).json()["tokens"]
+    assert extra["prompt_token_ids"] == expected_prompt
+    assert r.usage.prompt_tokens == len(expected_prompt)
+    assert expected_prompt == tokenizer.encode(
+        tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_logprobs_match_hf_forward(server, http, model_dir, temperature):
+    out = chat(http, server, temperature=temperature, n=3, max_tokens=12, logprobs=True, return_token_ids=True)
+    prompt = out["prompt_token_ids"]
+    for choice in out["choices"]:
+        ids = choice["token_ids"]
+        served = [c["logprob"] for c in choice["logprobs"]["content"]]
+        ref = hf_logprobs(model_dir, prompt, ids, temperature)
+        assert max(abs(a - b) for a, b in zip(served, ref)) < LOGPROB_TOL[server.backend]
+
+
+def test_greedy_is_argmax(server, http, model_dir):
+    """T=0 tokens are the HF argmax at every step (and their logprob is log_softmax(logits))."""
+    from transformers import AutoModelForCausalLM
+
+    out = chat(http, server, temperature=0, max_tokens=10, return_token_ids=True)
+    prompt, ids = out["prompt_token_ids"], out["choices"][0]["token_ids"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+    assert logits.argmax(-1).tolist() == ids
+
+
+def test_n_and_seed(server, http):
+    body = dict(n=4, temperature=1.0, max_tokens=8, seed=123, return_token_ids=True)
+    a = [c["token_ids"] for c in chat(http, server, **body)["choices"]]
+    b = [c["token_ids"] for c in chat(http, server, **body)["choices"]]
+    c = [c["token_ids"] for c in chat(http, server, **dict(body, seed=124))["choices"]]
+    assert len(a) == 4 and a == b and a != c
+    assert len({tuple(x) for x in a}) == 4  # the n samples differ from each other
+
+
+def test_streaming_chat_matches_non_streaming(server, http):
+    body = {"model": server.model, "messages": MESSAGES, "max_tokens": 10, "temperature": 0, "logprobs": True,
+            "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text, ids, lps, finish = "", [], [], None
+    for ch in chunks:
+        for c in ch["choices"]:
+            text += c["delta"].get("content") or ""
+            ids += c.get("token_ids") or []
+            lps += [x["logprob"] for x in (c.get("logprobs") or {}).get("content", [])]
+            finish = c.get("finish_reason") or finish
+    assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
+    ref = chat(http, server, max_tokens=10, temperature=0, logprobs=True, return_token_ids=True)["choices"][0]
+    assert ids == ref["token_ids"] and text == ref["message"]["content"] and finish == ref["finish_reason"]
+    assert lps == pytest.approx([x["logprob"] for x in ref["logprobs"]["content"]], abs=1e-5)
+
+
+def test_streaming_with_openai_client(server, oai):
+    stream = oai.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=6, stream=True, n=2)
+    finished = {c.index: c.finish_reason for chunk in stream for c in chunk.choices if c.finish_reason}
+    assert set(finished) == {0, 1}
+
+
+def test_stop_token_ids_and_stop_strings(server, http, tokenizer):
+    base = dict(temperature=1.0, seed=7, max_tokens=16, return_token_ids=True)
+    full = chat(http, server, **base)["choices"][0]["token_ids"]
+    # stop token id: the output ends at (and includes) its first occurrence
+    stop_id = full[5]
+    out = chat(http, server, stop_token_ids=[stop_id], **base)["choices"][0]
+    assert out["token_ids"] == full[: full.index(stop_id) + 1]
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == stop_id
+    # stop string: an ASCII letter the seeded sample produces; text cut before it
+    k = next((i for i, t in enumerate(full) if 2 <= i and 97 <= t <= 122), None)
+    if k is None:
+        pytest.skip("the seeded sample has no ascii letter to stop on")
+    stop = chr(full[k])
+    out = chat(http, server, stop=[stop], **base)["choices"][0]
+    first = full.index(full[k])
+    assert out["token_ids"] == full[: first + 1]
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == stop
+    assert stop not in out["message"]["content"]
+
+
+def test_completions_route(server, oai, tokenizer):
+    r = oai.completions.create(model=server.model, prompt="hello", max_tokens=5, logprobs=2, n=2,
+                               extra_body={"return_token_ids": True})  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert len(c.logprobs.token_logprobs) == len(c.token_ids) == 5
+        assert c.prompt_token_ids == tokenizer.encode("hello")
+    ids = tokenizer.encode("abc")
+    r = oai.completions.create(model=server.model, prompt=[ids, tokenizer.encode("xyz")], max_tokens=3, temperature=0)
+    assert len(r.choices) == 2 and r.usage.completion_tokens == 6
+    chunks = list(oai.completions.create(model=server.model, prompt="hi", max_tokens=4, stream=True))
+    assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+
+
+def test_tokenize(server, http, tokenizer):
+    r = http.post("/tokenize", json={"model": server.model, "prompt": "abc"}).json()
+    assert r["tokens"] == tokenizer.encode("abc") and r["count"] == 3 and r["max_model_len"] == 512
+    msgs = MESSAGES + [{"role": "assistant", "content": "x"}]
+    r = http.post("/tokenize", json={"model": server.model, "messages": msgs, "add_generation_prompt": False})
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False)
+    assert r.json()["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    r = http.post("/tokenize", json={"model": server.model, "messages": MESSAGES, "tools": TOOLS})
+    assert len(r.json()["tokens"]) > len(http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"])
+
+
+def test_chat_completions_tokens_uses_given_prompt(server, http):
+    ref = chat(http, server, temperature=0, max_tokens=8, return_token_ids=True)
+    tokens = ref["prompt_token_ids"]
+    body = {"model": server.model, "messages": MESSAGES, "tokens": tokens, "max_tokens": 8, "temperature": 0,
+            "logprobs": True, "return_token_ids": True}  # fmt: skip
+    out = http.post("/v1/chat/completions/tokens", json=body).json()
+    assert out["prompt_token_ids"] == tokens
+    assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    # a different prompt in `tokens` (same messages) is what gets generated from
+    other = http.post("/v1/chat/completions/tokens", json=dict(body, tokens=tokens[:-3])).json()
+    assert other["prompt_token_ids"] == tokens[:-3]
+
+
+def test_generate_route(server, http, model_dir):
+    ref = chat(http, server, temperature=0, max_tokens=8, return_token_ids=True)
+    prompt = ref["prompt_token_ids"]
+    body = {"model": server.model, "token_ids": prompt,
+            "sampling_params": {"temperature": 0, "max_tokens": 8, "logprobs": 1, "skip_special_tokens": False}}  # fmt: skip
+    out = http.post("/inference/v1/generate", json=body).json()
+    choice = out["choices"][0]
+    assert choice["token_ids"] == ref["choices"][0]["token_ids"]
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert choice["finish_reason"] in ("stop", "length")
+    sampled = http.post("/inference/v1/generate", json={
+        "model": server.model, "token_ids": prompt,
+        "sampling_params": {"temperature": 0.8, "max_tokens": 8, "logprobs": 0, "seed": 1}}).json()["choices"][0]  # fmt: skip
+    served = [e["logprob"] for e in sampled["logprobs"]["content"]]
+    ref_lp = hf_logprobs(model_dir, prompt, sampled["token_ids"], 0.8)
+    assert max(abs(a - b) for a, b in zip(served, ref_lp)) < LOGPROB_TOL[server.backend]
+
+
+# ---- weights, adapters, parsing -------------------------------------------------------------------
+
+
+def test_update_and_reload_weights(server, http, model_dir, tmp_path):
+    from asyncrl.utils.tiny_model import build_tiny_model
+
+    before = greedy(http, server)
+    other = build_tiny_model(tmp_path / "other", hidden_size=128, num_layers=2, num_heads=4, seed=1)
+    r = http.post("/update_weights", json={"weight_dir": str(other)})
+    assert r.status_code == 200, r.text
+    changed = greedy(http, server)
+    assert changed != before
+    # a dir that does not exist / holds another architecture: 400, the live weights stay
+    assert_error(http.post("/update_weights", json={"weight_dir": str(tmp_path / "missing")}))
+    wrong = build_tiny_model(tmp_path / "wrong", hidden_size=64, num_layers=2)
+    assert_error(http.post("/update_weights", json={"weight_dir": str(wrong)}))
+    assert greedy(http, server) == changed
+    assert http.post("/reload_weights", json={}).status_code == 200
+    assert greedy(http, server) == before
+
+
+def test_trained_weights_answer_with_tools_and_reasoning(server, http, oai, trained_weights):
+    out = chat(http, server, temperature=0, max_tokens=96, tools=TOOLS, return_token_ids=True)
+    choice = out["choices"][0]
+    msg = choice["message"]
+    assert msg["reasoning_content"] == "ok"
+    assert msg["content"] == "hi"
+    assert choice["finish_reason"] == "tool_calls"
+    [call] = msg["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "f"
+    assert json.loads(call["function"]["arguments"]) == {"x": 1}
+    # without tools in the request nothing is parsed as a call
+    plain = chat(http, server, temperature=0, max_tokens=96)["choices"][0]
+    assert plain["finish_reason"] == "stop" and "<tool_call>" in plain["message"]["content"]
+    # streamed: the same fields, assembled from deltas
+    stream = oai.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=96, temperature=0,
+                                         tools=TOOLS, stream=True)  # fmt: skip
+    reasoning, content, calls, finish = "", "", [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert (reasoning, content, finish) == ("ok", "hi", "tool_calls")
+    assert [c.function.name for c in calls] == ["f"] and json.loads(calls[0].function.arguments) == {"x": 1}
+
+
+def _write_lora(model_dir: Path, out: Path, rank: int = 4, alpha: float = 8.0) -> dict[str, tuple]:
+    """A random PEFT-format LoRA adapter on q/v/down projections; returns module -> (A, B, scale)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(0)
+    shapes = {"self_attn.q_proj": (cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size),
+              "self_attn.v_proj": (cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size),
+              "mlp.down_proj": (cfg.hidden_size, cfg.intermediate_size)}  # fmt: skip
+    tensors, modules = {}, {}
+    for layer in range(cfg.num_hidden_layers):
+        for name, (n_out, n_in) in shapes.items():
+            mod = f"model.layers.{layer}.{name}"
+            a = torch.randn(rank, n_in, generator=g) * 0.3
+            b = torch.randn(n_out, rank, generator=g) * 0.3
+            tensors[f"base_model.model.{mod}.lora_A.weight"] = a
+            tensors[f"base_model.model.{mod}.lora_B.weight"] = b
+            modules[mod] = (a, b, alpha / rank)
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["q_proj", "v_proj", "down_proj"],
+        "bias": "none", "base_model_name_or_path": str(model_dir)}))  # fmt: skip
+    return modules
+
+
+def test_lora_adapter(server, http, model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    before = greedy(http, server)
+    modules = _write_lora(model_dir, tmp_path / "adapter")
+    assert_error(http.post("/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path / "nope")}))
+    r = http.post("/load_lora_adapter", json={"lora_name": "tuned", "lora_path": str(tmp_path / "adapter")})
+    assert r.status_code == 200, r.text
+    assert "tuned" in [m["id"] for m in http.get("/v1/models").json()["data"]]
+    tuned = chat(http, server, model="tuned", temperature=0.9, seed=3, max_tokens=10, logprobs=True,
+                 return_token_ids=True)  # fmt: skip
+    assert greedy(http, server) == before  # the base model is untouched
+    assert greedy(http, server, model="tuned") != before
+    # exact: the adapter's logprobs are those of the merged model W + scale * B @ A
+    merged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for mod, (a, b, scale) in modules.items():
+            merged.get_submodule(mod).weight += scale * b @ a
+        prompt, ids = tuned["prompt_token_ids"], tuned["choices"][0]["token_ids"]
+        logits = merged(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1] / 0.9
+    ref = logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
+    served = [c["logprob"] for c in tuned["choices"][0]["logprobs"]["content"]]
+    assert max(abs(x - y) for x, y in zip(served, ref)) < LOGPROB_TOL[server.backend] * 10
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+BAD_CHAT = [
+    ({"temperature": -1}, 400),
+    ({"temperature": "NaN"}, 400),
+    ({"top_p": 0}, 400),
+    ({"top_p": 1.5}, 400),
+    ({"top_k": -2}, 400),
+    ({"min_p": 2}, 400),
+    ({"n": 0}, 400),
+    ({"max_tokens": 0}, 400),
+    ({"max_tokens": 100000}, 400),
+    ({"top_logprobs": 50, "logprobs": True}, 400),
+    ({"stop_token_ids": [10**9]}, 400),
+    ({"model": "no-such-model"}, 404),
+    ({"messages": []}, 400),
+    ({"messages": "hi"}, 400),
+    ({"messages": [{"content": "no role"}]}, 400),
+]
+
+
+@pytest.mark.parametrize("patch,status", BAD_CHAT, ids=[json.dumps(p)[:40] for p, _ in BAD_CHAT])
+def test_bad_chat_requests_are_4xx(server, http, patch, status):
+    body = {"model": server.model, "messages": MESSAGES, "max_tokens": 4, **patch}
+    assert_error(http.post("/v1/chat/completions", json=body), status)
+    assert_alive(http, server)
+
+
+def test_bad_requests_are_4xx(server, http):
+    m = server.model
+    raw_nan = '{"model": "%s", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}' % m
+    cases = [
+        http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
+        http.post("/v1/chat/completions", content=raw_nan.encode(), headers={"content-type": "application/json"}),
+        http.post("/v1/chat/completions", json=[1, 2]),
+        http.post("/inference/v1/generate", json={"model": m, "token_ids": [10**7]}),
+        http.post("/inference/v1/generate", json={"model": m, "token_ids": []}),
+        http.post("/inference/v1/generate", json={"model": m, "token_ids": [1], "sampling_params": {"max_tokens": 10**6}}),
+        http.post("/v1/chat/completions/tokens", json={"model": m, "messages": MESSAGES, "tokens": [-1]}),
+        http.post("/v1/completions", json={"model": m, "prompt": [10**9]}),
+        http.post("/v1/completions", json={"model": m, "prompt": "x", "temperature": -0.5}),
+        http.post("/tokenize", json={"model": m}),
+        http.post("/update_weights", json={}),
+        http.post("/load_lora_adapter", json={"lora_name": "x"}),
+    ]
+    for r in cases:
+        assert_error(r, (400, 404, 422))
+    assert_alive(http, server)
+
+
+# ---- verifiers' token client end to end -----------------------------------------------------------
+
+
+def _run_env(env, server, n: int, sampling_args: dict, monkeypatch) -> list[dict]:
+    import verifiers as vf
+
+    monkeypatch.setenv("CONTRACT_API_KEY", API_KEY)
+    client = vf.ClientConfig(client_type="openai_chat_completions_token", api_base_url=server.base_url + "/v1",
+                             api_key_var="CONTRACT_API_KEY", max_retries=0)  # fmt: skip
+    out = asyncio.run(env.generate(env.get_dataset(n=n), client=client, model=server.model,
+                                   sampling_args=sampling_args, state_columns=["trajectory"]))  # fmt: skip
+    return out["outputs"]
+
+
+def _dataset(words: list[str]):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"say {w}"}], "answer": w} for w in words])
+
+
+def test_verifiers_single_turn(server, http, model_dir, monkeypatch):
+    import verifiers as vf
+
+    env = vf.SingleTurnEnv(dataset=_dataset(["ab", "cd", "ef"]), rubric=vf.Rubric(funcs=[lambda **kw: 0.0]))
+    outputs = _run_env(env, server, 3, {"max_tokens": 8, "temperature": 1.0}, monkeypatch)
+    assert len(outputs) == 3
+    for o in outputs:
+        assert o["error"] is None
+        [step] = o["trajectory"]
+        tok = step["tokens"]
+        messages = [{"role": "user", "content": o["prompt"][-1]["content"]}]
+        expected = http.post("/tokenize", json={"model": server.model, "messages": messages}).json()["tokens"]
+        assert tok["prompt_ids"] == expected and tok["prompt_mask"] == [0] * len(expected)
+        assert tok["completion_mask"] == [1] * len(tok["completion_ids"]) and 0 < len(tok["completion_ids"]) <= 8
+        ref = hf_logprobs(model_dir, tok["prompt_ids"], tok["completion_ids"], 1.0)
+        assert max(abs(a - b) for a, b in zip(tok["completion_logprobs"], ref)) < LOGPROB_TOL[server.backend]
+
+
+def test_verifiers_multi_turn_stitches_tokens(server, http, trained_weights, monkeypatch):
+    """Turn 2 goes through /tokenize + /v1/chat/completions/tokens: its prompt extends turn 1's ids."""
+    import verifiers as vf
+
+    class TwoTurns(vf.MultiTurnEnv):
+        def __init__(self, **kwargs):
+            super().__init__(max_turns=2, **kwargs)
+
+        async def env_response(self, messages, state, **kwargs):
+            return [vf.UserMessage(content="again")]
+
+    env = TwoTurns(dataset=_dataset(["ab", "cd"]), rubric=vf.Rubric(funcs=[lambda **kw: 0.0]))
+    outputs = _run_env(env, server, 2, {"max_tokens": 96, "temperature": 1.0}, monkeypatch)
+    eos = 258  # <|im_end|> in the tiny tokenizer
+    for o in outputs:
+        assert o["error"] is None
+        first, second = (s["tokens"] for s in o["trajectory"])
+        assert first["completion_ids"][-1] == eos and not first["is_truncated"]
+        stitched = first["prompt_ids"] + first["completion_ids"]
+        assert second["prompt_ids"][: len(stitched)] == stitched  # token-in, token-out: no re-tokenization
+        bridge = second["prompt_ids"][len(stitched) :]
+        assert bridge and bridge[-1] == 10  # "...<|im_start|>assistant\n"
+        for t in (first, second):
+            ref = hf_logprobs(trained_weights, t["prompt_ids"], t["completion_ids"], 1.0)
+            assert max(abs(a - b) for a, b in zip(t["completion_logprobs"], ref)) < 1e-4
+            assert all(math.isfinite(x) for x in t["completion_logprobs"])
+
+
+def test_debug_trained(server, http, trained_weights):
+    out = chat(http, server, temperature=0, max_tokens=96, tools=TOOLS, return_token_ids=True)
+    print(out)
+    out = chat(http, server, temperature=0, max_tokens=96, return_token_ids=True)
+    print(out)
+    assert 0

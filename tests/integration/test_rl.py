@@ -1,0 +1,136 @@
+"""`rl` end to end on CPU: processes start and stop cleanly, batches and weights flow, resume, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+RL = [sys.executable, "-m", "asyncrl.entrypoints.rl"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rl_args(model_dir: Path, out: Path, steps: int, port: int, lr: float = 3e-3) -> list[str]:
+    return [
+        "--model.name", str(model_dir), "--output-dir", str(out), "--max-steps", str(steps),
+        "--seq-len", "128", "--max-async-level", "1",
+        "--trainer.optim.lr", str(lr), "--trainer.optim.weight-decay", "0",
+        "--orchestrator.batch-size", "16", "--orchestrator.rollouts-per-example", "4",
+        "--orchestrator.sampling.max-tokens", "12", "--orchestrator.seed", "1",
+        "--inference.server.port", str(port), "--inference.server.host", "127.0.0.1",
+        "--log.level", "info",
+    ]
+
+
+def orchestrator_rows(out: Path) -> list[dict]:
+    path = out / "metrics" / "orchestrator.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("kind", "train") == "train"]
+
+
+def own_processes(marker: str) -> list[str]:
+    """Command lines of live processes mentioning `marker` (our output dir), this test excluded."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    me = str(os.getpid())
+    return [line for line in out.splitlines() if marker in line and not line.strip().startswith(me)
+            and "ps -eo" not in line]
+
+
+def run_rl(args: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
+    return subprocess.run(RL + args, capture_output=True, text=True, timeout=timeout)
+
+
+def test_rl_runs_learns_and_resumes(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    first = run_rl(rl_args(tiny_model_dir, out, 6, _free_port()) + ["--ckpt", "--ckpt.interval", "3"])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    rows = orchestrator_rows(out)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert max(r["off_policy/level"] for r in rows) <= 1
+    # every step's batch was consumed and a new policy published; the server's weights changed each step
+    trainer_rows = [json.loads(x) for x in (out / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in trainer_rows] == list(range(6))
+    assert (out / "weights" / "step_6").is_dir() and (out / "weights" / "step_3").is_dir()
+    assert (out / "checkpoints" / "step_3").is_dir()
+    assert [r["policy/step"] for r in rows][2:] == [r["step"] - 1 for r in rows][2:]  # k = 1: one step behind
+    early = sum(r["reward/mean"] for r in rows[:2]) / 2
+    late = sum(r["reward/mean"] for r in rows[-2:]) / 2
+    assert late > early, [round(r["reward/mean"], 3) for r in rows]
+    assert "[rl] done" in first.stdout
+    assert not own_processes(str(out)), own_processes(str(out))
+
+    resumed = run_rl(rl_args(tiny_model_dir, out, 8, _free_port()) + ["--ckpt.resume-step", "6"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    rows = orchestrator_rows(out)
+    assert [r["step"] for r in rows] == list(range(6)) + [6, 7]  # numbering continues, nothing recomputed
+    assert rows[6]["policy/step"] >= 5
+    assert (out / "weights" / "step_8").is_dir()
+    assert not own_processes(str(out))
+
+
+def test_rl_stops_everything_when_the_trainer_dies(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(RL + rl_args(tiny_model_dir, out, 50, _free_port()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics" / "trainer.jsonl").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "trainer never finished a step"
+            time.sleep(0.5)
+        trainers = [line.split()[0] for line in own_processes(str(out)) if "entrypoints.trainer" in line]
+        assert trainers
+        os.kill(int(trainers[0]), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode not in (0, None)
+    assert "trainer died" in stderr, stderr[-2000:]
+    time.sleep(1)
+    assert not own_processes(str(out)), own_processes(str(out))
+
+
+def test_rl_ctrl_c_stops_cleanly(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(RL + rl_args(tiny_model_dir, out, 50, _free_port()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "rollouts").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    time.sleep(1)
+    assert not own_processes(str(out)), own_processes(str(out))
+
+
+def test_rl_without_server_says_how_to_start_one(tiny_model_dir, tmp_path):
+    port = _free_port()
+    args = rl_args(tiny_model_dir, tmp_path / "run", 2, port)
+    args = [a for a in args if not a.startswith("--inference")]
+    args = [a for i, a in enumerate(args) if not (i > 0 and args[i - 1].startswith("--inference"))]
+    result = run_rl(args + ["--orchestrator.client.port", str(port)], timeout=60)
+    assert result.returncode == 2
+    assert "no inference server answers" in result.stderr and "Traceback" not in result.stderr

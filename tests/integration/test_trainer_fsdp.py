@@ -1,0 +1,211 @@
+"""The RL trainer end to end on a tiny model: 1 process in-process, and 2 FSDP2 processes (gloo) via torchrun.
+
+Batches are synthetic but real-shaped: packed samples whose inference logprobs come from the base
+model itself, so step 0 must see ratio 1 / mismatch_kl 0 through the whole FSDP2 forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from asyncrl.config.trainer import TrainerConfig
+from asyncrl.trainer.loss import token_logprobs
+from asyncrl.transport.batch import write_batch
+from asyncrl.transport.weights import broadcast_dir, step_dirs, weights_dir
+from asyncrl.utils.errors import UserError
+
+pytestmark = pytest.mark.slow
+
+
+def synthetic_rows(model_dir: Path, samples: list[list[int]], seed: int) -> list[dict]:
+    """One packed row per group of sample lengths; 3 prompt tokens per sample, μ from the base model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for lengths in samples:
+        n = sum(lengths)
+        ids = torch.randint(0, 256, (n,), generator=g)
+        pos = torch.cat([torch.arange(k) for k in lengths])
+        temps = torch.cat([torch.full((k,), 0.9) for k in lengths])
+        with torch.no_grad():
+            logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
+            mu = token_logprobs(logits, ids, temps)
+        mask = pos >= 3
+        adv = torch.cat([torch.full((k,), float(torch.randn(1, generator=g))) for k in lengths]) * mask
+        rows.append({"input_ids": ids, "position_ids": pos, "loss_mask": mask, "advantages": adv,
+                     "inference_logprobs": mu * mask, "temperatures": temps})
+    return rows
+
+
+def write_steps(model_dir: Path, out: Path, steps: range, ranks: int, layout: list[list[int]]) -> None:
+    for step in steps:
+        per_rank = [synthetic_rows(model_dir, layout, seed=1000 * step + r) for r in range(ranks)]
+        write_batch(out, step, per_rank)
+
+
+def config(model_dir: Path, out: Path, **overrides) -> TrainerConfig:
+    data = {"model": {"name": str(model_dir)}, "output_dir": str(out), "max_steps": 3, "max_async_level": 1,
+            "optim": {"lr": 1e-3, "weight_decay": 0.0}, "recv_timeout": 30}
+    for key, value in overrides.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return TrainerConfig.model_validate(data)
+
+
+def run_train(cfg: TrainerConfig) -> list[dict]:
+    from asyncrl.trainer.rl import train
+
+    torch.set_num_threads(1)
+    return train(cfg)
+
+
+def load_exported(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert info["missing_keys"] == set() or not info["missing_keys"], info
+    assert not info["unexpected_keys"], info
+    return model
+
+
+def test_single_process_trains_publishes_and_prunes(tiny_model_dir, tmp_path):
+    write_steps(tiny_model_dir, tmp_path, range(3), 1, [[9, 7], [12]])
+    history = run_train(config(tiny_model_dir, tmp_path))
+    assert len(history) == 3
+    assert history[0]["mismatch_kl"] < 1e-10 and history[0]["masked_frac"] == 0  # μ came from these weights
+    assert history[1]["mismatch_kl"] > 0  # the policy moved
+    assert history[0]["loss_tokens"] == (9 - 3) + (7 - 3) + (12 - 3) and history[0]["samples"] == 3
+    # async window k=1: only steps 2 and 3 remain; the final step also lands in weights/
+    assert sorted(step_dirs(tmp_path / "broadcast")) == [2, 3]
+    assert all((d / "STABLE").exists() for d in step_dirs(tmp_path / "broadcast").values())
+    assert (weights_dir(tmp_path, 3) / "model.safetensors").exists()
+    model = load_exported(broadcast_dir(tmp_path, 3))
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    new = model.state_dict()
+    assert any(not torch.equal(base[k], new[k]) for k in base)
+    assert torch.equal(new["lm_head.weight"], new["model.embed_tokens.weight"])  # tie restored
+    lines = (tmp_path / "metrics" / "trainer.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
+    assert sorted(step_dirs(tmp_path / "rollouts")) == [2]  # consumed batches are pruned
+
+
+def test_gradient_does_not_depend_on_packing(tiny_model_dir, tmp_path):
+    rows = synthetic_rows(tiny_model_dir, [[9, 7, 12]], seed=5)
+    packed = tmp_path / "packed"
+    write_batch(packed, 0, [rows])
+    # the same three samples, one per row
+    r = rows[0]
+    split, start = [], 0
+    for k in (9, 7, 12):
+        split.append({f: v[start:start + k] for f, v in r.items()})
+        start += k
+    single = tmp_path / "single"
+    write_batch(single, 0, [split])
+    a = run_train(config(tiny_model_dir, packed, max_steps=1, optim={"max_norm": 0.0}))[0]
+    b = run_train(config(tiny_model_dir, single, max_steps=1, optim={"max_norm": 0.0}))[0]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_nan_loss_stops_without_weights(tiny_model_dir, tmp_path):
+    rows = synthetic_rows(tiny_model_dir, [[8]], seed=0)
+    rows[0]["advantages"] = torch.full_like(rows[0]["advantages"], float("nan"))
+    write_batch(tmp_path, 0, [rows])
+    with pytest.raises(UserError, match="loss is nan at step 0"):
+        run_train(config(tiny_model_dir, tmp_path))
+    assert not broadcast_dir(tmp_path, 1).exists()
+
+
+def test_lora_ac_bf16_export_merges(tiny_model_dir, tmp_path):
+    write_steps(tiny_model_dir, tmp_path, range(1), 1, [[10, 8]])
+    cfg = config(tiny_model_dir, tmp_path, max_steps=1, optim={"lr": 1e-2},
+                 model={"name": str(tiny_model_dir), "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+                        "ac": {"freq": 2}, "optimization_dtype": "bfloat16"})
+    history = run_train(cfg)
+    assert history[0]["grad_norm"] > 0
+    # a zero-initialised B makes step 0's update touch only B; merged weights equal base until then
+    new = load_exported(broadcast_dir(tmp_path, 1)).state_dict()
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert set(new) - {"lm_head.weight"} == set(base)
+    changed = {k for k in base if not torch.equal(base[k], new[k])}
+    assert changed and all("q_proj" in k or "v_proj" in k for k in changed)
+
+
+def test_single_process_resume_retention_and_bad_checkpoints(tiny_model_dir, tmp_path):
+    write_steps(tiny_model_dir, tmp_path, range(4), 1, [[9, 7], [12]])
+    first = run_train(config(tiny_model_dir, tmp_path, max_steps=4,
+                             ckpt={"interval": 1, "keep_last": 2, "keep_interval": 2, "save_async": True}))
+    ckpts = sorted(step_dirs(tmp_path / "checkpoints"))
+    assert ckpts == [2, 3, 4]  # last two plus multiples of 2
+    final = load_file(str(broadcast_dir(tmp_path, 4) / "model.safetensors"))
+    write_steps(tiny_model_dir, tmp_path, range(2, 4), 1, [[9, 7], [12]])  # the orchestrator re-sends them
+    resumed = run_train(config(tiny_model_dir, tmp_path, max_steps=4, ckpt={"interval": 10, "resume_step": 2}))
+    assert len(resumed) == 2
+    assert resumed[0]["loss"] == first[2]["loss"] and resumed[0]["grad_norm"] == first[2]["grad_norm"]
+    assert resumed[1]["loss"] == first[3]["loss"]
+    again = load_file(str(broadcast_dir(tmp_path, 4) / "model.safetensors"))
+    assert all(torch.equal(final[k], again[k]) for k in final)
+
+    with pytest.raises(UserError, match=r"available steps: \[2, 3, 4\]"):
+        run_train(config(tiny_model_dir, tmp_path, ckpt={"resume_step": 1}))
+    ckpt3 = tmp_path / "checkpoints" / "step_3" / "trainer"
+    (ckpt3 / "STABLE").unlink()
+    with pytest.raises(UserError, match="step_3/trainer is partial or corrupted"):
+        run_train(config(tiny_model_dir, tmp_path, ckpt={"resume_step": 3}))
+    shard = next((tmp_path / "checkpoints" / "step_2" / "trainer").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(UserError, match="step_2/trainer is corrupted"):
+        run_train(config(tiny_model_dir, tmp_path, ckpt={"resume_step": 2}))
+
+
+def torchrun(out: Path, args: list[str], timeout: int = 300) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "asyncrl.entrypoints.trainer", *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too
+        output, _ = proc.communicate()
+        pytest.fail(f"torchrun timed out after {timeout}s:\n{output[-5000:]}")
+    assert proc.returncode == 0, output[-5000:]
+    return output
+
+
+def read_metrics(out: Path) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (out / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows}  # a resumed run appends: later lines win
+
+
+def test_two_process_fsdp_trains_checkpoints_resumes_exactly(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    write_steps(tiny_model_dir, out, range(3), 2, [[9, 7], [12]])
+    common = ["--model.name", str(tiny_model_dir), "--output-dir", str(out), "--max-steps", "3",
+              "--max-async-level", "1", "--optim.lr", "1e-3", "--recv-timeout", "60"]
+    torchrun(out, common + ["--ckpt.interval", "2", "--ckpt.save-async"])
+    first = read_metrics(out)
+    assert first[0]["mismatch_kl"] < 1e-10 and first[0]["loss_tokens"] == 2 * (6 + 4 + 9)
+    assert sorted(step_dirs(out / "checkpoints")) == [2, 3]
+    final = load_file(str(broadcast_dir(out, 3) / "model.safetensors"))
+    load_exported(weights_dir(out, 2))
+
+    write_steps(tiny_model_dir, out, range(2, 3), 2, [[9, 7], [12]])
+    torchrun(out, common + ["--ckpt.resume-step", "2"])
+    resumed = read_metrics(out)
+    assert resumed[2]["loss"] == first[2]["loss"] and resumed[2]["grad_norm"] == first[2]["grad_norm"]
+    again = load_file(str(broadcast_dir(out, 3) / "model.safetensors"))
+    assert all(torch.equal(final[k], again[k]) for k in final)
+    model = load_exported(broadcast_dir(out, 3))
+    assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()

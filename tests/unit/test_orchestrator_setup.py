@@ -1,0 +1,102 @@
+"""Environment loading errors, sampling args, server client errors, checkpoint/resume of progress."""
+
+import asyncio
+import json
+
+import pytest
+from orch_fakes import FakeRunner, FakeServer, fake_mixture
+
+from asyncrl.config.base import CkptConfig
+from asyncrl.config.orchestrator import ClientConfig, EnvConfig, OrchestratorConfig, SamplingConfig
+from asyncrl.orchestrator import ckpt
+from asyncrl.orchestrator.client import InferenceClient, server_root
+from asyncrl.orchestrator.envs import load_env, sampling_args
+from asyncrl.orchestrator.loop import Orchestrator
+from asyncrl.transport.batch import batch_dir
+from asyncrl.transport.weights import broadcast_dir, publish_dir, weights_dir
+from asyncrl.utils.errors import UserError
+
+
+def test_missing_env_errors_say_how_to_install():
+    with pytest.raises(UserError, match=r"prime env install someone/no-such-env"):
+        load_env(EnvConfig(id="someone/no-such-env"))
+    with pytest.raises(UserError, match=r"not installed.*pip install"):
+        load_env(EnvConfig(id="no-such-env-xyz"))
+
+
+def test_sampling_args_keep_ratios_exact_and_refuse_duplicates():
+    args = sampling_args(SamplingConfig(temperature=0.7, max_tokens=16, seed=3))
+    assert args["temperature"] == 0.7 and args["top_p"] == 1.0 and args["max_tokens"] == 16
+    assert args["extra_body"] == {"top_k": -1, "min_p": 0.0} and "seed" not in args
+    assert sampling_args(SamplingConfig(seed=3), with_seed=True)["seed"] == 3
+    assert sampling_args(SamplingConfig(extra_body={"repetition_penalty": 1.1}))["extra_body"]["repetition_penalty"] == 1.1
+    with pytest.raises(UserError, match="top_p"):
+        sampling_args(SamplingConfig(extra_body={"top_p": 0.9}))
+
+
+def test_unreachable_server_error_names_the_url():
+    assert server_root("http://h:1/v1/") == "http://h:1" and server_root("http://h:1") == "http://h:1"
+    client = InferenceClient(ClientConfig(port=9))  # nothing listens on the discard port
+
+    async def go():
+        try:
+            await client.wait_healthy(timeout=0.3, poll=0.1)
+        finally:
+            await client.close()
+
+    with pytest.raises(UserError, match=r"http://localhost:9 not reachable.*inference"):
+        asyncio.run(go())
+
+
+def _config(tmp_path, **kw):
+    return OrchestratorConfig(batch_size=8, rollouts_per_example=4, seq_len=64, output_dir=tmp_path,
+                              max_async_level=1, **kw)
+
+
+def _publish(out, step):
+    publish_dir(broadcast_dir(out, step), lambda d: (d / "config.json").write_text("{}"))
+
+
+def test_checkpoint_and_resume_continue_where_the_run_stopped(tmp_path):
+    for s in range(1, 4):
+        _publish(tmp_path, s)  # a trainer that is always ahead
+    cfg = _config(tmp_path, max_steps=4, ckpt=CkptConfig(interval=2, keep_last=1))
+    orch = Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer())
+    asyncio.run(orch.run())
+    assert ckpt.saved_steps(tmp_path) == [4]  # step 2 saved, then pruned by keep_last=1
+    progress, buffer = ckpt.load(tmp_path, 4)
+    assert progress.step == 4 and progress.total_samples == 32 and progress.total_problems == 8
+    assert progress.sampler["problems"] == orch.mixture.problems
+
+    # Resume from step 4: weights/step_4 is the trainer's checkpoint, newer than any broadcast dir.
+    stale_batch = batch_dir(tmp_path, 5)
+    stale_batch.mkdir(parents=True)
+    _publish(tmp_path, 6)  # left from an earlier attempt beyond the resume point
+    w = weights_dir(tmp_path, 4)
+    w.mkdir(parents=True)
+    (w / "config.json").write_text("{}")
+    server = FakeServer()
+    cfg2 = _config(tmp_path, max_steps=5, ckpt=CkptConfig(interval=2, resume_step=-1))
+    orch2 = Orchestrator(cfg2, fake_mixture(), FakeRunner(), server)
+    asyncio.run(orch2.run())
+    assert not broadcast_dir(tmp_path, 6).exists()
+    assert server.calls[0][:2] == ("update", str(w))  # the server is pointed at the checkpoint weights itself
+    assert orch2.mixture.problems == progress.sampler["problems"] + 2
+    records = [json.loads(l) for l in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert records[-1]["progress/total_samples"] == 40 and records[-1]["policy/step"] == 4
+    assert (batch_dir(tmp_path, 4) / "meta.json").exists() and not stale_batch.exists()
+    assert ckpt.saved_steps(tmp_path) == [4, 5]  # final step always saved
+
+
+def test_resume_without_checkpoint_is_a_user_error(tmp_path):
+    cfg = _config(tmp_path, max_steps=2, ckpt=CkptConfig(resume_step=3))
+    with pytest.raises(UserError, match="no orchestrator checkpoint"):
+        asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
+
+
+def test_dead_server_during_rollouts_is_reported_as_such(tmp_path):
+    runner = FakeRunner(error_fn=lambda *a: "ModelError(APIConnectionError)")
+    orch = Orchestrator(_config(tmp_path, max_steps=2), fake_mixture(), runner, FakeServer(healthy=False))
+    with pytest.raises(UserError, match="stopped answering"):
+        asyncio.run(orch.run())

@@ -1,0 +1,54 @@
+"""Checkpoint retention rules and resume-step resolution (missing, partial, latest)."""
+
+import pytest
+
+from asyncrl.trainer.ckpt import complete_steps, resolve_resume_step, steps_to_delete, trainer_ckpt_dir
+from asyncrl.utils.errors import UserError
+
+
+def test_keep_all_by_default():
+    assert steps_to_delete([5, 10, 15], None, None) == []
+
+
+def test_keep_last():
+    assert steps_to_delete([5, 10, 15, 20], 2, None) == [5, 10]
+
+
+def test_keep_last_plus_interval():
+    assert steps_to_delete([5, 10, 15, 20, 25, 30], 1, 10) == [5, 15, 25]
+    assert steps_to_delete([2, 4, 6], 5, 3) == []
+
+
+def make_ckpt(root, step, complete=True):
+    d = trainer_ckpt_dir(root, step)
+    d.mkdir(parents=True)
+    (d / ".metadata").write_text("x")
+    if complete:
+        (d / "STABLE").write_text("")
+
+
+def test_resolve_latest_skips_partial(tmp_path):
+    make_ckpt(tmp_path, 2)
+    make_ckpt(tmp_path, 4)
+    make_ckpt(tmp_path, 6, complete=False)
+    (tmp_path / "checkpoints" / "step_8" / "orchestrator").mkdir(parents=True)  # not ours
+    assert complete_steps(tmp_path) == [2, 4]
+    assert resolve_resume_step(tmp_path, -1) == 4
+    assert resolve_resume_step(tmp_path, 2) == 2
+
+
+def test_resolve_missing_step_lists_available(tmp_path):
+    make_ckpt(tmp_path, 2)
+    with pytest.raises(UserError, match=r"no trainer checkpoint for step 3 .* available steps: \[2\]"):
+        resolve_resume_step(tmp_path, 3)
+
+
+def test_resolve_partial_step_is_refused_by_name(tmp_path):
+    make_ckpt(tmp_path, 6, complete=False)
+    with pytest.raises(UserError, match=r"step_6/trainer is partial or corrupted"):
+        resolve_resume_step(tmp_path, 6)
+
+
+def test_resolve_latest_without_any(tmp_path):
+    with pytest.raises(UserError, match="no complete trainer checkpoint"):
+        resolve_resume_step(tmp_path, -1)

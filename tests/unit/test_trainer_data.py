@@ -1,0 +1,60 @@
+"""How the trainer consumes packed batches: per-rank reads, sample boundaries, rank-count checks, fake data."""
+
+import torch
+import pytest
+
+from asyncrl.config.base import BenchDataConfig
+from asyncrl.trainer.data import FakeSource, RolloutSource, prepare
+from asyncrl.transport.batch import write_batch
+from asyncrl.utils.errors import UserError
+
+
+def row(lengths: list[int], fill: int = 0) -> dict:
+    n = sum(lengths)
+    pos = torch.cat([torch.arange(k) for k in lengths])
+    return {
+        "input_ids": torch.full((n,), fill, dtype=torch.int64),
+        "position_ids": pos,
+        "loss_mask": pos > 0,
+        "advantages": torch.ones(n),
+        "inference_logprobs": torch.zeros(n),
+        "temperatures": torch.ones(n),
+    }
+
+
+def test_prepare_marks_sample_boundaries():
+    r = prepare(row([3, 1, 4]), torch.device("cpu"))
+    assert r.num_samples == 3
+    assert r.sample_ids.tolist() == [0, 0, 0, 1, 2, 2, 2, 2]
+    assert r.sample_lengths.tolist() == [3, 1, 4]
+    assert r.loss_mask.dtype == torch.bool and r.input_ids.dtype == torch.int64
+
+
+def test_each_rank_reads_its_own_micro_batches(tmp_path):
+    write_batch(tmp_path, 3, [[row([2, 2], fill=1), row([4], fill=2)], [row([3], fill=3), row([1, 1], fill=4)]])
+    r0 = RolloutSource(tmp_path, 0, 2, timeout=1).get(3)
+    r1 = RolloutSource(tmp_path, 1, 2, timeout=1).get(3)
+    assert [int(mb["input_ids"][0]) for mb in r0] == [1, 2]
+    assert [int(mb["input_ids"][0]) for mb in r1] == [3, 4]
+
+
+def test_rank_count_mismatch_is_a_user_error(tmp_path):
+    write_batch(tmp_path, 0, [[row([2])], [row([2])]])
+    with pytest.raises(UserError, match="packed for 2 trainer ranks but the trainer runs 1"):
+        RolloutSource(tmp_path, 0, 1, timeout=1).get(0)
+
+
+def test_missing_batch_times_out_with_hint(tmp_path):
+    with pytest.raises(UserError, match="orchestrator"):
+        RolloutSource(tmp_path, 0, 1, timeout=0.1).get(0)
+
+
+def test_fake_source_shape_and_split():
+    cfg = BenchDataConfig(batch_size=8, micro_batch_size=2, seq_len=16)
+    rows = FakeSource(cfg, vocab_size=100, rank=1, world_size=2, seed=0).get(0)
+    assert len(rows) == 2  # 4 micro-batches over 2 ranks
+    r = prepare(rows[0], torch.device("cpu"))
+    assert r.input_ids.numel() == 32 and r.num_samples == 2 and int(r.input_ids.max()) < 100
+    assert torch.equal(rows[0]["input_ids"], FakeSource(cfg, 100, 1, 2, 0).get(0)[0]["input_ids"])  # deterministic
+    with pytest.raises(UserError, match="not divisible by 3"):
+        FakeSource(cfg, 100, 0, 3, 0)

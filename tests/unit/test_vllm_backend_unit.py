@@ -1,0 +1,91 @@
+"""The parts of the vLLM backend that need no vLLM: config -> flags, weight-dir checks, generate shims."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.inference.backend import InvalidRequest
+from asyncrl.inference.vllm_backend import WORKER_EXTENSION, _with_token_strings, build_vllm_argv, check_weight_dir
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_argv_maps_config_fields():
+    config = InferenceConfig.model_validate({
+        "backend": "vllm", "seed": 3, "gpu_memory_utilization": 0.5, "data_parallel_size": 2,
+        "tensor_parallel_size": 4, "server": {"host": "127.0.0.1", "port": 9001},
+        "model": {"name": "/m", "dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True,
+                  "enable_auto_tool_choice": True, "tool_call_parser": "hermes", "reasoning_parser": "qwen3"},
+        "vllm_args": ["--max-num-seqs", "8"],
+    })  # fmt: skip
+    argv = build_vllm_argv(config)
+    assert flag(argv, "--model") == flag(argv, "--served-model-name") == "/m"
+    assert (flag(argv, "--dtype"), flag(argv, "--max-model-len"), flag(argv, "--seed")) == ("bfloat16", "2048", "3")
+    assert (flag(argv, "--host"), flag(argv, "--port")) == ("127.0.0.1", "9001")
+    assert flag(argv, "--gpu-memory-utilization") == "0.5"
+    assert (flag(argv, "--data-parallel-size"), flag(argv, "--tensor-parallel-size")) == ("2", "4")
+    assert (flag(argv, "--tool-call-parser"), flag(argv, "--reasoning-parser")) == ("hermes", "qwen3")
+    assert {"--enforce-eager", "--enable-auto-tool-choice", "--enable-scale-out"} <= set(argv)
+    assert flag(argv, "--worker-extension-cls") == WORKER_EXTENSION
+    assert argv[-2:] == ["--max-num-seqs", "8"]  # pass-through flags last, so they win
+
+
+def test_argv_leaves_unset_options_to_vllm():
+    argv = build_vllm_argv(InferenceConfig.model_validate({"backend": "vllm", "model": {"name": "/m"}}))
+    for name in ("--max-model-len", "--seed", "--tool-call-parser", "--reasoning-parser", "--api-key"):
+        assert name not in argv
+    assert "--enforce-eager" not in argv and "--enable-auto-tool-choice" not in argv
+
+
+@pytest.fixture
+def expected():
+    return {"embed.weight": (10, 4), "layer.weight": (4, 4)}
+
+
+def write(path, tensors: dict[str, tuple[int, ...]], name: str = "model.safetensors"):
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: torch.zeros(shape, dtype=torch.bfloat16) for k, shape in tensors.items()}, path / name)
+    return path
+
+
+def test_weight_dir_matching_names_and_shapes_passes(tmp_path, expected):
+    check_weight_dir(write(tmp_path / "ok", expected), expected)  # dtype may differ from the base's
+    check_weight_dir(write(tmp_path / "unchecked", {"other": (1,)}), None)  # no local base: readable is enough
+
+
+@pytest.mark.parametrize(
+    "tensors, message",
+    [
+        ({"embed.weight": (10, 4)}, "missing tensors ['layer.weight']"),
+        ({"embed.weight": (10, 4), "layer.weight": (4, 4), "extra": (1,)}, "unexpected tensors ['extra']"),
+        ({"embed.weight": (10, 4), "layer.weight": (4, 8)}, "shape mismatch ['layer.weight: (4, 8) vs (4, 4)']"),
+    ],
+)
+def test_weight_dir_mismatch_is_invalid_request(tmp_path, expected, tensors, message):
+    with pytest.raises(InvalidRequest, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        check_weight_dir(write(tmp_path / "w", tensors), expected)
+
+
+def test_weight_dir_missing_empty_or_corrupt(tmp_path, expected):
+    with pytest.raises(InvalidRequest, match="does not exist"):
+        check_weight_dir(tmp_path / "nope", expected)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InvalidRequest, match="no \\*.safetensors"):
+        check_weight_dir(tmp_path / "empty", expected)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(InvalidRequest, match="cannot read"):
+        check_weight_dir(tmp_path / "bad", expected)
+
+
+def test_generate_logprobs_get_token_id_strings():
+    body = {"choices": [{"token_ids": [5, 7], "logprobs": {"content": [
+        {"token_id": 5, "logprob": -1.0, "top_logprobs": [{"token_id": 5, "logprob": -1.0}]},
+        {"token_id": 7, "logprob": -2.0, "top_logprobs": []},
+    ]}}, {"token_ids": [], "logprobs": None}]}  # fmt: skip
+    out = _with_token_strings(body)["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in out] == ["token_id:5", "token_id:7"]
+    assert out[0]["top_logprobs"][0]["token"] == "token_id:5" and out[0]["token_id"] == 5
