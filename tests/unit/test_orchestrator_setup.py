@@ -48,9 +48,9 @@ def test_unreachable_server_error_names_the_url():
         asyncio.run(go())
 
 
-def _config(tmp_path, **kw):
+def _config(tmp_path, k=1, **kw):
     return OrchestratorConfig(batch_size=8, rollouts_per_example=4, seq_len=64, output_dir=tmp_path,
-                              max_async_level=1, **kw)
+                              max_async_level=k, **kw)
 
 
 def _publish(out, step):
@@ -58,9 +58,7 @@ def _publish(out, step):
 
 
 def test_checkpoint_and_resume_continue_where_the_run_stopped(tmp_path):
-    for s in range(1, 4):
-        _publish(tmp_path, s)  # a trainer that is always ahead
-    cfg = _config(tmp_path, max_steps=4, ckpt=CkptConfig(interval=2, keep_last=1))
+    cfg = _config(tmp_path, k=3, max_steps=4, ckpt=CkptConfig(interval=2, keep_last=1))  # never waits
     orch = Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer())
     asyncio.run(orch.run())
     assert ckpt.saved_steps(tmp_path) == [4]  # step 2 saved, then pruned by keep_last=1

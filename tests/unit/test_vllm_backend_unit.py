@@ -30,6 +30,7 @@ def test_argv_maps_config_fields():
     assert (flag(argv, "--tool-call-parser"), flag(argv, "--reasoning-parser")) == ("hermes", "qwen3")
     assert {"--enforce-eager", "--enable-auto-tool-choice", "--enable-scale-out"} <= set(argv)
     assert flag(argv, "--worker-extension-cls") == WORKER_EXTENSION
+    assert flag(argv, "--logprobs-mode") == "processed_logprobs"  # logprobs of logits / T
     assert argv[-2:] == ["--max-num-seqs", "8"]  # pass-through flags last, so they win
 
 

@@ -31,6 +31,9 @@ from asyncrl.orchestrator.envs import (
 from asyncrl.utils.errors import UserError
 
 PLAIN_CLIENT = "openai_chat_completions"
+# verifiers errors caused by the model's own answer (empty, unparsable, too long): the rollout did run
+MODEL_ERRORS = {"InvalidModelResponseError", "EmptyModelResponseError", "OverlongPromptError", "ToolError",
+                "ToolParseError", "ToolCallError"}
 DEFAULT_MAX_CONCURRENT = 256  # requests in flight when max_concurrent is unset
 
 
@@ -45,10 +48,16 @@ class RolloutRecord:
     completion: list[dict] | None = None
     tools: list[dict] | None = None
     error: str | None = None
+    error_type: str | None = None
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def retryable(self) -> bool:
+        """Failed for a reason outside the model's answer (server, network, environment bug)."""
+        return self.error is not None and self.error_type not in MODEL_ERRORS
 
 
 @dataclass
@@ -136,8 +145,9 @@ def plain_messages(messages: Any) -> list[dict] | None:
 def _records(job: Job, outputs: list[dict]) -> list[RolloutRecord]:
     out = []
     for i, o in enumerate(outputs):
-        error = o.get("error")
+        error, error_type = o.get("error"), None
         if isinstance(error, dict):
+            error_type = error.get("error")
             error = error.get("error_chain_repr") or error.get("message") or str(error)
         reward = o.get("reward")
         if error is None and reward is None:
@@ -147,7 +157,7 @@ def _records(job: Job, outputs: list[dict]) -> list[RolloutRecord]:
         out.append(RolloutRecord(
             env=job.slot.name, example_id=job.example_id, rollout=job.first + i, reward=float(reward or 0.0),
             metrics=metrics, prompt=plain_messages(o.get("prompt")), completion=plain_messages(o.get("completion")),
-            tools=o.get("tool_defs") or None, error=str(error) if error else None,
+            tools=o.get("tool_defs") or None, error=str(error) if error else None, error_type=error_type,
         ))
     return out
 
@@ -177,8 +187,8 @@ async def run_jobs(
                 records = _records(job, list(outputs))
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-                records = [RolloutRecord(job.slot.name, job.example_id, job.first + i, 0.0, error=error)
-                           for i in range(job.n)]
+                records = [RolloutRecord(job.slot.name, job.example_id, job.first + i, 0.0, error=error,
+                                         error_type=type(e).__name__) for i in range(job.n)]
         if on_group is not None:
             result = on_group(job, records)
             if asyncio.iscoroutine(result):
@@ -197,7 +207,11 @@ def first_error(records: list[RolloutRecord]) -> str | None:
 
 
 def summarize(records: list[RolloutRecord]) -> dict[str, dict[str, Any]]:
-    """Per environment: reward mean/std over valid rollouts, rubric metric means, counts."""
+    """Per environment: reward mean/std, rubric metric means, counts.
+
+    Failed rollouts (e.g. an empty model answer, which verifiers aborts) count as reward 0 so they
+    cannot flatter the mean; `errors` says how many there were.
+    """
     import statistics
 
     by_env: dict[str, list[RolloutRecord]] = {}
@@ -206,7 +220,7 @@ def summarize(records: list[RolloutRecord]) -> dict[str, dict[str, Any]]:
     out = {}
     for env, rs in by_env.items():
         valid = [r for r in rs if r.ok]
-        rewards = [r.reward for r in valid]
+        rewards = [r.reward if r.ok else 0.0 for r in rs]
         names = sorted({k for r in valid for k in r.metrics})
         out[env] = {
             "reward_mean": statistics.fmean(rewards) if rewards else None,

@@ -8,7 +8,8 @@ the server did), and `env`, `example_id`, `rollout`, `reward` for provenance (`s
 Resumable: `<file>.progress` beside the dataset records, per example, how many rollouts have been
 run (kept or not). A re-run runs only what is missing — new examples, extra rollouts per example,
 groups that failed — after dropping rows that a crash left beyond the recorded progress. A group is
-appended (rows first, then its progress line) only when all its rollouts succeeded.
+appended (rows first, then its progress line) unless a rollout failed for a reason outside the model
+(server, network, environment bug); such groups are retried by the next run.
 """
 
 from __future__ import annotations
@@ -133,14 +134,15 @@ async def _synthesize(config: SynthesizeConfig) -> SynthStats:
 
     def on_group(job: Job, records: list[RolloutRecord]) -> None:
         stats.groups += 1
-        errors = [r.error for r in records if r.error]
-        if errors:
+        retry = [r.error for r in records if r.retryable]
+        if retry:
             stats.failed_groups += 1
             if stats.first_error is None:
-                stats.first_error = errors[0]
-                logger.warning(f"a rollout group of {job.slot.name} failed (it is retried on the next run): {errors[0]}")
+                stats.first_error = retry[0]
+                logger.warning(f"a rollout group of {job.slot.name} failed (it is retried on the next run): {retry[0]}")
             return
-        kept = [r for r in records if config.min_reward is None or r.reward >= config.min_reward]
+        # rollouts the model itself broke (e.g. an empty answer) count as run but are never written
+        kept = [r for r in records if r.ok and (config.min_reward is None or r.reward >= config.min_reward)]
         if kept:
             _append(data, [sft_row(r) for r in kept])
         _append(progress, [{"env": job.slot.name, "example_id": job.example_id, "rollouts": job.first + job.n}])

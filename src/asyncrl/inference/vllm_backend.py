@@ -52,6 +52,9 @@ def build_vllm_argv(config: InferenceConfig) -> list[str]:
         "--tensor-parallel-size", str(config.tensor_parallel_size),
         "--enable-scale-out",  # registers /inference/v1/generate (token in, token out)
         "--worker-extension-cls", WORKER_EXTENSION,
+        # Logprobs of the distribution actually sampled (logits / temperature), what the RL loss's
+        # importance ratios need; vLLM's default is the raw, unscaled ones.
+        "--logprobs-mode", "processed_logprobs",
     ]  # fmt: skip
     if m.max_model_len is not None:
         argv += ["--max-model-len", str(m.max_model_len)]

@@ -187,7 +187,7 @@ class _Trainer:
         logger.info(
             f"step {step} | loss {m['loss']:.4f} | entropy {m['entropy']:.3f} | mismatch_kl {m['mismatch_kl']:.2e} | "
             f"masked {m.get('masked_frac', 0):.1%} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-            f"{m['tokens_per_s']:,.0f} tok/s | mfu {mfu_s} | mem {m['peak_mem_gib']:.2f} GiB | wait {m['wait_s']:.2f}s"
+            f"{m['step_time_s']:.2f}s {m['tokens_per_s']:,.0f} tok/s | mfu {mfu_s} | mem {m['peak_mem_gib']:.2f} GiB | wait {m['wait_s']:.2f}s"
         )
         self.sink.log(step, m)
 

@@ -1,0 +1,184 @@
+"""Orchestrator + embedded inference server + a fake trainer, on a tiny model, for each shipped environment.
+
+The fake trainer reads each batch, perturbs the weights and publishes them as `broadcast/step_{n+1}`,
+so the orchestrator really tells the server to load new weights. Afterwards every batch is checked:
+ids/positions/masks line up, advantages are per-sample constants summing to zero per step, and the
+inference logprobs on loss tokens equal a fresh forward pass of the policy the batch says it used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.transport.batch import read_batch, read_meta, wait_for_batch
+from asyncrl.transport.weights import broadcast_dir, publish_dir
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+ENVS = {
+    "reverse-text": {"num_train_examples": 50, "num_eval_examples": 4},
+    "echo-twice": {"num_train_examples": 50, "num_eval_examples": 4},
+    "tool-calc": {"num_train_examples": 50, "num_eval_examples": 4},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    import uvicorn
+
+    from asyncrl.config.inference import InferenceConfig
+    from asyncrl.inference.server import build_backend, create_app
+
+    torch.set_num_threads(1)
+    config = InferenceConfig(model={"name": str(tiny_model_dir), "max_model_len": 512, "enable_auto_tool_choice": True,
+                                    "tool_call_parser": "hermes"}, max_batch_size=16, seed=0)
+    app = create_app(build_backend(config), config)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "embedded server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1"
+    srv.should_exit = True
+    thread.join(30)
+
+
+class WeightTrainer(threading.Thread):
+    """Consumes rollouts/step_n and publishes perturbed real weights as broadcast/step_{n+1}."""
+
+    def __init__(self, out: Path, model_dir: Path, steps: int):
+        super().__init__(daemon=True)
+        self.out, self.model_dir, self.steps = out, model_dir, steps
+        self.policies: dict[int, dict] = {}
+        self.batches: dict[int, tuple[list, dict]] = {}  # the orchestrator prunes consumed batches
+        self.error: BaseException | None = None
+        self.stop = False
+
+    def run(self):
+        try:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+            self.policies[0] = copy.deepcopy(model.state_dict())
+            for n in range(self.steps):
+                wait_for_batch(self.out, n, timeout=600, poll=0.02, should_stop=lambda: self.stop)
+                self.batches[n] = (read_batch(self.out, n, 0), read_meta(self.out, n))  # checked later
+                gen = torch.Generator().manual_seed(n)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+                self.policies[n + 1] = copy.deepcopy(model.state_dict())
+                publish_dir(broadcast_dir(self.out, n + 1), model.save_pretrained)
+        except BaseException as e:  # surfaced by the test
+            self.error = e
+
+
+def _segments(mb):
+    starts = (mb["position_ids"] == 0).nonzero().flatten().tolist() + [len(mb["position_ids"])]
+    return [slice(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def check_batches(trainer: WeightTrainer, model_dir: Path, steps: int, k: int, multi_turn: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    for n in range(steps):
+        mbs, meta = trainer.batches[n]
+        assert n - meta["min_policy_step"] <= k
+        assert meta["min_policy_step"] == meta["policy_step"]  # no oversampling: one policy per batch
+        model.load_state_dict(trainer.policies[meta["policy_step"]])
+        adv_sum, samples, max_err = 0.0, 0, 0.0
+        for mb in mbs:
+            assert len(mb["input_ids"]) <= 256
+            for sl in _segments(mb):
+                ids, mask = mb["input_ids"][sl], mb["loss_mask"][sl]
+                adv = mb["advantages"][sl]
+                if not mask.any():
+                    continue  # a dummy row
+                samples += 1
+                assert ids[0] == im_start and not mask[0]  # starts with the (unmasked) chat prompt
+                assert torch.all(adv == adv[0])
+                adv_sum += adv[0].item()
+                assert (mb["inference_logprobs"][sl][~mask] == 0).all()
+                assert torch.all(mb["temperatures"][sl] == 1.0)
+                # Model turns separated by env tokens: mask goes on/off once per turn.
+                turns = int(((mask[1:].int() - mask[:-1].int()) == 1).sum())
+                if multi_turn:
+                    assert turns == 2 and "Say it again." in tok.decode(ids[~mask])
+                with torch.no_grad():
+                    logits = model(input_ids=ids[None]).logits[0].float()
+                lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
+                got = mb["inference_logprobs"][sl][1:][mask[1:]]
+                max_err = max(max_err, (lp[mask[1:]] - got).abs().max().item())
+        assert samples == meta["num_samples"] == 8
+        assert abs(adv_sum) < 1e-4  # reward - group mean sums to zero per group
+        assert max_err < 1e-3, f"step {n}: inference logprobs differ from policy {meta['policy_step']} by {max_err}"
+
+
+@pytest.mark.parametrize("env_id", list(ENVS))
+def test_three_steps_per_environment(env_id, server, tiny_model_dir, tmp_path):
+    from asyncrl.orchestrator.loop import orchestrate
+
+    k = 1
+    config = OrchestratorConfig(
+        model={"name": str(tiny_model_dir)}, client={"base_url": server}, env=[{"id": env_id, "args": ENVS[env_id]}],
+        batch_size=8, rollouts_per_example=4, seq_len=256, max_steps=STEPS, max_async_level=k,
+        sampling={"max_tokens": 16}, output_dir=tmp_path, eval={"interval": 2, "num_examples": 2},
+    )
+    trainer = WeightTrainer(tmp_path, tiny_model_dir, STEPS)
+    trainer.start()
+    try:
+        asyncio.run(orchestrate(config))
+    finally:
+        trainer.stop = True
+        trainer.join(60)
+    assert trainer.error is None, trainer.error
+    rows = [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == list(range(STEPS))
+    assert [r["step"] for r in evals] == [0, 2] and all(r["eval/rollouts"] == 2 for r in evals)
+    assert all(r["rollouts/errors"] == 0 for r in train), [r["rollouts/errors"] for r in train]
+    assert all(r["off_policy/level"] <= k for r in train)
+    assert max(r["policy/step"] for r in train) >= 1  # the server really got new weights
+    assert all(r["batch/samples"] == 8 and r["perf/gen_tokens_per_s"] > 0 for r in train)
+    assert all(f"reward/{env_id}/mean" in r for r in train)
+    check_batches(trainer, tiny_model_dir, STEPS, k, multi_turn=env_id == "echo-twice")
+
+
+def test_bench_reports_throughput(server, tiny_model_dir, tmp_path, capsys):
+    from asyncrl.orchestrator.loop import orchestrate
+
+    config = OrchestratorConfig(
+        model={"name": str(tiny_model_dir)}, client={"base_url": server}, env=[{"id": "reverse-text"}],
+        batch_size=8, rollouts_per_example=4, seq_len=256, max_steps=2, sampling={"max_tokens": 16},
+        output_dir=tmp_path, bench=True,
+    )
+    asyncio.run(orchestrate(config))
+    out = capsys.readouterr().out
+    assert "rollouts/s" in out and "gen tok/s" in out
+    mean = [line for line in out.splitlines() if line.strip().startswith("mean")]
+    assert mean and float(mean[0].split()[3]) > 0
+    assert not (tmp_path / "rollouts").exists()  # bench writes no batches

@@ -1,0 +1,39 @@
+"""Trainer metrics sink: JSON lines always, W&B only when configured (and installed)."""
+
+import importlib.util
+import json
+
+import pytest
+
+from asyncrl.config.base import WandbConfig
+from asyncrl.trainer.monitor import MetricsSink
+from asyncrl.utils.errors import UserError
+
+
+def test_jsonl_lines_per_step(tmp_path):
+    sink = MetricsSink(tmp_path, "trainer", None, {}, enabled=True)
+    sink.log(0, {"loss": 1.5, "mfu": None})
+    sink.log(1, {"loss": 0.5, "mfu": None})
+    sink.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 0, "loss": 1.5, "mfu": None}, {"step": 1, "loss": 0.5, "mfu": None}]
+
+
+def test_disabled_on_other_ranks(tmp_path):
+    MetricsSink(tmp_path, "trainer", WandbConfig(), {}, enabled=False).log(0, {"loss": 1.0})
+    assert not (tmp_path / "metrics").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_wandb_missing_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="wandb is not installed"):
+        MetricsSink(tmp_path, "trainer", WandbConfig(), {}, enabled=True)
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    sink = MetricsSink(tmp_path, "trainer", WandbConfig(name="t", offline=True), {"a": 1}, enabled=True)
+    sink.log(0, {"loss": 1.0})
+    sink.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
