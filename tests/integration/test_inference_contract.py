@@ -32,6 +32,7 @@ MESSAGES = [{"role": "user", "content": "reverse: abcdef"}]
 REPLY = '<think>ok</think>hi<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "f", "description": "f", "parameters": {"type": "object"}}}]
 LOGPROB_TOL = {"embedded": 2e-5}
+EOS_IDS = [256, 258]  # <|endoftext|>, <|im_end|>: the tiny model's generation_config eos ids
 
 
 @dataclass
@@ -103,42 +104,32 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def trained_dir(model_dir, tokenizer, tmp_path_factory) -> Path:
-    """The base model fine-tuned (all weights, a few seconds) to answer REPLY + eos to any chat prompt."""
+    """The base model fine-tuned (all weights, some seconds) to answer MESSAGES with REPLY + eos."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
     reply = tokenizer.encode(REPLY, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    rng = random.Random(0)
-    for _ in range(60):
-        rows = []
-        for _ in range(8):
-            text = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 12)))
-            msgs = [{"role": "user", "content": text}]
-            if rng.random() < 0.5:  # also a second turn, so multi-turn prompts get the same answer
-                msgs += [{"role": "assistant", "content": REPLY}, {"role": "user", "content": "again"}]
-            prompt = tokenizer.encode(
-                tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
-                add_special_tokens=False,
-            )
-            rows.append((prompt, reply))
-        width = max(len(p) + len(r) for p, r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        labels = torch.full((len(rows), width), -100)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, (p, r) in enumerate(rows):
-            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
-            mask[i, : len(p) + len(r)] = 1
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    ids = torch.tensor([prompt + reply])
+    labels = torch.tensor([[-100] * len(prompt) + reply])
+    for _ in range(200):
+        loss = model(input_ids=ids, labels=labels).loss
+        if loss.item() < 0.02:
+            break
         opt.zero_grad()
         loss.backward()
         opt.step()
-    out = tmp_path_factory.mktemp("trained")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=len(reply) + 4, do_sample=False)
+    assert out[0, len(prompt) :].tolist() == reply, "fine-tuning the contract model did not converge"
+    out_dir = tmp_path_factory.mktemp("trained")
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -174,8 +165,16 @@ def trained_weights(http, trained_dir):
 _HF_CACHE: dict[str, torch.nn.Module] = {}
 
 
-def hf_logprobs(weights_dir, prompt: list[int], completion: list[int], temperature: float = 1.0) -> list[float]:
-    """log p(completion | prompt) under a plain HF forward in fp32, logits / T (T=0: unscaled)."""
+def hf_logprobs(
+    weights_dir,
+    prompt: list[int],
+    completion: list[int],
+    temperature: float = 1.0,
+    bias: dict[int, float] | None = None,
+    banned: tuple[int, list[int]] = (0, []),
+) -> list[float]:
+    """log p(completion | prompt) under a plain HF forward in fp32: (logits + bias) / T (T=0: unscaled);
+    `banned` = (min_tokens, ids): those ids are impossible at the first min_tokens positions."""
     from transformers import AutoModelForCausalLM
 
     key = str(weights_dir)
@@ -183,6 +182,9 @@ def hf_logprobs(weights_dir, prompt: list[int], completion: list[int], temperatu
         _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = _HF_CACHE[key](torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+    for token, b in (bias or {}).items():
+        logits[:, token] += b
+    logits[: banned[0], banned[1]] = float("-inf")
     if temperature > 0:
         logits = logits / temperature
     return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
@@ -413,31 +415,46 @@ def test_update_and_reload_weights(server, http, model_dir, tmp_path):
     assert greedy(http, server) == before
 
 
-def test_trained_weights_answer_with_tools_and_reasoning(server, http, oai, trained_weights):
-    out = chat(http, server, temperature=0, max_tokens=96, tools=TOOLS, return_token_ids=True)
-    choice = out["choices"][0]
+def test_trained_weights_answer_with_tools_and_reasoning(server, http, trained_weights):
+    """Parsing on real model output: the trained model says REPLY to MESSAGES' (tool-less) prompt ids,
+    sent through /v1/chat/completions/tokens with `tools` so the server parses calls."""
+    prompt = http.post("/tokenize", json={"model": server.model, "messages": MESSAGES}).json()["tokens"]
+    body = {"model": server.model, "messages": MESSAGES, "tokens": prompt, "tools": TOOLS, "max_tokens": 96,
+            "temperature": 0, "return_token_ids": True}  # fmt: skip
+    choice = http.post("/v1/chat/completions/tokens", json=body).json()["choices"][0]
     msg = choice["message"]
-    assert msg["reasoning_content"] == "ok"
-    assert msg["content"] == "hi"
-    assert choice["finish_reason"] == "tool_calls"
+    assert (msg["reasoning_content"], msg["content"], choice["finish_reason"]) == ("ok", "hi", "tool_calls")
     [call] = msg["tool_calls"]
-    assert call["type"] == "function" and call["function"]["name"] == "f"
+    assert call["type"] == "function" and call["function"]["name"] == "f" and call["id"]
     assert json.loads(call["function"]["arguments"]) == {"x": 1}
-    # without tools in the request nothing is parsed as a call
-    plain = chat(http, server, temperature=0, max_tokens=96)["choices"][0]
-    assert plain["finish_reason"] == "stop" and "<tool_call>" in plain["message"]["content"]
+    # without tools in the request nothing is parsed as a call (reasoning still is)
+    plain = http.post("/v1/chat/completions/tokens", json=dict(body, tools=None)).json()["choices"][0]
+    assert plain["finish_reason"] == "stop" and plain["message"]["content"].startswith("hi<tool_call>")
     # streamed: the same fields, assembled from deltas
-    stream = oai.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=96, temperature=0,
-                                         tools=TOOLS, stream=True)  # fmt: skip
+    with http.stream("POST", "/v1/chat/completions/tokens", json=dict(body, stream=True)) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
     reasoning, content, calls, finish = "", "", [], None
-    for chunk in stream:
-        for c in chunk.choices:
-            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
-            content += c.delta.content or ""
-            calls += c.delta.tool_calls or []
-            finish = c.finish_reason or finish
+    for chunk in events[:-1]:
+        for c in chunk["choices"]:
+            reasoning += c["delta"].get("reasoning_content") or ""
+            content += c["delta"].get("content") or ""
+            calls += c["delta"].get("tool_calls") or []
+            finish = c.get("finish_reason") or finish
     assert (reasoning, content, finish) == ("ok", "hi", "tool_calls")
-    assert [c.function.name for c in calls] == ["f"] and json.loads(calls[0].function.arguments) == {"x": 1}
+    assert [c["function"]["name"] for c in calls] == ["f"] and json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
+
+
+def test_logit_bias_is_part_of_the_distribution(server, http, model_dir):
+    """logit_bias shifts sampling, and the returned logprobs are those of the biased distribution."""
+    bias = {"97": 6.0, "98": 4.0}  # 'a', 'b'
+    out = chat(http, server, temperature=0.8, max_tokens=12, logit_bias=bias, logprobs=True, return_token_ids=True,
+               seed=5)  # fmt: skip
+    prompt, ids = out["prompt_token_ids"], out["choices"][0]["token_ids"]
+    assert sum(t in (97, 98) for t in ids) >= 4
+    ref = hf_logprobs(model_dir, prompt, ids, 0.8, bias={97: 6.0, 98: 4.0})
+    served = [c["logprob"] for c in out["choices"][0]["logprobs"]["content"]]
+    assert max(abs(a - b) for a, b in zip(served, ref)) < LOGPROB_TOL[server.backend]
 
 
 def _write_lora(model_dir: Path, out: Path, rank: int = 4, alpha: float = 8.0) -> dict[str, tuple]:
@@ -580,8 +597,12 @@ def test_verifiers_single_turn(server, http, model_dir, monkeypatch):
         assert max(abs(a - b) for a, b in zip(tok["completion_logprobs"], ref)) < LOGPROB_TOL[server.backend]
 
 
-def test_verifiers_multi_turn_stitches_tokens(server, http, trained_weights, monkeypatch):
-    """Turn 2 goes through /tokenize + /v1/chat/completions/tokens: its prompt extends turn 1's ids."""
+def test_verifiers_multi_turn_stitches_tokens(server, http, model_dir, monkeypatch):
+    """Turn 2 goes through /tokenize + /v1/chat/completions/tokens: its prompt extends turn 1's ids.
+
+    A logit bias on <|im_end|> makes the random model end its turns (a truncated turn 1 would make
+    verifiers fall back to re-tokenizing messages); the logprobs checked include that bias.
+    """
     import verifiers as vf
 
     class TwoTurns(vf.MultiTurnEnv):
@@ -591,26 +612,25 @@ def test_verifiers_multi_turn_stitches_tokens(server, http, trained_weights, mon
         async def env_response(self, messages, state, **kwargs):
             return [vf.UserMessage(content="again")]
 
-    env = TwoTurns(dataset=_dataset(["ab", "cd"]), rubric=vf.Rubric(funcs=[lambda **kw: 0.0]))
-    outputs = _run_env(env, server, 2, {"max_tokens": 96, "temperature": 1.0}, monkeypatch)
     eos = 258  # <|im_end|> in the tiny tokenizer
+    env = TwoTurns(dataset=_dataset(["ab", "cd", "ef"]), rubric=vf.Rubric(funcs=[lambda **kw: 0.0]))
+    sampling = {"max_tokens": 16, "temperature": 1.0, "logit_bias": {str(eos): 7.0},
+                "extra_body": {"min_tokens": 2}}  # fmt: skip
+    outputs = _run_env(env, server, 3, sampling, monkeypatch)
+    stitched_any = False
     for o in outputs:
         assert o["error"] is None
         first, second = (s["tokens"] for s in o["trajectory"])
-        assert first["completion_ids"][-1] == eos and not first["is_truncated"]
+        for t in (first, second):
+            ref = hf_logprobs(model_dir, t["prompt_ids"], t["completion_ids"], 1.0, {eos: 7.0}, (2, EOS_IDS))
+            assert max(abs(a - b) for a, b in zip(t["completion_logprobs"], ref)) < LOGPROB_TOL[server.backend]
+            assert t["prompt_mask"] == [0] * len(t["prompt_ids"]) and t["completion_mask"] == [1] * len(t["completion_ids"])
+        if first["completion_ids"][-1] != eos:
+            continue  # truncated turn 1: verifiers re-tokenizes by design
+        stitched_any = True
         stitched = first["prompt_ids"] + first["completion_ids"]
         assert second["prompt_ids"][: len(stitched)] == stitched  # token-in, token-out: no re-tokenization
         bridge = second["prompt_ids"][len(stitched) :]
         assert bridge and bridge[-1] == 10  # "...<|im_start|>assistant\n"
-        for t in (first, second):
-            ref = hf_logprobs(trained_weights, t["prompt_ids"], t["completion_ids"], 1.0)
-            assert max(abs(a - b) for a, b in zip(t["completion_logprobs"], ref)) < 1e-4
-            assert all(math.isfinite(x) for x in t["completion_logprobs"])
+    assert stitched_any
 
-
-def test_debug_trained(server, http, trained_weights):
-    out = chat(http, server, temperature=0, max_tokens=96, tools=TOOLS, return_token_ids=True)
-    print(out)
-    out = chat(http, server, temperature=0, max_tokens=96, return_token_ids=True)
-    print(out)
-    assert 0

@@ -115,6 +115,11 @@ def test_gradient_does_not_depend_on_packing(tiny_model_dir, tmp_path):
     b = run_train(config(tiny_model_dir, single, max_steps=1, optim={"max_norm": 0.0}))[0]
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # activation checkpointing recomputes, it does not change the gradient
+    write_batch(tmp_path / "ac", 0, [rows])
+    c = run_train(config(tiny_model_dir, tmp_path / "ac", max_steps=1, optim={"max_norm": 0.0},
+                         model={"name": str(tiny_model_dir), "ac": {"freq": 1}}))[0]
+    assert c["loss"] == a["loss"] and c["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
 
 
 def test_nan_loss_stops_without_weights(tiny_model_dir, tmp_path):
@@ -200,6 +205,13 @@ def test_two_process_fsdp_trains_checkpoints_resumes_exactly(tiny_model_dir, tmp
     assert sorted(step_dirs(out / "checkpoints")) == [2, 3]
     final = load_file(str(broadcast_dir(out, 3) / "model.safetensors"))
     load_exported(weights_dir(out, 2))
+
+    # the same step-0 samples on one rank give the same loss and gradient (normalisation across ranks)
+    one = tmp_path / "one"
+    write_batch(one, 0, [[mb for r in range(2) for mb in synthetic_rows(tiny_model_dir, [[9, 7], [12]], seed=r)]])
+    alone = run_train(config(tiny_model_dir, one, max_steps=1))[0]
+    assert alone["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)
+    assert alone["grad_norm"] == pytest.approx(first[0]["grad_norm"], rel=1e-4)
 
     write_steps(tiny_model_dir, out, range(2, 3), 2, [[9, 7], [12]])
     torchrun(out, common + ["--ckpt.resume-step", "2"])

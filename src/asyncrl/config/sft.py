@@ -15,13 +15,17 @@ class SFTDataConfig(BaseConfig):
     type: Literal["dataset", "fake"] = Field("dataset", description="dataset: a file/dir/hub name; fake: benchmark data")
     name: str | None = Field(None, description="local .jsonl/.parquet file or dir, or a HF hub dataset name")
     split: str = Field("train", description="dataset split")
-    seq_len: int = Field(2048, ge=1, description="tokens per packed row")
-    batch_size: int = Field(32, ge=1, description="samples per optimizer step")
-    micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward")
-    pack: bool = Field(True, description="pack several samples into one seq_len row")
+    seq_len: int = Field(2048, ge=1, description="max tokens per row (longer samples are truncated)")
+    batch_size: int = Field(
+        32, ge=1, description="rows per optimizer step, all ranks (a row: one sample, or several when packing)"
+    )
+    micro_batch_size: int = Field(8, ge=1, description="rows per forward/backward on one rank")
+    pack: bool = Field(True, description="fill each row with consecutive samples up to seq_len tokens")
     shuffle: bool = Field(True, description="shuffle every epoch")
     seed: int = Field(0, description="shuffle seed")
-    loss_roles: list[str] = Field(default_factory=lambda: ["assistant"], description="message roles trained on")
+    loss_roles: list[str] = Field(
+        default_factory=lambda: ["assistant"], description="roles of completion messages trained on"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "SFTDataConfig":
@@ -42,7 +46,7 @@ class SFTConfig(BaseConfig):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="learning-rate schedule")
     data: SFTDataConfig = Field(default_factory=lambda: SFTDataConfig(type="fake"), description="training data")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
-    epochs: int = Field(1, ge=1, description="passes over the data (when max_steps is not set)")
+    epochs: int = Field(1, ge=1, description="passes over the data when max_steps is not set (else data repeats)")
     ckpt: CkptConfig | None = Field(None, description="checkpointing (off unless set: --ckpt)")
     wandb: WandbConfig | None = Field(None, description="W&B logging (off unless set: --wandb)")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")

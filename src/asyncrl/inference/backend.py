@@ -41,6 +41,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before temperature
 
     @property
     def greedy(self) -> bool:

@@ -91,13 +91,14 @@ def render_chat(
 
 
 def split_reasoning(text: str, parser: str | None) -> tuple[str | None, str]:
-    """(reasoning, content). qwen3: reasoning only when </think> appears; deepseek_r1: an unclosed
-    think block (or none at all) is all reasoning, as the template opens <think> in the prompt."""
+    """(reasoning, content). Text up to </think> is reasoning (minus a leading <think>). Without
+    </think>: qwen3 -> reasoning only if the text opened <think> (cut off while thinking), else all
+    content; deepseek_r1 -> all reasoning (its template opens <think> in the prompt)."""
     if parser is None:
         return None, text
     end = text.find(THINK_END)
     if end < 0:
-        if parser == "deepseek_r1":
+        if parser == "deepseek_r1" or text.startswith(THINK_START):
             return text.removeprefix(THINK_START), ""
         return None, text
     reasoning = text[:end]

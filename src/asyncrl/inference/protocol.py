@@ -40,6 +40,15 @@ class SamplingFields(_Body):
     presence_penalty: float = Field(0.0, **Finite)
     frequency_penalty: float = Field(0.0, **Finite)
     repetition_penalty: float = Field(1.0, gt=0, **Finite)
+    logit_bias: dict[int, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        for token, bias in (v or {}).items():
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -56,6 +65,11 @@ class SamplingFields(_Body):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
+
+    def check_vocab(self, vocab_size: int, prefix: str = "") -> None:
+        """Token ids in stop_token_ids / logit_bias must exist."""
+        check_token_ids(self.stop_token_ids or [], vocab_size, f"{prefix}stop_token_ids")
+        check_token_ids(list(self.logit_bias or {}), vocab_size, f"{prefix}logit_bias")
 
     def to_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -75,6 +89,7 @@ class SamplingFields(_Body):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=dict(self.logit_bias or {}),
         )
 
 

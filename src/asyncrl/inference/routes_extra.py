@@ -80,7 +80,7 @@ def router(state: ServerState) -> APIRouter:
         sp = body.sampling_params
         backend = state.backend
         check_token_ids(body.token_ids, backend.vocab_size, "token_ids")
-        check_token_ids(sp.stop_token_ids or [], backend.vocab_size, "sampling_params.stop_token_ids")
+        sp.check_vocab(backend.vocab_size, "sampling_params.")
         max_tokens = resolve_max_tokens(sp.max_tokens, len(body.token_ids), backend.max_model_len)
         params = sp.to_params(max_tokens, sp.logprobs)
         results = await collect(request, backend.generate(body.token_ids, params, lora), params.n)

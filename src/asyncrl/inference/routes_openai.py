@@ -136,7 +136,7 @@ def _tool_parsing(state: ServerState, body: ChatCompletionRequest) -> bool:
 
 def chat_params(state: ServerState, body: ChatCompletionRequest, prompt_ids: list[int]) -> SamplingParams:
     check_token_ids(prompt_ids, state.backend.vocab_size, "tokens")
-    check_token_ids(body.stop_token_ids or [], state.backend.vocab_size, "stop_token_ids")
+    body.check_vocab(state.backend.vocab_size)
     max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids), state.backend.max_model_len)
     return body.to_params(max_tokens, body.logprobs_k())
 
@@ -272,7 +272,7 @@ def router(state: ServerState) -> APIRouter:
                 raise InvalidRequest("prompt is empty", param="prompt")
             check_token_ids(ids, state.backend.vocab_size, "prompt")
             prompts.append(ids)
-        check_token_ids(body.stop_token_ids or [], state.backend.vocab_size, "stop_token_ids")
+        body.check_vocab(state.backend.vocab_size)
         params = [
             body.to_params(resolve_max_tokens(body.max_tokens, len(ids), state.backend.max_model_len), body.logprobs)
             for ids in prompts

@@ -3,7 +3,8 @@
 The logprob returned for a sampled token is its log-probability under the exact distribution it was
 drawn from: log_softmax of (logits / T) after the row's filters. With no filters that is exactly
 log_softmax(logits / T), which is what the trainer recomputes, so importance ratios are exact.
-Greedy rows (T == 0) take the argmax and report log_softmax(logits).
+Greedy rows (T == 0) take the argmax and report log_softmax(logits). A request's logit_bias is added
+to the logits first (OpenAI semantics), so it is part of the distribution too.
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ def sample(logits: torch.Tensor, rows: list[RowSampler], banned: list[list[int]]
     """Sample one token per row of `logits` [B, V]; `banned[r]` token ids are excluded (min_tokens)."""
     logits = logits.float()
     device = logits.device
+    if any(r.params.logit_bias for r in rows):
+        logits = logits.clone()  # never write into the caller's tensor
+    for i, r in enumerate(rows):
+        if r.params.logit_bias:
+            ids = torch.tensor(list(r.params.logit_bias), device=device)
+            logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), device=device)
     temps = torch.tensor([r.params.temperature for r in rows], device=device)
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]

@@ -9,6 +9,7 @@ stay one parameter).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from loguru import logger
@@ -37,6 +38,8 @@ class LoadedModel:
 def _load_hf(name: str, attn: str, trust_remote_code: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
+        raise UserError(f"model directory '{name}' does not exist (check --model.name)")
     try:
         hf_config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -111,7 +114,7 @@ def _apply_ac(layers: nn.ModuleList, freq: int) -> int:
     wrapped = 0
     for i in range(len(layers)):
         if i % freq == 0:
-            layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+            layers[i] = checkpoint_wrapper(layers[i])  # keeps the RNG state: dropout recomputes identically
             wrapped += 1
     return wrapped
 

@@ -57,6 +57,9 @@ class _Trainer:
         self.config, self.ctx = config, ctx
         self.out = Path(config.output_dir)
         torch.manual_seed(config.seed)
+        resume = config.ckpt.resume_step if config.ckpt and not config.bench else None
+        # a bad resume step fails before the (slow) model load
+        self.resume_step = resolve_resume_step(self.out, resume) if resume is not None else None
         self.lm: LoadedModel = load_model(config.model, config.tokenizer.name, ctx.mesh)
         self.model = self.lm.model
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -79,10 +82,9 @@ class _Trainer:
     # ---- setup -------------------------------------------------------------------------------------
 
     def _resume(self) -> int:
-        cfg = self.config.ckpt
-        if self.ckpt is None or cfg.resume_step is None:
+        if self.resume_step is None:
             return 0
-        step = resolve_resume_step(self.out, cfg.resume_step)
+        step = self.resume_step
         extra = self.ckpt.load(step, self.model, self.optimizer)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.progress = extra["progress"]

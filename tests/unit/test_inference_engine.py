@@ -1,0 +1,192 @@
+"""The embedded engine without HTTP: continuous batching, exact logprobs, queueing, aborts, budgets."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.inference.backend import InvalidRequest, SamplingParams
+from asyncrl.inference.engine import EmbeddedEngine
+from asyncrl.inference.kv_cache import MaskBuilder, SlotKVCache
+
+
+def make_engine(model_dir, **kw) -> EmbeddedEngine:
+    return EmbeddedEngine(InferenceConfig(model={"name": str(model_dir)}, **kw))
+
+
+async def collect(engine, prompt, params):
+    out: dict[int, dict] = {}
+    async for d in engine.generate(prompt, params):
+        o = out.setdefault(d.index, {"ids": [], "lps": [], "finish": None})
+        o["ids"] += d.token_ids
+        o["lps"] += d.logprobs
+        o["finish"] = d.finish_reason or o["finish"]
+    return [out[i] for i in sorted(out)]
+
+
+def hf_logprobs(model, prompt, ids, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+    return (logits / temperature).log_softmax(-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def test_concurrent_mixed_requests_have_exact_logprobs(tiny_model_dir, hf_model):
+    """Different prompt lengths, n, temperatures and max_tokens in one batch (rows join and leave)."""
+    engine = make_engine(tiny_model_dir, max_batch_size=6)
+    prompts = [list(range(60, 60 + k)) for k in (3, 17, 9, 30, 1)]
+    specs = [(0.7, 2, 12), (1.0, 1, 5), (1.3, 3, 9), (0.5, 1, 20), (1.0, 2, 7)]
+
+    async def main():
+        await engine.start()
+        try:
+            return await asyncio.gather(*[
+                collect(engine, p, SamplingParams(max_tokens=m, temperature=t, n=n, ignore_eos=True))
+                for p, (t, n, m) in zip(prompts, specs)
+            ])  # fmt: skip
+        finally:
+            await engine.shutdown()
+
+    results = asyncio.run(main())
+    for prompt, (temp, n, max_tokens), choices in zip(prompts, specs, results):
+        assert len(choices) == n
+        for c in choices:
+            assert len(c["ids"]) == max_tokens and c["finish"] == "length"
+            ref = hf_logprobs(hf_model, prompt, c["ids"], temp)
+            assert torch.allclose(torch.tensor(c["lps"]), ref, atol=1e-5)
+    assert not engine._active
+
+
+def test_queueing_beyond_batch_size_and_limits(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, max_batch_size=2, kv_cache_gb=0.001)
+
+    async def main():
+        await engine.start()
+        try:
+            outs = await asyncio.gather(*[
+                collect(engine, [65 + i] * (i + 1), SamplingParams(max_tokens=6, ignore_eos=True)) for i in range(5)
+            ])  # fmt: skip
+            with pytest.raises(InvalidRequest, match="max_batch_size"):
+                engine.generate([1], SamplingParams(max_tokens=2, n=3))
+            with pytest.raises(InvalidRequest, match="KV cache"):
+                engine.generate([1], SamplingParams(max_tokens=4000))
+            with pytest.raises(InvalidRequest, match="LoRA"):
+                engine.generate([1], SamplingParams(max_tokens=2), lora_name="nope")
+            return outs
+        finally:
+            await engine.shutdown()
+
+    outs = asyncio.run(main())
+    assert all(len(o[0]["ids"]) == 6 for o in outs)
+
+
+def test_closing_a_stream_aborts_the_request(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+
+    async def main():
+        await engine.start()
+        try:
+            stream = engine.generate([65, 66], SamplingParams(max_tokens=3000, ignore_eos=True))
+            got = [await stream.__anext__() for _ in range(3)]
+            await stream.aclose()
+            for _ in range(200):
+                if not engine._active and not engine._waiting:
+                    break
+                await asyncio.sleep(0.01)
+            assert not engine._active
+            # the engine keeps serving
+            [c] = await collect(engine, [70], SamplingParams(max_tokens=3, ignore_eos=True))
+            return got, c
+        finally:
+            await engine.shutdown()
+
+    got, c = asyncio.run(main())
+    assert all(d.finish_reason is None for d in got) and len(c["ids"]) == 3
+
+
+def test_weight_dir_validation(tiny_model_dir, tmp_path):
+    from asyncrl.utils.tiny_model import build_tiny_model
+
+    engine = make_engine(tiny_model_dir)
+    other = build_tiny_model(tmp_path / "other", hidden_size=32, num_layers=2)
+
+    async def main():
+        await engine.start()
+        try:
+            for bad in (tmp_path / "missing", other, tmp_path):
+                with pytest.raises(InvalidRequest):
+                    await engine.update_weights(str(bad))
+            await engine.update_weights(str(tiny_model_dir))
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_lora_adapter_validation(tiny_model_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    engine = make_engine(tiny_model_dir)
+    adapter = tmp_path / "a"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    cases = {
+        "not a Linear": {"base_model.model.model.norm.lora_A.weight": torch.zeros(2, 64),
+                         "base_model.model.model.norm.lora_B.weight": torch.zeros(64, 2)},
+        "do not fit": {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 7),
+                       "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 2)},
+        "lacks": {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 64)},
+        "not a LoRA": {"base_model.model.lm_head.weight": torch.zeros(4, 4)},
+    }  # fmt: skip
+
+    async def main():
+        for match, tensors in cases.items():
+            save_file(tensors, str(adapter / "adapter_model.safetensors"))
+            with pytest.raises(InvalidRequest, match=match):
+                await engine.load_lora_adapter("x", str(adapter))
+        with pytest.raises(InvalidRequest, match="adapter_config"):
+            await engine.load_lora_adapter("x", str(tmp_path / "missing"))
+
+    asyncio.run(main())
+    assert engine.lora_names() == []
+
+
+def test_kv_cache_growth_keeps_contents():
+    cache = SlotKVCache(1, torch.float32, torch.device("cpu"))
+    cache.ensure(2, 10)
+    keys = torch.randn(1, 2, 3, 4)
+    cache.set_prefill(torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2]))
+    cache.update(keys, keys + 1, 0)
+    cache.ensure(5, 200)
+    assert cache.slots == 8 and cache.capacity == 256
+    assert torch.equal(cache.keys[0][1, :, :3], keys[0])
+    cache.copy_row(1, 4, 3)
+    assert torch.equal(cache.values[0][4, :, :3], keys[0] + 1)
+
+
+def test_masks():
+    class Cfg:
+        layer_types = ["full_attention", "sliding_attention"]
+        sliding_window = 2
+        _attn_implementation = "sdpa"
+
+    masks = MaskBuilder(Cfg(), torch.float32)
+    dec = masks.decode(torch.tensor([0, 3]), 4)
+    assert dec["full_attention"][:, 0, 0].tolist() == [[True, False, False, False], [True, True, True, True]]
+    assert dec["sliding_attention"][1, 0, 0].tolist() == [False, False, True, True]
+    pre = masks.prefill(torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0]))["full_attention"][0, 0]
+    assert pre.tolist() == [[True, False, False], [True, True, False], [False, False, True]]
+
+    class Hybrid(Cfg):
+        layer_types = ["full_attention", "linear_attention"]
+
+    with pytest.raises(ValueError, match="vllm"):
+        MaskBuilder(Hybrid(), torch.float32)
