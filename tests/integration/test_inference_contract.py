@@ -41,6 +41,7 @@ class RunningServer:
     base_url: str
     model: str
     stop: Callable[[], None]
+    engine: object | None = None  # the in-process engine, when there is one (lets tests look inside)
 
 
 def _free_port() -> int:
@@ -65,7 +66,8 @@ def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
         from asyncrl.inference.server import build_backend, create_app
 
         config = InferenceConfig(model=model, api_key=API_KEY, max_batch_size=16, **overrides)
-        app = create_app(build_backend(config), config)
+        engine = build_backend(config)
+        app = create_app(engine, config)
         port = _free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
@@ -80,7 +82,7 @@ def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
             server.should_exit = True
             thread.join(30)
 
-        return RunningServer(backend, f"http://127.0.0.1:{port}", str(model_dir), stop)
+        return RunningServer(backend, f"http://127.0.0.1:{port}", str(model_dir), stop, engine)
     raise ValueError(f"unknown backend {backend}")
 
 
@@ -507,6 +509,51 @@ def test_lora_adapter(server, http, model_dir, tmp_path):
     ref = logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
     served = [c["logprob"] for c in tuned["choices"][0]["logprobs"]["content"]]
     assert max(abs(x - y) for x, y in zip(served, ref)) < LOGPROB_TOL[server.backend] * 10
+
+
+def test_update_weights_while_generating(server, http, model_dir, tmp_path):
+    """A weight swap lands between decode steps: the stream in flight finishes, and its tokens
+    before the swap carry the old model's logprobs."""
+    from asyncrl.utils.tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", hidden_size=128, num_layers=2, num_heads=4, seed=2)
+    body = {"model": server.model, "messages": MESSAGES, "max_tokens": 300, "ignore_eos": True, "stream": True,
+            "logprobs": True, "return_token_ids": True, "temperature": 1.0}  # fmt: skip
+    ids, lps, finish, swapped_at = [], [], None, None
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                ids += c.get("token_ids") or []
+                lps += [x["logprob"] for x in (c.get("logprobs") or {}).get("content", [])]
+                finish = c.get("finish_reason") or finish
+            if swapped_at is None and len(ids) >= 20:
+                swapped_at = len(ids)
+                threading.Thread(
+                    target=lambda: httpx.post(server.base_url + "/update_weights", headers=AUTH,
+                                              json={"weight_dir": str(other)}, timeout=60),  # fmt: skip
+                ).start()
+    assert finish == "length" and len(ids) == len(lps) == 300
+    prompt = http.post("/tokenize", json={"model": server.model, "messages": MESSAGES}).json()["tokens"]
+    ref = hf_logprobs(model_dir, prompt, ids[:swapped_at])
+    assert max(abs(a - b) for a, b in zip(lps[:swapped_at], ref)) < LOGPROB_TOL[server.backend]
+    assert http.post("/reload_weights", json={}).status_code == 200
+
+
+def test_disconnected_clients_free_their_rows(server, http):
+    if server.engine is None:
+        pytest.skip("needs an in-process engine to look at")
+    body = {"model": server.model, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=0.5)
+    with http.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as r:
+        next(r.iter_lines())
+    deadline = time.monotonic() + 10
+    while server.engine._active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server.engine._active
+    assert_alive(http, server)
 
 
 # ---- bad input -----------------------------------------------------------------------------------

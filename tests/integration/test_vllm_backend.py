@@ -143,6 +143,8 @@ def test_generate_token_in_token_out(http, model_dir, tokenizer):
     assert choice["token_ids"] == greedy(http, model_dir)["choices"][0]["token_ids"]
     assert choice["finish_reason"] == "length"
     assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    too_long = http.post("/inference/v1/generate", json={**body, "sampling_params": {"max_tokens": 10**6}})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
 
 
 def test_update_weights_then_reload(http, server, model_dir, tokenizer, tmp_path):
@@ -229,7 +231,8 @@ def test_lora_adapter_load_and_replace(model_dir, tokenizer, tmp_path):
         base = greedy(http, model_dir)["choices"][0]["token_ids"]
         for step, scale in ((1, 1.0), (2, -1.7)):  # the second load replaces the adapter in place
             deltas = write_lora(tmp_path / f"lora_{step}", model_dir, scale)
-            r = http.post("/load_lora_adapter", json={"lora_name": "policy", "lora_path": str(tmp_path / f"lora_{step}")})
+            body = {"lora_name": "policy", "lora_path": str(tmp_path / f"lora_{step}")}
+            r = http.post("/load_lora_adapter", json=body)
             assert r.status_code == 200, r.text
             out = greedy(http, "policy")["choices"][0]
             merged = tmp_path / f"merged_{step}"

@@ -40,8 +40,9 @@ def hf_model(tiny_model_dir):
 
 
 def test_concurrent_mixed_requests_have_exact_logprobs(tiny_model_dir, hf_model):
-    """Different prompt lengths, n, temperatures and max_tokens in one batch (rows join and leave)."""
-    engine = make_engine(tiny_model_dir, max_batch_size=6)
+    """Different prompt lengths (packed and chunked prefill), n, temperatures and max_tokens in one
+    batch (rows join and leave)."""
+    engine = make_engine(tiny_model_dir, max_batch_size=6, max_prefill_tokens=16)  # prompts of 17, 30: chunked
     prompts = [list(range(60, 60 + k)) for k in (3, 17, 9, 30, 1)]
     specs = [(0.7, 2, 12), (1.0, 1, 5), (1.3, 3, 9), (0.5, 1, 20), (1.0, 2, 7)]
 

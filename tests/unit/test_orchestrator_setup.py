@@ -98,3 +98,15 @@ def test_dead_server_during_rollouts_is_reported_as_such(tmp_path):
     orch = Orchestrator(_config(tmp_path, max_steps=2), fake_mixture(), runner, FakeServer(healthy=False))
     with pytest.raises(UserError, match="stopped answering"):
         asyncio.run(orch.run())
+
+
+@pytest.mark.slow
+def test_wandb_offline_logging(tmp_path):
+    pytest.importorskip("wandb")
+    from asyncrl.config.base import WandbConfig
+
+    cfg = _config(tmp_path, k=2, max_steps=2, wandb=WandbConfig(offline=True, name="t-orchestrator",
+                                                                log_extras={"interval": 1}))
+    asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0

@@ -196,11 +196,17 @@ def test_split_for_rank_and_micro_batches():
     r1 = split_for_rank(rows, batch_size=4, micro_batch_size=1, rank=1, world_size=2)
     assert len(r0) == len(r1) == 2  # the missing rows become empty dummies on both ranks
     mb = make_micro_batch(r1[0], pad_id=0)
-    assert mb.input_ids.tolist() == [4, 5, 6] and mb.position_ids.tolist() == [0, 1, 0]
-    assert mb.loss_mask.tolist() == [False, True, False]  # a sample's first token is never a target
+    assert mb.input_ids.tolist() == [[4, 5, 6]] and mb.position_ids.tolist() == [[0, 1, 0]]
+    assert mb.loss_mask.tolist() == [[False, True, False]]  # a sample's first token is never a target
     assert mb.num_samples == 2 and mb.sample_lengths.tolist() == [2, 1]
+    stacked = make_micro_batch([rows[1], rows[0]], pad_id=9)  # padded to the longest row
+    assert stacked.input_ids.tolist() == [[4, 5, 6], [1, 2, 3]]
+    two = make_micro_batch([[SFTSample([1, 2, 3, 4], [False] * 2 + [True] * 2)], [SFTSample([5, 6], [False, True])]], 9)
+    assert two.input_ids.tolist() == [[1, 2, 3, 4], [5, 6, 9, 9]]
+    assert two.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1]]  # padding is its own pseudo-sample
+    assert two.loss_mask.tolist() == [[False, False, True, True], [False, True, False, False]]
     dummy = make_micro_batch(r1[1], pad_id=7)
-    assert dummy.input_ids.tolist() == [7] and not dummy.loss_mask.any() and dummy.num_samples == 0
+    assert dummy.input_ids.tolist() == [[7]] and not dummy.loss_mask.any() and dummy.num_samples == 0
 
 
 def test_fake_samples_vary_in_length():

@@ -151,6 +151,8 @@ class EmbeddedEngine(Backend):
         return 2 * cfg.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
 
     def _kv_bytes(self, slots: int, positions: int) -> int:
+        """Bytes of the KV buffers the cache allocates for this many slots x positions."""
+        slots, positions = SlotKVCache.rounded(slots, min(positions, self.max_model_len))
         return slots * positions * self._bytes_per_token
 
     # ---- public API (event loop side) -------------------------------------------------------
@@ -244,6 +246,7 @@ class EmbeddedEngine(Backend):
                         fut.set_result(fn())
                     except BaseException as e:  # noqa: BLE001 - handed to the waiting request
                         fut.set_exception(e)
+                admitted: list[_Request] = []
                 try:
                     self._drop_aborted()
                     admitted = self._admit()
@@ -253,15 +256,18 @@ class EmbeddedEngine(Backend):
                         self._decode()
                 except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
                     logger.exception("engine step failed; failing the requests in flight")
-                    self._fail_all(e)
-        self._fail_all(RuntimeError("the inference engine shut down"))
+                    self._fail_all(e, admitted)
+        self._fail_all(RuntimeError("the inference engine shut down"), list(self._waiting))
 
-    def _fail_all(self, error: BaseException) -> None:
-        reqs = {id(a.req): a.req for a in self._active}
+    def _fail_all(self, error: BaseException, more: list[_Request] = ()) -> None:
+        reqs = {id(r): r for r in [*(a.req for a in self._active), *more]}
         self._active.clear()
         self.cache.release()
         for req in reqs.values():
-            req.loop.call_soon_threadsafe(req.queue.put_nowait, error)
+            try:
+                req.loop.call_soon_threadsafe(req.queue.put_nowait, error)
+            except RuntimeError:  # its event loop is closed
+                pass
 
     def _drop_aborted(self) -> None:
         with self._wake:
@@ -291,22 +297,48 @@ class EmbeddedEngine(Backend):
         return admitted
 
     def _prefill(self, reqs: list[_Request]) -> None:
-        """One packed forward over all new prompts; each request's first tokens are sampled from it."""
-        dev = self.device
+        """Prefill new prompts (short ones packed in one forward, long ones in chunks), then sample
+        each request's first tokens; a request with n > 1 copies its prompt's KV to n rows."""
         first_row = len(self._active)
-        rows, ids, positions, segments, last, names = [], [], [], [], [], []
-        row = first_row
+        rows, row = [], first_row
+        for req in reqs:
+            rows.append(row)
+            row += req.params.n
+        short = [j for j, req in enumerate(reqs) if len(req.prompt_ids) <= self.max_prefill_tokens]
+        last_logits: dict[int, torch.Tensor] = {}
+        if short:
+            logits = self._prefill_packed([reqs[j] for j in short], [rows[j] for j in short])
+            last_logits.update(zip(short, logits))
         for j, req in enumerate(reqs):
+            if j not in last_logits:
+                last_logits[j] = self._prefill_chunked(req, rows[j])
+        new, expanded = [], []
+        for j, req in enumerate(reqs):
+            for i in range(req.params.n):
+                if i:
+                    self.cache.copy_row(rows[j], rows[j] + i, len(req.prompt_ids))
+                seq = Sequence(i, req.prompt_ids, req.params, self._engine_tokenizer, self.eos_ids)
+                seed = None if req.params.seed is None else req.params.seed + i * _SEED_STRIDE
+                req.seqs.append(seq)
+                new.append(_Active(seq, req, RowSampler(req.params, seed, self.device)))
+                expanded.append(last_logits[j])
+        self._active.extend(new)
+        self._sample_and_emit(torch.stack(expanded), first_row)
+
+    def _prefill_packed(self, reqs: list[_Request], rows: list[int]) -> torch.Tensor:
+        """One forward over the concatenated prompts; the last-position logits of each, [len(reqs), V]."""
+        dev = self.device
+        slots, ids, positions, segments, last, names = [], [], [], [], [], []
+        for j, (req, row) in enumerate(zip(reqs, rows)):
             n_prompt = len(req.prompt_ids)
             ids += req.prompt_ids
-            rows += [row] * n_prompt
+            slots += [row] * n_prompt
             positions += range(n_prompt)
             segments += [j] * n_prompt
             names += [req.lora.name if req.lora else None] * n_prompt
             last.append(len(ids) - 1)
-            row += req.params.n
         pos = torch.tensor(positions, device=dev)
-        self.cache.set_prefill(torch.tensor(rows, device=dev), pos)
+        self.cache.set_prefill(torch.tensor(slots, device=dev), pos)
         self.lora.set_rows(names, dev)
         kwargs = {"logits_to_keep": torch.tensor(last, device=dev)} if self._logits_to_keep else {}
         out = self.model(
@@ -317,21 +349,27 @@ class EmbeddedEngine(Backend):
             use_cache=True,
             **kwargs,
         )
-        logits = out.logits[0] if self._logits_to_keep else out.logits[0, last]
-        # fan out: request j's n sequences all start from its prompt's last-position logits
-        row, new, expanded = first_row, [], []
-        for j, req in enumerate(reqs):
-            for i in range(req.params.n):
-                if i:
-                    self.cache.copy_row(row, row + i, len(req.prompt_ids))
-                seq = Sequence(i, req.prompt_ids, req.params, self._engine_tokenizer, self.eos_ids)
-                seed = None if req.params.seed is None else req.params.seed + i * _SEED_STRIDE
-                req.seqs.append(seq)
-                new.append(_Active(seq, req, RowSampler(req.params, seed, dev)))
-                expanded.append(j)
-            row += req.params.n
-        self._active.extend(new)
-        self._sample_and_emit(logits[torch.tensor(expanded, device=dev)], first_row)
+        return out.logits[0] if self._logits_to_keep else out.logits[0, last]
+
+    def _prefill_chunked(self, req: _Request, row: int) -> torch.Tensor:
+        """A prompt longer than max_prefill_tokens, chunk by chunk; its last-position logits [V]."""
+        dev, chunk, prompt = self.device, self.max_prefill_tokens, req.prompt_ids
+        self.lora.set_rows([req.lora.name if req.lora else None] * min(chunk, len(prompt)), dev)
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start : start + chunk]
+            if len(piece) < chunk:
+                self.lora.set_rows([req.lora.name if req.lora else None] * len(piece), dev)
+            self.cache.set_extend(row, start, len(piece))
+            kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
+            out = self.model(
+                input_ids=torch.tensor([piece], device=dev),
+                position_ids=torch.arange(start, start + len(piece), device=dev)[None],
+                attention_mask=self.masks.extend(start, len(piece), dev),
+                past_key_values=self.cache,
+                use_cache=True,
+                **kwargs,
+            )
+        return out.logits[0, -1]
 
     def _decode(self) -> None:
         dev = self.device
@@ -364,13 +402,17 @@ class EmbeddedEngine(Backend):
         self._remove_rows(finished)
 
     def _deliver(self, group: list[_Active]) -> None:
-        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, SeqDelta]]] = {}
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, SeqDelta]]] = {}
         for a in group:
             delta = a.seq.take_delta()
             if delta is not None:
-                per_loop.setdefault(a.req.loop, []).append((a.req.queue, delta))
+                per_loop.setdefault(a.req.loop, []).append((a.req, delta))
         for loop, items in per_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the requester's event loop is closed: nobody is listening
+                for req, _ in items:
+                    req.aborted = True
 
     def _remove_rows(self, rows: list[int]) -> None:
         """Retire rows, moving the last active row into each hole so rows stay 0..B-1."""
@@ -417,7 +459,7 @@ class _RequestStream:
             self._req.aborted = True
 
 
-def _put_all(items: list[tuple[asyncio.Queue, SeqDelta]]) -> None:
-    for queue, delta in items:
-        queue.put_nowait(delta)
+def _put_all(items: list[tuple[_Request, SeqDelta]]) -> None:
+    for req, delta in items:
+        req.queue.put_nowait(delta)
 

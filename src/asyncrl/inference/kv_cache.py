@@ -2,7 +2,7 @@
 
 Buffers per layer are [slots, kv_heads, capacity, head_dim]. Active sequences always occupy rows
 0..B-1 (the engine compacts rows when one finishes), so a decode step attends over the view
-`buf[:B, :, :L]` without gathering. Two forward modes:
+`buf[:B, :, :L]` without gathering. Forward modes:
 
 - prefill (packed): all new prompts concatenated into one row of T tokens, a block-diagonal causal
   mask keeps them apart; keys/values are scattered into their slots and the forward attends over the
@@ -10,7 +10,10 @@ Buffers per layer are [slots, kv_heads, capacity, head_dim]. Active sequences al
 - decode: one token per active row, written at that row's own position; the mask hides each row's
   stale tail, so rows of different lengths share one batched forward without left padding.
 
-Both modes hand the model a ready 4D mask (or a dict per layer type), so HF skips its own mask logic.
+A third mode, extend, prefills one long prompt chunk by chunk (each chunk attends over the row's
+cached prefix), so no forward exceeds the prefill token budget.
+
+All modes hand the model a ready 4D mask (or a dict per layer type), so HF skips its own mask logic.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+SLOT_ROUND, CAPACITY_ROUND = 8, 128
 
 
 class SlotKVCache(Cache):
@@ -40,14 +44,15 @@ class SlotKVCache(Cache):
         self._kv_len = 0
 
     # ---- sizing -------------------------------------------------------------------------------
+    @staticmethod
+    def rounded(slots: int, capacity: int) -> tuple[int, int]:
+        """The buffer size `ensure` allocates for a need (rounded so growth reallocates rarely)."""
+        return -(-slots // SLOT_ROUND) * SLOT_ROUND, -(-capacity // CAPACITY_ROUND) * CAPACITY_ROUND
+
     def ensure(self, slots: int, capacity: int) -> None:
-        """Grow buffers (doubling) so `slots` rows of `capacity` positions fit; keeps contents."""
-        new_slots = max(self.slots, 1)
-        while new_slots < slots:
-            new_slots *= 2
-        new_cap = max(self.capacity, 64)
-        while new_cap < capacity:
-            new_cap *= 2
+        """Grow buffers so `slots` rows of `capacity` positions fit; keeps contents."""
+        want_slots, want_cap = self.rounded(slots, capacity)
+        new_slots, new_cap = max(self.slots, want_slots), max(self.capacity, want_cap)
         if new_slots == self.slots and new_cap == self.capacity:
             return
         for i in range(self.num_layers):
@@ -80,6 +85,11 @@ class SlotKVCache(Cache):
         """Packed prefill: token t of the single input row goes to slot rows[t], position positions[t]."""
         self._mode, self._rows, self._pos = "prefill", rows, positions
 
+    def set_extend(self, row: int, start: int, length: int) -> None:
+        """Chunked prefill of one long prompt: `length` tokens at positions start.. of slot `row`,
+        attending over everything the row has cached so far."""
+        self._mode, self._rows, self._pos, self._kv_len = "extend", row, start, start + length
+
     def set_decode(self, batch: int, positions: torch.Tensor, kv_len: int) -> None:
         """Decode: row r writes its one new token at positions[r] and attends over [0, kv_len)."""
         self._mode, self._batch, self._pos, self._kv_len = "decode", batch, positions, kv_len
@@ -97,6 +107,11 @@ class SlotKVCache(Cache):
             k_buf[self._rows, :, self._pos] = key_states[0].transpose(0, 1)
             v_buf[self._rows, :, self._pos] = value_states[0].transpose(0, 1)
             return key_states, value_states
+        if self._mode == "extend":
+            row, start, end = self._rows, self._pos, self._kv_len
+            k_buf[row, :, start:end] = key_states[0]
+            v_buf[row, :, start:end] = value_states[0]
+            return k_buf[row : row + 1, :, :end], v_buf[row : row + 1, :, :end]
         k_buf[self._rows, :, self._pos] = key_states[:, :, 0]
         v_buf[self._rows, :, self._pos] = value_states[:, :, 0]
         return k_buf[: self._batch, :, : self._kv_len], v_buf[: self._batch, :, : self._kv_len]
@@ -154,6 +169,16 @@ class MaskBuilder:
         masks = {"full_attention": full[:, None, None, :]}
         if "sliding_attention" in self.layer_types:
             masks["sliding_attention"] = (full & (keys > pos - self.window))[:, None, None, :]
+        return self._finish(masks)
+
+    def extend(self, start: int, length: int, device: torch.device):
+        """[1, 1, length, start + length]: a chunk of one prompt over its cached prefix and itself."""
+        pos = torch.arange(start, start + length, device=device)[:, None]
+        keys = torch.arange(start + length, device=device)[None, :]
+        full = keys <= pos
+        masks = {"full_attention": full[None, None]}
+        if "sliding_attention" in self.layer_types:
+            masks["sliding_attention"] = (full & (keys > pos - self.window))[None, None]
         return self._finish(masks)
 
     def prefill(self, segments: torch.Tensor, positions: torch.Tensor):

@@ -141,92 +141,114 @@ def chat_params(state: ServerState, body: ChatCompletionRequest, prompt_ids: lis
     return body.to_params(max_tokens, body.logprobs_k())
 
 
+@dataclass
+class _ChatRun:
+    """One chat request in flight: what shapes its JSON response or its SSE chunks."""
+
+    body: ChatCompletionRequest
+    params: SamplingParams
+    prompt_ids: list[int]
+    model: str
+    reasoning_parser: str | None
+    parse_tools: bool
+    text: TokenText
+    as_ids: bool
+    rid: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def logprobs(self, ids: list[int], lps: list[float], top: list) -> dict[str, Any] | None:
+        if self.params.logprobs is None:
+            return None
+        return chat_logprobs(self.text, ids, lps, top, self.as_ids)
+
+    def response(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        choices = []
+        for i, r in enumerate(results):
+            message = ChatOutputParser(self.reasoning_parser, self.parse_tools).final(r.text)
+            finish = "tool_calls" if message.get("tool_calls") and r.finish_reason == "stop" else r.finish_reason
+            choice: dict[str, Any] = {
+                "index": i,
+                "message": message,
+                "logprobs": self.logprobs(r.token_ids, r.logprobs, r.top),
+                "finish_reason": finish,
+                "stop_reason": r.stop_reason,
+            }
+            if self.body.return_token_ids:
+                choice["token_ids"] = r.token_ids
+            choices.append(choice)
+        out: dict[str, Any] = {
+            "id": self.rid,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(len(self.prompt_ids), sum(len(r.token_ids) for r in results)),
+        }
+        if self.body.return_token_ids:
+            out["prompt_token_ids"] = self.prompt_ids
+        return out
+
+    async def sse(self, stream: AsyncIterator[SeqDelta]) -> AsyncIterator[str]:
+        parsers = [ChatOutputParser(self.reasoning_parser, self.parse_tools) for _ in range(self.params.n)]
+        base = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+        n_completion = 0
+        try:
+            first: dict[str, Any] = dict(base, choices=[
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(self.params.n)
+            ])  # fmt: skip
+            if self.body.return_token_ids:
+                first["prompt_token_ids"] = self.prompt_ids
+            yield sse(first)
+            async with aclosing(stream) as it:
+                async for d in it:
+                    n_completion += len(d.token_ids)
+                    yield sse(dict(base, choices=[self._chunk_choice(parsers[d.index], d)]))
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield sse(dict(base, choices=[], usage=usage(len(self.prompt_ids), n_completion)))
+        except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
+            logger.exception("streaming chat completion failed")
+            yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
+        yield "data: [DONE]\n\n"
+
+    def _chunk_choice(self, parser: ChatOutputParser, d: SeqDelta) -> dict[str, Any]:
+        delta: dict[str, Any] = parser.delta(d.text)
+        finish = d.finish_reason
+        if finish is not None:
+            for key, value in parser.finish().items():
+                delta[key] = delta.get(key, "") + value if isinstance(value, str) else value
+            if delta.get("tool_calls") and finish == "stop":
+                finish = "tool_calls"
+        choice: dict[str, Any] = {
+            "index": d.index,
+            "delta": delta,
+            "logprobs": self.logprobs(d.token_ids, d.logprobs, d.top_logprobs or []),
+            "finish_reason": finish,
+        }
+        if finish is not None:
+            choice["stop_reason"] = d.stop_reason
+        if self.body.return_token_ids:
+            choice["token_ids"] = d.token_ids
+        return choice
+
+
 async def serve_chat(state: ServerState, request: Request, body: ChatCompletionRequest, prompt_ids: list[int]):
     """Run a chat request whose prompt is already tokenized; JSON or SSE response."""
     lora = state.resolve_model(body.model)
-    parse_tools = _tool_parsing(state, body)
-    params = chat_params(state, body, prompt_ids)
-    stream = state.backend.generate(prompt_ids, params, lora)
-    reasoning = state.config.model.reasoning_parser
-    as_ids = bool(body.model_extra and body.model_extra.get("return_tokens_as_token_ids"))
-    text = TokenText(state.backend.tokenizer)
-    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model or state.served_name
+    run = _ChatRun(
+        body=body,
+        params=chat_params(state, body, prompt_ids),
+        prompt_ids=prompt_ids,
+        model=body.model or state.served_name,
+        reasoning_parser=state.config.model.reasoning_parser,
+        parse_tools=_tool_parsing(state, body),
+        text=TokenText(state.backend.tokenizer),
+        as_ids=bool(body.model_extra and body.model_extra.get("return_tokens_as_token_ids")),
+    )
+    stream = state.backend.generate(prompt_ids, run.params, lora)
     if body.stream:
-        gen = _stream_chat(stream, body, params, prompt_ids, rid, created, model, reasoning, parse_tools, text, as_ids)
-        return StreamingResponse(gen, media_type="text/event-stream")
-
-    results = await collect(request, stream, params.n)
-    choices = []
-    for i, r in enumerate(results):
-        message = ChatOutputParser(reasoning, parse_tools).final(r.text)
-        finish = "tool_calls" if message.get("tool_calls") and r.finish_reason == "stop" else r.finish_reason
-        choice: dict[str, Any] = {
-            "index": i,
-            "message": message,
-            "logprobs": chat_logprobs(text, r.token_ids, r.logprobs, r.top, as_ids) if params.logprobs is not None else None,
-            "finish_reason": finish,
-            "stop_reason": r.stop_reason,
-        }
-        if body.return_token_ids:
-            choice["token_ids"] = r.token_ids
-        choices.append(choice)
-    out: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage(len(prompt_ids), sum(len(r.token_ids) for r in results)),
-    }
-    if body.return_token_ids:
-        out["prompt_token_ids"] = prompt_ids
-    return JSONResponse(out)
-
-
-async def _stream_chat(
-    stream, body, params, prompt_ids, rid, created, model, reasoning, parse_tools, text, as_ids
-) -> AsyncIterator[str]:
-    parsers = [ChatOutputParser(reasoning, parse_tools) for _ in range(params.n)]
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    n_completion = 0
-    try:
-        first: dict[str, Any] = dict(base, choices=[
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            for i in range(params.n)
-        ])
-        if body.return_token_ids:
-            first["prompt_token_ids"] = prompt_ids
-        yield sse(first)
-        async with aclosing(stream) as it:
-            async for d in it:
-                n_completion += len(d.token_ids)
-                parser = parsers[d.index]
-                delta: dict[str, Any] = parser.delta(d.text)
-                finish = d.finish_reason
-                if finish is not None:
-                    for key, value in parser.finish().items():
-                        delta[key] = delta.get(key, "") + value if isinstance(value, str) else value
-                    if delta.get("tool_calls") and finish == "stop":
-                        finish = "tool_calls"
-                choice: dict[str, Any] = {
-                    "index": d.index,
-                    "delta": delta,
-                    "logprobs": chat_logprobs(text, d.token_ids, d.logprobs, d.top_logprobs or [], as_ids)
-                    if params.logprobs is not None
-                    else None,
-                    "finish_reason": finish,
-                }
-                if finish is not None:
-                    choice["stop_reason"] = d.stop_reason
-                if body.return_token_ids:
-                    choice["token_ids"] = d.token_ids
-                yield sse(dict(base, choices=[choice]))
-        if body.stream_options and body.stream_options.include_usage:
-            yield sse(dict(base, choices=[], usage=usage(len(prompt_ids), n_completion)))
-    except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
-        logger.exception("streaming chat completion failed")
-        yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
-    yield "data: [DONE]\n\n"
+        return StreamingResponse(run.sse(stream), media_type="text/event-stream")
+    return JSONResponse(run.response(await collect(request, stream, run.params.n)))
 
 
 def _completion_logprobs(text: TokenText, r: ChoiceResult, as_ids: bool) -> dict[str, Any]:

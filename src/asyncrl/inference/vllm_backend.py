@@ -20,6 +20,7 @@ import asyncio
 import copy
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -285,8 +286,16 @@ def attach_asyncrl_routes(app, config: InferenceConfig) -> None:
 
     @router.post("/inference/v1/generate")
     async def generate(request: GenerateRequest, raw_request: Request):
-        return answer(await raw_request.app.state.serving_tokens.serve_tokens(request, raw_request),
-                      transform=_with_token_strings)
+        # vLLM silently shortens an over-long max_tokens here (its chat route refuses it): refuse too.
+        max_len = raw_request.app.state.engine_client.model_config.max_model_len
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and len(request.token_ids) + max_tokens > max_len:
+            raise InvalidRequest(
+                f"prompt ({len(request.token_ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len {max_len}",
+                param="max_tokens",
+            )
+        result = await raw_request.app.state.serving_tokens.serve_tokens(request, raw_request)
+        return answer(result, transform=_with_token_strings)
 
     ours = {(r.path, m) for r in router.routes for m in r.methods}
     app.router.routes[:] = [
@@ -296,15 +305,18 @@ def attach_asyncrl_routes(app, config: InferenceConfig) -> None:
     app.include_router(router)
 
     app.middleware_stack = None  # vLLM built its stack already; rebuilt lazily with ours in it
+
     @app.exception_handler(InvalidRequest)
     async def _invalid(_: Request, exc: InvalidRequest):
         return _error(exc.message, exc.status, exc.param)
 
     if config.api_key:
+        expected = f"Bearer {config.api_key}".encode()
+
         @app.middleware("http")
         async def _require_key(request: Request, call_next):
             if request.url.path not in UNGUARDED_PATHS and request.method != "OPTIONS":
-                if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+                if not secrets.compare_digest(request.headers.get("authorization", "").encode(), expected):
                     return _error("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
             return await call_next(request)
 
@@ -364,8 +376,9 @@ def run_vllm_server(config: InferenceConfig) -> None:
             f"--backend vllm needs vLLM ({e}); install it with scripts/install_vllm.sh and run .venv-vllm/bin/inference"
         ) from e
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM's own CLI sets
-    args = parse_vllm_args(build_vllm_argv(config))
-    logger.info(f"starting vLLM {vllm.__version__} for {config.model.name}: {json.dumps(build_vllm_argv(config))}")
+    argv = build_vllm_argv(config)
+    args = parse_vllm_args(argv)
+    logger.info(f"starting vLLM {vllm.__version__} for {config.model.name}: {json.dumps(argv)}")
     try:
         uvloop.run(_serve(args, config))
     except KeyboardInterrupt:

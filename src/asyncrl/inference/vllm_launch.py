@@ -69,6 +69,8 @@ def start_vllm_server(
     `args` are more `inference` flags (e.g. `--model.dtype float32`, `--api-key K`, raw vLLM flags).
     Raises RuntimeError with the log's tail if the server dies or does not come up in time.
     """
+    if any(a.split("=")[0] in ("--server.port", "--server.host", "--model.name") for a in args):
+        raise ValueError("pass the model and port as arguments, not in `args` (the health check needs them)")
     python = vllm_python()
     if python is None:
         raise RuntimeError(f"no vLLM environment: {INSTALL_HINT}")

@@ -32,10 +32,10 @@ from asyncrl.orchestrator.envs import (
 from asyncrl.orchestrator.evaluation import run_eval
 from asyncrl.orchestrator.gating import Policy, PolicyGate, checkpoint_policy
 from asyncrl.orchestrator.metrics import MetricsSink, group_metrics, log_step, rollout_metrics
-from asyncrl.orchestrator.packing import PackItem, pack
+from asyncrl.orchestrator.packing import PackItem, PackStats, pack
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts
 from asyncrl.orchestrator.samples import TrajectoryConverter
-from asyncrl.transport.batch import prune_batches, write_batch
+from asyncrl.transport.batch import MicroBatch, prune_batches, write_batch
 from asyncrl.transport.weights import step_dirs
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.logging import setup_logger
@@ -70,7 +70,6 @@ class Orchestrator:
         self.args = sampling_args(config.sampling)
         self.progress = ckpt.Progress()
         self.loaded_policy: int | None = None  # unknown until we set it
-        self.policy_log: list[tuple[int, int]] = []  # (step, policy step used), for tests and inspection
 
     # ---- setup -------------------------------------------------------------------------------
     def _resume(self) -> Policy | None:
@@ -122,11 +121,10 @@ class Orchestrator:
                     f"over {int(metrics['eval/rollouts'])} rollouts in {metrics['eval/seconds']:.1f}s")
         self.sink.log(record)
 
-    def _batch(self, step: int, got: StepRollouts) -> tuple[list, Any, dict]:
+    def _pack(self, got: StepRollouts) -> tuple[list[list[MicroBatch]], PackStats]:
         temperature = self.config.sampling.temperature
         items = [PackItem(s, r.advantage, temperature) for g in got.groups for r in g.valid for s in r.samples]
-        per_rank, stats = pack(items, self.config.seq_len, self.config.num_train_workers)
-        return per_rank, stats, {"num_samples": stats.num_samples, "num_tokens": stats.num_tokens}
+        return pack(items, self.config.seq_len, self.config.num_train_workers)
 
     async def step(self, step: int, gate: PolicyGate) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -139,13 +137,13 @@ class Orchestrator:
                                            self.in_flight, self.args)
         min_policy = min(g.policy_step for g in got.groups)
         t_pack = time.perf_counter()
-        per_rank, stats, meta = self._batch(step, got)
-        meta |= {"policy_step": policy.step, "min_policy_step": min_policy}
+        per_rank, stats = self._pack(got)
+        meta = {"num_samples": stats.num_samples, "num_tokens": stats.num_tokens, "policy_step": policy.step,
+                "min_policy_step": min_policy}
         write_batch(self.config.output_dir, step, per_rank, meta)
         if policy.step > 0:
             prune_batches(self.config.output_dir, keep_from_step=policy.step)  # the trainer has consumed those
         t_write = time.perf_counter() - t_pack
-        self.policy_log.append((step, min_policy))
 
         p = self.progress
         p.step = step + 1
@@ -167,7 +165,7 @@ class Orchestrator:
             "batch/micro_batches": len(per_rank[0]), "batch/dummy_micro_batches": stats.num_dummies,
             "groups/launched": got.launched, "groups/cancelled": got.cancelled, "groups/reused": got.reused,
             "groups/stale_dropped": got.stale_dropped, "groups/filler": got.filler,
-            "trajectory/prefix_fallbacks": self.converter.fallbacks,
+            "trajectory/prefix_fallbacks_total": self.converter.fallbacks,
             "perf/gen_tokens_per_s": gen_tokens / max(got.seconds, 1e-9),
             "perf/rollouts_per_s": gen_rollouts / max(got.seconds, 1e-9),
             "time/wait_weights": waited, "time/update_weights": t_update, "time/rollouts": got.seconds,
@@ -176,6 +174,10 @@ class Orchestrator:
             "progress/total_problems": p.total_problems,
         }
         log_step(self.sink, record)
+        if record["rollouts/errors"]:
+            logger.warning(f"step {step}: {int(record['rollouts/errors'])} rollouts failed and were masked out "
+                           f"(last error: {self.collector.last_error})")
+        self.sink.log_extras(step, used)
         cfg = self.config.ckpt
         if cfg is not None and (p.step % cfg.interval == 0 or p.step == self.config.max_steps):
             path = ckpt.save(self.config.output_dir, p, self.collector.buffer)
@@ -233,9 +235,9 @@ async def run_bench(config: OrchestratorConfig, mixture: EnvMixture, run_group: 
                      "errors": sum(not r.ok for g in got.finished for r in g.rollouts)})
     timed = rows[1:] or rows  # the first step includes connection warm-up
     secs = sum(r["seconds"] for r in timed)
-    summary = {"step": "mean" if len(rows) > 1 else "all", "rollouts": sum(r["rollouts"] for r in timed),
-               "seconds": secs, "errors": sum(r["errors"] for r in timed),
-               "rollouts_per_s": sum(r["rollouts"] for r in timed) / secs,
+    rollouts = sum(r["rollouts"] for r in timed)
+    summary = {"step": "total", "rollouts": rollouts, "seconds": secs, "errors": sum(r["errors"] for r in timed),
+               "rollouts_per_s": rollouts / secs,
                "gen_tokens_per_s": sum(r["gen_tokens_per_s"] * r["seconds"] for r in timed) / secs,
                "total_tokens_per_s": sum(r["total_tokens_per_s"] * r["seconds"] for r in timed) / secs}
     print(f"orchestrator bench: {problems} prompts x {config.rollouts_per_example} rollouts per step, "
@@ -244,6 +246,8 @@ async def run_bench(config: OrchestratorConfig, mixture: EnvMixture, run_group: 
     for r in rows + [summary]:
         print(f"{r['step']:>5} {r['rollouts']:>9} {r['seconds']:>8.2f} {r['rollouts_per_s']:>11.2f} "
               f"{r['gen_tokens_per_s']:>10.1f} {r['total_tokens_per_s']:>12.1f} {r['errors']:>7}")
+    if len(rows) > 1:
+        print("(total: steps 1 and later; step 0 includes connection warm-up)")
     return rows + [summary]
 
 

@@ -78,6 +78,7 @@ class MetricsSink:
         self.path = Path(output_dir) / "metrics" / "orchestrator.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._wandb = None
+        self._extras = wandb_config.log_extras if wandb_config is not None else None
         if wandb_config is not None:
             try:
                 import wandb
@@ -85,7 +86,7 @@ class MetricsSink:
                 raise UserError("W&B logging is on but wandb is not installed; `pip install wandb` or drop --wandb") from e
             self._wandb = wandb.init(
                 project=wandb_config.project, name=wandb_config.name, id=wandb_config.id, resume="allow",
-                mode="offline" if wandb_config.offline else "online", config=run_config,
+                mode="offline" if wandb_config.offline else "online", config=run_config, dir=str(output_dir),
             )
 
     def log(self, record: dict[str, Any]) -> None:
@@ -94,6 +95,24 @@ class MetricsSink:
         if self._wandb is not None:
             step = record.get("step")
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+
+    def log_extras(self, step: int, rollouts: list[Rollout]) -> None:
+        """W&B sample table and reward/advantage/length histograms, every log_extras.interval steps."""
+        if self._wandb is None or self._extras is None or step % self._extras.interval or not rollouts:
+            return
+        import wandb
+
+        data: dict[str, Any] = {}
+        if self._extras.samples:
+            table = wandb.Table(columns=["step", "env", "example_id", "reward", "advantage", "completion"])
+            for r in rollouts[:32]:
+                table.add_data(step, r.env, r.example_id, r.reward, r.advantage, r.text)
+            data["samples"] = table
+        if self._extras.distributions:
+            data["dist/reward"] = wandb.Histogram([r.reward for r in rollouts])
+            data["dist/advantage"] = wandb.Histogram([r.advantage for r in rollouts])
+            data["dist/completion_len"] = wandb.Histogram([r.completion_len for r in rollouts])
+        self._wandb.log(data, step=step)
 
     def close(self) -> None:
         if self._wandb is not None:

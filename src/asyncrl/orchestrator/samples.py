@@ -48,6 +48,8 @@ class Rollout:
     is_truncated: bool = False
     error: str | None = None
     advantage: float = 0.0
+    text: str = ""  # the completion's messages as text (for W&B sample tables), clipped
+
 
     @property
     def ok(self) -> bool:
@@ -79,6 +81,7 @@ class TrajectoryConverter:
         rollout.reward = float(reward)
         rollout.metrics = {k: float(v) for k, v in (output.get("metrics") or {}).items() if _is_number(v)}
         rollout.is_truncated = bool(output.get("is_truncated", False))
+        rollout.text = _completion_text(output.get("completion"))
         try:
             steps = [_step_tokens(step) for step in output.get("trajectory") or []]
             if not steps:
@@ -161,6 +164,16 @@ def _output_error(output: Mapping[str, Any]) -> str | None:
     if isinstance(error, Mapping):
         return str(error.get("error_chain_repr") or error.get("message") or error.get("error"))
     return str(error)
+
+
+def _completion_text(completion: Any, limit: int = 2000) -> str:
+    if isinstance(completion, str):
+        return completion[:limit]
+    parts = []
+    for message in completion or []:
+        get = message.get if isinstance(message, Mapping) else lambda k, m=message: getattr(m, k, None)
+        parts.append(f"[{get('role')}] {get('content') or ''}{' ' + str(get('tool_calls')) if get('tool_calls') else ''}")
+    return "\n".join(parts)[:limit]
 
 
 def _is_number(value: Any) -> bool:

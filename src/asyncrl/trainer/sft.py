@@ -6,7 +6,7 @@ export (`weights`), FLOP/MFU accounting (`perf`) and the metrics sink (`monitor`
 
 Step n: take `data.batch_size` rows from the sample stream (a row is one sample, or with packing
 several samples in at most `data.seq_len` tokens), deal them round-robin to the ranks, run this
-rank's rows `data.micro_batch_size` at a time (concatenated into one packed sequence per forward),
+rank's rows `data.micro_batch_size` at a time (stacked, each row a packed sequence),
 and step the optimizer. The loss is the token-level cross-entropy over loss-mask tokens, divided by
 the step's loss-token count over all ranks (times the world size, since FSDP2 averages gradients),
 so it is the per-token mean over the step however rows are packed or sharded.
@@ -154,12 +154,10 @@ class _SFTTrainer:
     def _forward_backward(self, mbs: list[MicroBatch], scale: float) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.ctx.device)
         for mb in mbs:
-            logits = self.model(
-                input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False
-            ).logits[0]
-            targets = mb.loss_mask[1:]
+            logits = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+            targets = mb.loss_mask[:, 1:]
             if targets.any():
-                loss = F.cross_entropy(logits[:-1][targets].float(), mb.input_ids[1:][targets], reduction="sum")
+                loss = F.cross_entropy(logits[:, :-1][targets].float(), mb.input_ids[:, 1:][targets], reduction="sum")
             else:  # a dummy/empty micro-batch still runs backward so FSDP's collectives stay in step
                 loss = logits.sum() * 0.0
             (loss * scale).backward()

@@ -14,7 +14,7 @@ an error naming the message.
 
 Rows: a step takes samples from a `SampleStream` in (shuffled) order; without packing a row is one
 sample, with packing consecutive samples share a row of at most `seq_len` tokens (position ids
-restart per sample, which the model turns into a block-diagonal mask). A sample that does not fit
+restart per sample, which the model turns into a block-diagonal mask). A micro-batch stacks rows. A sample that does not fit
 starts the next row, or stays unconsumed for the next step, so the stream position after a step is
 exactly the first unseen sample.
 """
@@ -333,12 +333,17 @@ def take_rows(stream: SampleStream, num_rows: int, seq_len: int, pack: bool) -> 
 
 @dataclass
 class MicroBatch:
-    """One forward pass: rows concatenated into a single packed sequence (batch dimension 1)."""
+    """One forward pass: rows stacked into [rows, longest row], each row holding packed samples.
 
-    input_ids: torch.Tensor
+    Position ids restart at every sample, which HF attention turns into a block-diagonal mask (so a
+    row costs O(seq_len^2) attention, not the square of the whole micro-batch). Rows are right-padded
+    with a pad pseudo-sample that has its own positions and no loss.
+    """
+
+    input_ids: torch.Tensor  # [rows, length]
     position_ids: torch.Tensor
     loss_mask: torch.Tensor
-    sample_lengths: torch.Tensor  # CPU, for FLOP counting
+    sample_lengths: torch.Tensor  # CPU, real samples only, for FLOP counting
     num_samples: int
 
     def to(self, device: torch.device) -> "MicroBatch":
@@ -347,16 +352,27 @@ class MicroBatch:
 
 
 def make_micro_batch(rows: list[list[SFTSample]], pad_id: int) -> MicroBatch:
-    """Concatenate rows; an empty list gives a 1-token dummy with no loss (keeps ranks in lockstep)."""
-    samples = [s for row in rows for s in row]
-    if not samples:
-        return MicroBatch(torch.tensor([pad_id]), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.bool),
-                          torch.tensor([1]), 0)
-    ids = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long)
-    pos = torch.cat([torch.arange(len(s)) for s in samples])
-    # a sample's first token has no prefix in its own sample: never a target
-    mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.bool) & (pos != 0)
-    return MicroBatch(ids, pos, mask, torch.tensor([len(s) for s in samples]), len(samples))
+    """Stack rows (empty rows are dropped); no real row at all gives a 1-token dummy with no loss,
+    which keeps every rank running the same number of forward/backward passes."""
+    rows = [row for row in rows if row]
+    if not rows:
+        one = torch.zeros(1, 1, dtype=torch.long)
+        return MicroBatch(one + pad_id, one.clone(), one.bool(), torch.zeros(0, dtype=torch.long), 0)
+    length = max(sum(len(s) for s in row) for row in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(rows), length), dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.bool)
+    for r, row in enumerate(rows):
+        at = 0
+        for s in row:
+            ids[r, at : at + len(s)] = torch.tensor(s.input_ids)
+            pos[r, at : at + len(s)] = torch.arange(len(s))
+            mask[r, at : at + len(s)] = torch.tensor(s.loss_mask)
+            at += len(s)
+        pos[r, at:] = torch.arange(length - at)
+    mask &= pos != 0  # a sample's first token has no prefix in its own sample: never a target
+    lengths = torch.tensor([len(s) for row in rows for s in row])
+    return MicroBatch(ids, pos, mask, lengths, len(lengths))
 
 
 def split_for_rank(rows: list[list[SFTSample]], batch_size: int, micro_batch_size: int, rank: int,
