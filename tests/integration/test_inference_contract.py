@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
-import random
 import socket
 import threading
 import time
@@ -357,6 +355,7 @@ def test_completions_route(server, oai, tokenizer):
 def test_tokenize(server, http, tokenizer):
     r = http.post("/tokenize", json={"model": server.model, "prompt": "abc"}).json()
     assert r["tokens"] == tokenizer.encode("abc") and r["count"] == 3 and r["max_model_len"] == 512
+    assert http.post("/detokenize", json={"model": server.model, "tokens": r["tokens"]}).json()["prompt"] == "abc"
     msgs = MESSAGES + [{"role": "assistant", "content": "x"}]
     r = http.post("/tokenize", json={"model": server.model, "messages": msgs, "add_generation_prompt": False})
     text = tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False)

@@ -102,18 +102,23 @@ class SlotKVCache(Cache):
             self.keys[layer_idx] = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
             self.values[layer_idx] = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
-        if self._mode == "prefill":
-            # [1, H, T, D] -> [T, H, D] scattered to (slot, :, position)
-            k_buf[self._rows, :, self._pos] = key_states[0].transpose(0, 1)
-            v_buf[self._rows, :, self._pos] = value_states[0].transpose(0, 1)
-            return key_states, value_states
         if self._mode == "extend":
             row, start, end = self._rows, self._pos, self._kv_len
             k_buf[row, :, start:end] = key_states[0]
             v_buf[row, :, start:end] = value_states[0]
             return k_buf[row : row + 1, :, :end], v_buf[row : row + 1, :, :end]
-        k_buf[self._rows, :, self._pos] = key_states[:, :, 0]
-        v_buf[self._rows, :, self._pos] = value_states[:, :, 0]
+        # scatter token t's [H, D] to (rows[t], :, pos[t]) via flat indices: one index_copy_ per buffer
+        heads, dim = k_buf.shape[1], k_buf.shape[3]
+        flat = ((self._rows[:, None] * heads + torch.arange(heads, device=k_buf.device)) * self.capacity
+                + self._pos[:, None]).flatten()  # fmt: skip
+        if self._mode == "prefill":  # [1, H, T, D] -> [T * H, D]
+            k_new, v_new = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+        else:  # [B, H, 1, D] -> [B * H, D]
+            k_new, v_new = key_states[:, :, 0], value_states[:, :, 0]
+        k_buf.view(-1, dim).index_copy_(0, flat, k_new.reshape(-1, dim))
+        v_buf.view(-1, dim).index_copy_(0, flat, v_new.reshape(-1, dim))
+        if self._mode == "prefill":
+            return key_states, value_states
         return k_buf[: self._batch, :, : self._kv_len], v_buf[: self._batch, :, : self._kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

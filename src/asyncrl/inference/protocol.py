@@ -190,6 +190,11 @@ class TokenizeRequest(_Body):
         return self
 
 
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
 class GenerateSamplingParams(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 

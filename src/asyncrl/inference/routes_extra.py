@@ -14,27 +14,21 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import Field
 
 from asyncrl.inference.backend import InvalidRequest
 from asyncrl.inference.chat import render_chat
 from asyncrl.inference.protocol import (
     ChatCompletionTokensRequest,
+    DetokenizeRequest,
     GenerateRequest,
     LoadLoraRequest,
     TokenizeRequest,
     UpdateWeightsRequest,
-    _Body,
     check_token_ids,
     resolve_max_tokens,
 )
 from asyncrl.inference.routes_openai import TokenText, chat_logprobs, collect, serve_chat, usage
 from asyncrl.inference.server import ServerState
-
-
-class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[int] = Field(..., min_length=0)
 
 
 def router(state: ServerState) -> APIRouter:
