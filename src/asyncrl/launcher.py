@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +25,8 @@ from loguru import logger
 
 from asyncrl.config.cli import to_toml
 from asyncrl.config.rl import RLConfig
+from asyncrl.transport.batch import rollouts_dir
+from asyncrl.transport.weights import step_dirs
 from asyncrl.utils.errors import UserError
 
 HEALTH_TIMEOUT_S = 900.0
@@ -143,7 +146,23 @@ class Launcher:
                 raise UserError(f"inference server did not become healthy at {url} in {HEALTH_TIMEOUT_S:.0f}s")
             time.sleep(0.5)
 
+    def _clear_stale_batches(self) -> None:
+        """Remove rollout batches an earlier run left at or after our start step, before any child runs.
+
+        Otherwise a trainer that starts before the orchestrator's own clean-up could read one.
+        """
+        ckpt = self.config.trainer.ckpt
+        start = 0
+        if ckpt is not None and ckpt.resume_step is not None:
+            from asyncrl.trainer.ckpt import resolve_resume_step
+
+            start = resolve_resume_step(self.out, ckpt.resume_step)
+        for step, path in step_dirs(rollouts_dir(self.out)).items():
+            if step >= start:
+                shutil.rmtree(path, ignore_errors=True)
+
     def start(self) -> None:
+        self._clear_stale_batches()
         paths = self._write_configs()
         py = sys.executable
         server = None

@@ -31,7 +31,8 @@ from asyncrl.orchestrator.envs import (
 )
 from asyncrl.orchestrator.evaluation import run_eval
 from asyncrl.orchestrator.gating import Policy, PolicyGate, checkpoint_policy
-from asyncrl.orchestrator.metrics import MetricsSink, group_metrics, log_step, rollout_metrics
+from asyncrl.orchestrator.metrics import group_metrics, log_extras, log_step, rollout_metrics
+from asyncrl.utils.monitor import MetricsSink
 from asyncrl.orchestrator.packing import PackItem, PackStats, pack
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts
 from asyncrl.orchestrator.samples import TrajectoryConverter
@@ -56,7 +57,7 @@ class Orchestrator:
         self.eval_mixture = eval_mixture
         self.run_group = run_group
         self.server = server
-        self.sink = sink or MetricsSink(config.output_dir, config.wandb, config.model_dump(mode="json"))
+        self.sink = sink or MetricsSink(config.output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"))
         self.converter = TrajectoryConverter(config.trajectory_strategy)
         self.problems = problems_per_step(config.batch_size, config.rollouts_per_example)
         target = in_flight_target(self.problems, config.oversampling_factor)
@@ -119,7 +120,7 @@ class Orchestrator:
         record = {"kind": "eval", "step": step, "policy/step": self.loaded_policy, **metrics}
         logger.info(f"eval step {step} (policy {self.loaded_policy}): reward {metrics.get('eval/reward/mean', 0.0):.3f} "
                     f"over {int(metrics['eval/rollouts'])} rollouts in {metrics['eval/seconds']:.1f}s")
-        self.sink.log(record)
+        self.sink.log(step, {k: v for k, v in record.items() if k != "step"})
 
     def _pack(self, got: StepRollouts) -> tuple[list[list[MicroBatch]], PackStats]:
         temperature = self.config.sampling.temperature
@@ -177,7 +178,7 @@ class Orchestrator:
         if record["rollouts/errors"]:
             logger.warning(f"step {step}: {int(record['rollouts/errors'])} rollouts failed and were masked out "
                            f"(last error: {self.collector.last_error})")
-        self.sink.log_extras(step, used)
+        log_extras(self.sink, step, used)
         cfg = self.config.ckpt
         if cfg is not None and (p.step % cfg.interval == 0 or p.step == self.config.max_steps):
             path = ckpt.save(self.config.output_dir, p, self.collector.buffer)

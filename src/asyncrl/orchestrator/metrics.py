@@ -6,18 +6,15 @@ Each record goes to `{output_dir}/metrics/orchestrator.jsonl` (one JSON object p
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
-from asyncrl.config.base import WandbConfig
 from asyncrl.orchestrator.filtering import Group
 from asyncrl.orchestrator.samples import Rollout
-from asyncrl.utils.errors import UserError
+from asyncrl.utils.monitor import MetricsSink
 
 
 def _mean(values: list[float]) -> float:
@@ -71,52 +68,24 @@ def group_metrics(used: list[Group], finished: list[Group], easy: float, hard: f
     return out
 
 
-class MetricsSink:
-    """JSONL + console + optional W&B."""
+def log_extras(sink: MetricsSink, step: int, rollouts: list[Rollout]) -> None:
+    """W&B sample table and reward/advantage/length histograms, every log_extras.interval steps."""
+    extras = sink.wandb_cfg.log_extras if sink.wandb_cfg is not None else None
+    if sink.run is None or extras is None or step % extras.interval or not rollouts:
+        return
+    import wandb
 
-    def __init__(self, output_dir: str | Path, wandb_config: WandbConfig | None = None, run_config: dict | None = None):
-        self.path = Path(output_dir) / "metrics" / "orchestrator.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._wandb = None
-        self._extras = wandb_config.log_extras if wandb_config is not None else None
-        if wandb_config is not None:
-            try:
-                import wandb
-            except ImportError as e:
-                raise UserError("W&B logging is on but wandb is not installed; `pip install wandb` or drop --wandb") from e
-            self._wandb = wandb.init(
-                project=wandb_config.project, name=wandb_config.name, id=wandb_config.id, resume="allow",
-                mode="offline" if wandb_config.offline else "online", config=run_config, dir=str(output_dir),
-            )
-
-    def log(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self._wandb is not None:
-            step = record.get("step")
-            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
-
-    def log_extras(self, step: int, rollouts: list[Rollout]) -> None:
-        """W&B sample table and reward/advantage/length histograms, every log_extras.interval steps."""
-        if self._wandb is None or self._extras is None or step % self._extras.interval or not rollouts:
-            return
-        import wandb
-
-        data: dict[str, Any] = {}
-        if self._extras.samples:
-            table = wandb.Table(columns=["step", "env", "example_id", "reward", "advantage", "completion"])
-            for r in rollouts[:32]:
-                table.add_data(step, r.env, r.example_id, r.reward, r.advantage, r.text)
-            data["samples"] = table
-        if self._extras.distributions:
-            data["dist/reward"] = wandb.Histogram([r.reward for r in rollouts])
-            data["dist/advantage"] = wandb.Histogram([r.advantage for r in rollouts])
-            data["dist/completion_len"] = wandb.Histogram([r.completion_len for r in rollouts])
-        self._wandb.log(data, step=step)
-
-    def close(self) -> None:
-        if self._wandb is not None:
-            self._wandb.finish()
+    data: dict[str, Any] = {}
+    if extras.samples:
+        table = wandb.Table(columns=["step", "env", "example_id", "reward", "advantage", "completion"])
+        for r in rollouts[:32]:
+            table.add_data(step, r.env, r.example_id, r.reward, r.advantage, r.text)
+        data["samples"] = table
+    if extras.distributions:
+        data["dist/reward"] = wandb.Histogram([r.reward for r in rollouts])
+        data["dist/advantage"] = wandb.Histogram([r.advantage for r in rollouts])
+        data["dist/completion_len"] = wandb.Histogram([r.completion_len for r in rollouts])
+    sink.run.log(data, step=step)
 
 
 def console_line(r: dict[str, Any]) -> str:
@@ -131,4 +100,4 @@ def console_line(r: dict[str, Any]) -> str:
 
 def log_step(sink: MetricsSink, record: dict[str, Any]) -> None:
     logger.info(console_line(record))
-    sink.log(record)
+    sink.log(record["step"], {k: v for k, v in record.items() if k != "step"})

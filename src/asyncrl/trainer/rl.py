@@ -29,7 +29,7 @@ from asyncrl.trainer.data import FakeSource, PackedRow, RolloutSource, prepare
 from asyncrl.trainer.dist import DistContext, init_distributed
 from asyncrl.trainer.loss import LossInputs, get_loss_fn, mismatch_kl_sum, token_entropy, token_logprobs
 from asyncrl.trainer.model import LoadedModel, load_model
-from asyncrl.trainer.monitor import MetricsSink
+from asyncrl.utils.monitor import MetricsSink
 from asyncrl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from asyncrl.trainer.perf import FlopModel, mfu, peak_flops, peak_memory_gib, reset_peak_memory
 from asyncrl.trainer.weights import export_weights

@@ -31,7 +31,7 @@ from asyncrl.config.sft import SFTConfig
 from asyncrl.trainer.ckpt import CheckpointManager, resolve_resume_step
 from asyncrl.trainer.dist import DistContext, init_distributed
 from asyncrl.trainer.model import LoadedModel, load_model, load_tokenizer
-from asyncrl.trainer.monitor import MetricsSink
+from asyncrl.utils.monitor import MetricsSink
 from asyncrl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from asyncrl.trainer.perf import FlopModel, mfu, peak_flops, peak_memory_gib, reset_peak_memory
 from asyncrl.trainer.sft_data import (

@@ -1,4 +1,4 @@
-"""Trainer metrics sink: JSON lines always, W&B only when configured (and installed)."""
+"""Metrics sink: JSON lines always, W&B only when configured (and installed)."""
 
 import importlib.util
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from asyncrl.config.base import WandbConfig
-from asyncrl.trainer.monitor import MetricsSink
+from asyncrl.utils.monitor import MetricsSink
 from asyncrl.utils.errors import UserError
 
 
@@ -16,6 +16,8 @@ def test_jsonl_lines_per_step(tmp_path):
     sink.log(1, {"loss": 0.5, "mfu": None})
     sink.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    times = [r.pop("time") for r in rows]
+    assert times == sorted(times)
     assert rows == [{"step": 0, "loss": 1.5, "mfu": None}, {"step": 1, "loss": 0.5, "mfu": None}]
 
 
@@ -36,4 +38,5 @@ def test_wandb_offline(tmp_path, monkeypatch):
     sink = MetricsSink(tmp_path, "trainer", WandbConfig(name="t", offline=True), {"a": 1}, enabled=True)
     sink.log(0, {"loss": 1.0})
     sink.close()
-    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs and sink.run is None

@@ -1,0 +1,60 @@
+"""Per-step metrics sink shared by every component: JSON lines in `{output_dir}/metrics/<name>.jsonl`, optional W&B.
+
+Each row is `{"step": n, "time": unix_seconds, **metrics}`. W&B is imported only when configured; the run
+name is used as given (the `rl` launcher already adds `-trainer` / `-orchestrator`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from asyncrl.config.base import WandbConfig
+from asyncrl.utils.errors import UserError
+
+
+class MetricsSink:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        name: str,
+        wandb_cfg: WandbConfig | None = None,
+        run_config: dict | None = None,
+        enabled: bool = True,
+    ):
+        self.enabled, self.name = enabled, name
+        self.path = Path(output_dir) / "metrics" / f"{name}.jsonl"
+        self.wandb_cfg = wandb_cfg
+        self.run = None  # the W&B run, when W&B is on
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if wandb_cfg is not None:
+            try:
+                import wandb
+            except ImportError:
+                raise UserError("W&B logging is on but wandb is not installed: pip install 'asyncrl[wandb]'") from None
+            self.run = wandb.init(
+                project=wandb_cfg.project, name=wandb_cfg.name, id=wandb_cfg.id,
+                resume="allow" if wandb_cfg.id else None, mode="offline" if wandb_cfg.offline else None,
+                config=run_config, dir=str(output_dir),
+            )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        if self.run is not None:
+            numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self.run.log(numbers, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+        logger.debug(f"metrics in {self.path}")
