@@ -29,13 +29,15 @@ from asyncrl.inference.vllm_launch import free_port
 class EmbeddedServer:
     """`inference` (embedded engine) in a child process of this env."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, max_batch_size: int):
+    def __init__(self, model_dir: Path, log_dir: Path, max_batch_size: int, num_threads: int | None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / "embedded.log", "wb")
         cmd = [sys.executable, "-m", "asyncrl.entrypoints.inference", "--model.name", str(model_dir),
                "--server.host", "127.0.0.1", "--server.port", str(self.port), "--output-dir", str(log_dir),
                "--no-log.file", "--max-batch-size", str(max_batch_size)]  # fmt: skip
+        if num_threads is not None:
+            cmd += ["--num-threads", str(num_threads)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -60,9 +62,9 @@ class EmbeddedServer:
         self.log.close()
 
 
-def start(backend: str, model_dir: Path, log_dir: Path, max_batch_size: int):
+def start(backend: str, model_dir: Path, log_dir: Path, max_batch_size: int, num_threads: int | None):
     if backend == "embedded":
-        return EmbeddedServer(model_dir, log_dir, max_batch_size)
+        return EmbeddedServer(model_dir, log_dir, max_batch_size, num_threads)
     if backend == "vllm":
         from asyncrl.inference.vllm_launch import start_vllm_server
 
@@ -105,6 +107,7 @@ def main() -> None:
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--model-dir", type=Path, default=None, help="serve this model instead of building one")
+    ap.add_argument("--num-threads", type=int, default=None, help="embedded engine: torch threads")
     args = ap.parse_args()
 
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -116,11 +119,12 @@ def main() -> None:
         model_dir = build_tiny_model(work / "model", hidden_size=args.hidden_size, num_layers=args.num_layers)
     prompt = ("abcdefghij" * (args.prompt_chars // 10 + 1))[: args.prompt_chars]
     print(f"model {model_dir} (hidden {args.hidden_size}, {args.num_layers} layers), prompt {args.prompt_chars} "
-          f"chars, {args.max_tokens} completion tokens, {args.rounds} rounds/client, {os.cpu_count()} CPUs")  # fmt: skip
+          f"chars, {args.max_tokens} completion tokens, {args.rounds} rounds/client, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
 
     rows = []
     for backend in args.backends.split(","):
-        server = start(backend, model_dir, work, max(levels))
+        server = start(backend, model_dir, work, max(levels), args.num_threads)
         try:
             base_tps = None
             for c in levels:

@@ -63,7 +63,10 @@ def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
         from asyncrl.config.inference import InferenceConfig
         from asyncrl.inference.server import build_backend, create_app
 
-        config = InferenceConfig(model=model, api_key=API_KEY, max_batch_size=16, **overrides)
+        # num_threads: keep this test process's torch thread count as it is (the engine is in-process)
+        config = InferenceConfig(
+            model=model, api_key=API_KEY, max_batch_size=16, num_threads=torch.get_num_threads(), **overrides
+        )
         engine = build_backend(config)
         app = create_app(engine, config)
         port = _free_port()

@@ -79,6 +79,25 @@ def test_sft_resume_mid_epoch_is_exact(tiny_model_dir, reverse_data, tmp_path):
     assert (out / "weights" / "step_2").is_dir() and (out / "weights" / "step_4").is_dir()
 
 
+def test_micro_batch_size_does_not_change_the_step(tiny_model_dir, reverse_data, tmp_path):
+    """Rows stacked into one padded micro-batch give the loss and gradient of one row at a time."""
+    from asyncrl.config.sft import SFTConfig
+    from asyncrl.trainer.sft import train_sft
+
+    def run(mbs: int, pack: bool) -> list[dict]:
+        return train_sft(SFTConfig(
+            model={"name": str(tiny_model_dir)}, data={"name": str(reverse_data), "seq_len": 200, "batch_size": 4,
+                                                       "micro_batch_size": mbs, "pack": pack},
+            optim={"lr": 3e-3}, max_steps=2, output_dir=tmp_path / f"{mbs}-{pack}", device="cpu",
+        ))
+
+    for pack in (True, False):
+        one, four = run(1, pack), run(4, pack)
+        assert [m["loss"] for m in four] == pytest.approx([m["loss"] for m in one], rel=1e-5)
+        assert [m["grad_norm"] for m in four] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
+        assert all((m["samples"] > m["rows"]) if pack else (m["samples"] == m["rows"] == 4) for m in one)
+
+
 def test_sft_two_ranks_match_one(tiny_model_dir, reverse_data, tmp_path):
     args = ("--data.micro-batch-size", "1", "--log.level", "warning")
     one = subprocess.run(SFT + sft_args(tiny_model_dir, reverse_data, tmp_path / "one", 3, *args),

@@ -13,6 +13,7 @@ from asyncrl.inference.kv_cache import MaskBuilder, SlotKVCache
 
 
 def make_engine(model_dir, **kw) -> EmbeddedEngine:
+    kw.setdefault("num_threads", torch.get_num_threads())  # leave the test process's setting alone
     return EmbeddedEngine(InferenceConfig(model={"name": str(model_dir)}, **kw))
 
 
@@ -163,14 +164,25 @@ def test_lora_adapter_validation(tiny_model_dir, tmp_path):
 def test_kv_cache_growth_keeps_contents():
     cache = SlotKVCache(1, torch.float32, torch.device("cpu"))
     cache.ensure(2, 10)
-    keys = torch.randn(1, 2, 3, 4)
-    cache.set_prefill(torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2]))
+    keys = torch.randn(1, 2, 3, 4)  # one prompt of 3 tokens, no padding, into slot 1
+    cache.set_prefill(torch.tensor([1]), torch.tensor([0]), 3)
     cache.update(keys, keys + 1, 0)
     cache.ensure(5, 200)
-    assert cache.slots == 8 and cache.capacity == 256
+    assert (cache.slots, cache.capacity) == (8, 256)
     assert torch.equal(cache.keys[0][1, :, :3], keys[0])
     cache.copy_row(1, 4, 3)
     assert torch.equal(cache.values[0][4, :, :3], keys[0] + 1)
+
+
+def test_left_padded_prefill_writes_real_tokens_only():
+    cache = SlotKVCache(1, torch.float32, torch.device("cpu"))
+    cache.ensure(4, 8)
+    keys = torch.arange(2 * 1 * 3 * 2, dtype=torch.float32).reshape(2, 1, 3, 2)  # b=2, H=1, P=3, D=2
+    cache.set_prefill(torch.tensor([3, 0]), torch.tensor([1, 0]), 3)  # row 0 has one pad column
+    cache.update(keys, keys, 0)
+    assert torch.equal(cache.keys[0][3, 0, :2], keys[0, 0, 1:])
+    assert torch.equal(cache.keys[0][0, 0, :3], keys[1, 0])
+    assert cache.keys[0][3, 0, 2:].abs().sum() == 0
 
 
 def test_masks():
@@ -183,8 +195,11 @@ def test_masks():
     dec = masks.decode(torch.tensor([0, 3]), 4)
     assert dec["full_attention"][:, 0, 0].tolist() == [[True, False, False, False], [True, True, True, True]]
     assert dec["sliding_attention"][1, 0, 0].tolist() == [False, False, True, True]
-    pre = masks.prefill(torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0]))["full_attention"][0, 0]
-    assert pre.tolist() == [[True, False, False], [True, True, False], [False, False, True]]
+    pre = masks.prefill(torch.tensor([1, 0]), 3)["full_attention"][:, 0]
+    assert pre[0].tolist() == [[True, False, False], [False, True, False], [False, True, True]]
+    assert pre[1].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    ext = masks.extend(2, 2, torch.device("cpu"))["full_attention"][0, 0]
+    assert ext.tolist() == [[True, True, True, False], [True, True, True, True]]
 
     class Hybrid(Cfg):
         layer_types = ["full_attention", "linear_attention"]

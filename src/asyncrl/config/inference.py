@@ -42,6 +42,9 @@ class InferenceConfig(BaseConfig):
     api_key: str | None = Field(None, description="require this bearer key on every endpoint but /health")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="embedded engine device")
     max_batch_size: int = Field(64, ge=1, description="embedded engine: sequences decoded together")
+    num_threads: int | None = Field(
+        None, ge=1, description="embedded engine: torch intra-op threads (default on CPU: one less than the cores)"
+    )
     max_prefill_tokens: int = Field(
         4096, ge=1, description="embedded engine: prompt tokens prefilled together in one forward"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import os
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -79,6 +80,12 @@ class EmbeddedEngine(Backend):
         mcfg = config.model
         self.config = config
         self.device = resolve_device(config.device)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        elif self.device.type == "cpu":
+            # leave a core to the HTTP side (event loop, JSON, tokenization): spinning torch
+            # threads on every core starve it and slow the whole server down
+            torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
         dtype: torch.dtype | str = _DTYPES.get(mcfg.dtype, "auto")
         if mcfg.dtype == "auto" and self.device.type == "cpu":
             dtype = torch.float32
@@ -297,21 +304,27 @@ class EmbeddedEngine(Backend):
         return admitted
 
     def _prefill(self, reqs: list[_Request]) -> None:
-        """Prefill new prompts (short ones packed in one forward, long ones in chunks), then sample
-        each request's first tokens; a request with n > 1 copies its prompt's KV to n rows."""
+        """Prefill new prompts (left-padded batches of similar length, long ones in chunks), then
+        sample each request's first tokens; a request with n > 1 copies its prompt's KV to n rows."""
         first_row = len(self._active)
         rows, row = [], first_row
         for req in reqs:
             rows.append(row)
             row += req.params.n
-        short = [j for j, req in enumerate(reqs) if len(req.prompt_ids) <= self.max_prefill_tokens]
         last_logits: dict[int, torch.Tensor] = {}
-        if short:
-            logits = self._prefill_packed([reqs[j] for j in short], [rows[j] for j in short])
-            last_logits.update(zip(short, logits))
-        for j, req in enumerate(reqs):
-            if j not in last_logits:
-                last_logits[j] = self._prefill_chunked(req, rows[j])
+        batch: list[int] = []
+        by_length = sorted(range(len(reqs)), key=lambda j: len(reqs[j].prompt_ids))
+        for j in by_length:
+            n_prompt = len(reqs[j].prompt_ids)
+            if n_prompt > self.max_prefill_tokens:
+                last_logits[j] = self._prefill_chunked(reqs[j], rows[j])
+                continue
+            if batch and (len(batch) + 1) * n_prompt > self.max_prefill_tokens:  # padded size over budget
+                last_logits.update(zip(batch, self._prefill_batch([reqs[i] for i in batch], [rows[i] for i in batch])))
+                batch = []
+            batch.append(j)
+        if batch:
+            last_logits.update(zip(batch, self._prefill_batch([reqs[i] for i in batch], [rows[i] for i in batch])))
         new, expanded = [], []
         for j, req in enumerate(reqs):
             for i in range(req.params.n):
@@ -325,31 +338,26 @@ class EmbeddedEngine(Backend):
         self._active.extend(new)
         self._sample_and_emit(torch.stack(expanded), first_row)
 
-    def _prefill_packed(self, reqs: list[_Request], rows: list[int]) -> torch.Tensor:
-        """One forward over the concatenated prompts; the last-position logits of each, [len(reqs), V]."""
+    def _prefill_batch(self, reqs: list[_Request], rows: list[int]) -> torch.Tensor:
+        """One forward over the prompts, left-padded to the longest; last-position logits [len(reqs), V]."""
         dev = self.device
-        slots, ids, positions, segments, last, names = [], [], [], [], [], []
-        for j, (req, row) in enumerate(zip(reqs, rows)):
-            n_prompt = len(req.prompt_ids)
-            ids += req.prompt_ids
-            slots += [row] * n_prompt
-            positions += range(n_prompt)
-            segments += [j] * n_prompt
-            names += [req.lora.name if req.lora else None] * n_prompt
-            last.append(len(ids) - 1)
-        pos = torch.tensor(positions, device=dev)
-        self.cache.set_prefill(torch.tensor(slots, device=dev), pos)
-        self.lora.set_rows(names, dev)
-        kwargs = {"logits_to_keep": torch.tensor(last, device=dev)} if self._logits_to_keep else {}
+        width = max(len(r.prompt_ids) for r in reqs)
+        pads = [width - len(r.prompt_ids) for r in reqs]
+        ids = [[0] * p + r.prompt_ids for p, r in zip(pads, reqs)]
+        pad_t = torch.tensor(pads, device=dev)
+        self.cache.set_prefill(torch.tensor(rows, device=dev), pad_t, width)
+        self.lora.set_rows([r.lora.name if r.lora else None for r in reqs for _ in range(width)], dev)
+        positions = (torch.arange(width, device=dev)[None, :] - pad_t[:, None]).clamp(min=0)
+        kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
         out = self.model(
-            input_ids=torch.tensor([ids], device=dev),
-            position_ids=pos[None],
-            attention_mask=self.masks.prefill(torch.tensor(segments, device=dev), pos),
+            input_ids=torch.tensor(ids, device=dev),
+            position_ids=positions,
+            attention_mask=self.masks.prefill(pad_t, width),
             past_key_values=self.cache,
             use_cache=True,
             **kwargs,
         )
-        return out.logits[0] if self._logits_to_keep else out.logits[0, last]
+        return out.logits[:, -1]
 
     def _prefill_chunked(self, req: _Request, row: int) -> torch.Tensor:
         """A prompt longer than max_prefill_tokens, chunk by chunk; its last-position logits [V]."""

@@ -4,14 +4,13 @@ Buffers per layer are [slots, kv_heads, capacity, head_dim]. Active sequences al
 0..B-1 (the engine compacts rows when one finishes), so a decode step attends over the view
 `buf[:B, :, :L]` without gathering. Forward modes:
 
-- prefill (packed): all new prompts concatenated into one row of T tokens, a block-diagonal causal
-  mask keeps them apart; keys/values are scattered into their slots and the forward attends over the
-  fresh keys only (every prompt starts at position 0, there is no prefix reuse).
+- prefill: new prompts as one left-padded batch [b, P]; real tokens' keys/values are scattered to
+  their slots at positions 0.., the forward attends over the fresh keys only (no prefix reuse), and
+  every row's last prompt token sits in the last column (one logits row each).
+- extend: one prompt longer than the prefill budget, chunk by chunk; each chunk attends over the
+  row's cached prefix and itself.
 - decode: one token per active row, written at that row's own position; the mask hides each row's
-  stale tail, so rows of different lengths share one batched forward without left padding.
-
-A third mode, extend, prefills one long prompt chunk by chunk (each chunk attends over the row's
-cached prefix), so no forward exceeds the prefill token budget.
+  stale tail, so rows of different lengths share one batched forward.
 
 All modes hand the model a ready 4D mask (or a dict per layer type), so HF skips its own mask logic.
 """
@@ -40,7 +39,10 @@ class SlotKVCache(Cache):
         self._mode = "decode"
         self._rows: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
+        self._real: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._flat: dict[int, torch.Tensor] = {}
         self._batch = 0
+        self._start = 0
         self._kv_len = 0
 
     # ---- sizing -------------------------------------------------------------------------------
@@ -81,19 +83,29 @@ class SlotKVCache(Cache):
                     buf[dst, :, :length] = buf[src, :, :length]
 
     # ---- per-forward modes --------------------------------------------------------------------
-    def set_prefill(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """Packed prefill: token t of the single input row goes to slot rows[t], position positions[t]."""
-        self._mode, self._rows, self._pos = "prefill", rows, positions
+    def set_prefill(self, rows: torch.Tensor, pads: torch.Tensor, width: int) -> None:
+        """Left-padded batch: input row i (pads[i] pad columns, then its prompt) fills slot rows[i]."""
+        cols = torch.arange(width, device=rows.device)
+        real_i, real_c = (cols[None, :] >= pads[:, None]).nonzero(as_tuple=True)
+        self._mode, self._rows, self._pos = "prefill", rows[real_i], real_c - pads[real_i]
+        self._real, self._flat = (real_i, real_c), {}
 
     def set_extend(self, row: int, start: int, length: int) -> None:
-        """Chunked prefill of one long prompt: `length` tokens at positions start.. of slot `row`,
-        attending over everything the row has cached so far."""
-        self._mode, self._rows, self._pos, self._kv_len = "extend", row, start, start + length
+        """Chunked prefill: `length` tokens at positions start.. of slot `row` (over its cached prefix)."""
+        self._mode, self._batch, self._start, self._kv_len = "extend", row, start, start + length
 
     def set_decode(self, batch: int, positions: torch.Tensor, kv_len: int) -> None:
         """Decode: row r writes its one new token at positions[r] and attends over [0, kv_len)."""
         self._mode, self._batch, self._pos, self._kv_len = "decode", batch, positions, kv_len
-        self._rows = torch.arange(batch, device=positions.device)
+        self._rows, self._flat = torch.arange(batch, device=positions.device), {}
+
+    def _flat_index(self, heads: int, device: torch.device) -> torch.Tensor:
+        """Flat element index (over a [slots * heads * capacity, dim] view) of every (token, head)."""
+        flat = self._flat.get(heads)
+        if flat is None:
+            flat = (self._rows[:, None] * heads + torch.arange(heads, device=device)) * self.capacity
+            flat = self._flat[heads] = (flat + self._pos[:, None]).flatten()
+        return flat
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.keys[layer_idx] is None:
@@ -102,18 +114,17 @@ class SlotKVCache(Cache):
             self.keys[layer_idx] = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
             self.values[layer_idx] = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        heads, dim = k_buf.shape[1], k_buf.shape[3]
         if self._mode == "extend":
-            row, start, end = self._rows, self._pos, self._kv_len
+            row, start, end = self._batch, self._start, self._kv_len
             k_buf[row, :, start:end] = key_states[0]
             v_buf[row, :, start:end] = value_states[0]
             return k_buf[row : row + 1, :, :end], v_buf[row : row + 1, :, :end]
-        # scatter token t's [H, D] to (rows[t], :, pos[t]) via flat indices: one index_copy_ per buffer
-        heads, dim = k_buf.shape[1], k_buf.shape[3]
-        flat = ((self._rows[:, None] * heads + torch.arange(heads, device=k_buf.device)) * self.capacity
-                + self._pos[:, None]).flatten()  # fmt: skip
-        if self._mode == "prefill":  # [1, H, T, D] -> [T * H, D]
-            k_new, v_new = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
-        else:  # [B, H, 1, D] -> [B * H, D]
+        flat = self._flat_index(heads, k_buf.device)
+        if self._mode == "prefill":  # real tokens of [b, H, P, D] -> [N, H, D]
+            real_i, real_c = self._real
+            k_new, v_new = key_states[real_i, :, real_c], value_states[real_i, :, real_c]
+        else:  # [B, H, 1, D] -> [B, H, D]
             k_new, v_new = key_states[:, :, 0], value_states[:, :, 0]
         k_buf.view(-1, dim).index_copy_(0, flat, k_new.reshape(-1, dim))
         v_buf.view(-1, dim).index_copy_(0, flat, v_new.reshape(-1, dim))
@@ -129,15 +140,6 @@ class SlotKVCache(Cache):
 
     def __len__(self) -> int:
         return self.num_layers
-
-    def bytes_per_token(self) -> int:
-        """KV bytes per cached token (all layers), known after the first forward."""
-        total = 0
-        for store in (self.keys, self.values):
-            for buf in store:
-                if buf is not None:
-                    total += buf.shape[1] * buf.shape[3] * buf.element_size()
-        return total
 
 
 class MaskBuilder:
@@ -155,7 +157,11 @@ class MaskBuilder:
         self.additive = getattr(config, "_attn_implementation", "sdpa") == "eager"
         self.dtype = dtype
 
-    def _finish(self, masks: dict[str, torch.Tensor]):
+    def _build(self, q_pos: torch.Tensor, k_pos: torch.Tensor, allowed: torch.Tensor):
+        """Masks per layer type from query/key positions (broadcastable) and the full-attention mask."""
+        masks = {"full_attention": allowed}
+        if "sliding_attention" in self.layer_types:
+            masks["sliding_attention"] = allowed & (k_pos > q_pos - self.window)
         if self.additive:
             neg = torch.finfo(self.dtype).min
             masks = {
@@ -168,30 +174,21 @@ class MaskBuilder:
 
     def decode(self, positions: torch.Tensor, kv_len: int):
         """[B, 1, 1, L]: row r sees keys 0..positions[r] (its own token included)."""
-        keys = torch.arange(kv_len, device=positions.device)[None, :]
-        pos = positions[:, None]
-        full = keys <= pos
-        masks = {"full_attention": full[:, None, None, :]}
-        if "sliding_attention" in self.layer_types:
-            masks["sliding_attention"] = (full & (keys > pos - self.window))[:, None, None, :]
-        return self._finish(masks)
+        q = positions[:, None, None, None]
+        k = torch.arange(kv_len, device=positions.device)[None, None, None, :]
+        return self._build(q, k, k <= q)
 
     def extend(self, start: int, length: int, device: torch.device):
         """[1, 1, length, start + length]: a chunk of one prompt over its cached prefix and itself."""
-        pos = torch.arange(start, start + length, device=device)[:, None]
-        keys = torch.arange(start + length, device=device)[None, :]
-        full = keys <= pos
-        masks = {"full_attention": full[None, None]}
-        if "sliding_attention" in self.layer_types:
-            masks["sliding_attention"] = (full & (keys > pos - self.window))[None, None]
-        return self._finish(masks)
+        q = torch.arange(start, start + length, device=device)[None, None, :, None]
+        k = torch.arange(start + length, device=device)[None, None, None, :]
+        return self._build(q, k, k <= q)
 
-    def prefill(self, segments: torch.Tensor, positions: torch.Tensor):
-        """[1, 1, T, T] block-diagonal causal mask over packed prompts."""
-        same = segments[:, None] == segments[None, :]
-        full = same & (positions[None, :] <= positions[:, None])
-        masks = {"full_attention": full[None, None]}
-        if "sliding_attention" in self.layer_types:
-            sliding = full & (positions[None, :] > positions[:, None] - self.window)
-            masks["sliding_attention"] = sliding[None, None]
-        return self._finish(masks)
+    def prefill(self, pads: torch.Tensor, width: int):
+        """[b, 1, P, P] over a left-padded batch: causal among a row's real tokens; a pad column
+        only sees itself (a fully masked row would make sdpa return NaN)."""
+        cols = torch.arange(width, device=pads.device)
+        q = (cols[None, :, None] - pads[:, None, None])[:, None]  # positions; pads are negative
+        k = (cols[None, None, :] - pads[:, None, None])[:, None]
+        allowed = ((k <= q) & (k >= 0)) | (cols[:, None] == cols[None, :])
+        return self._build(q, k, allowed)

@@ -74,7 +74,7 @@ def build_vllm_argv(config: InferenceConfig) -> list[str]:
     return argv + list(config.vllm_args)
 
 
-def parse_vllm_args(argv: list[str]):
+def parse_vllm_args(argv: list[str], passthrough: list[str] = ()):
     """vLLM's own serve parser, so every vLLM flag (and its defaults) is available."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -83,9 +83,28 @@ def parse_vllm_args(argv: list[str]):
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed what was wrong
-        raise UserError(f"invalid vLLM flags {argv} (see the message above; check --vllm-args)") from e
+        raise UserError(f"vLLM rejected its flags (reason above); pass-through flags were {list(passthrough)}") from e
     validate_parsed_serve_args(args)
     return args
+
+
+def check_cpu_head_dim(model: str, trust_remote_code: bool) -> None:
+    """vLLM's CPU attention supports a few head sizes only; an other one dies at the first request."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    try:
+        cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code).get_text_config()
+    except Exception:  # unreadable here: vLLM reports it with more context
+        return
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise UserError(f"{model} has head_dim {head_dim}; vLLM on CPU supports {supported} (use --backend embedded)")
 
 
 # --- weight dirs ----------------------------------------------------------------------------------
@@ -226,6 +245,57 @@ def _with_token_strings(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def _drop_null_assistant_fields(body: bytes) -> bytes:
+    """Remove null-valued fields (e.g. `tool_calls: null`) from assistant messages of a chat body."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body  # vLLM reports it
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list):
+        return body
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            for key in [k for k, v in m.items() if v is None and k != "content"]:
+                del m[key]
+    return json.dumps(data).encode()
+
+
+class NullAssistantFieldsMiddleware:
+    """verifiers sends earlier assistant turns back as `{"content": null, "tool_calls": null, ...}` when
+    a turn was all reasoning; vLLM's schema rejects that combination (OpenAI's accepts it), so such
+    null fields are dropped from chat bodies before vLLM parses them."""
+
+    PATHS = ("/tokenize", "/v1/chat/completions", "/v1/chat/completions/tokens")
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope["path"] not in self.PATHS:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected while sending the body
+                return await self.app(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = _drop_null_assistant_fields(b"".join(chunks))
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # later messages (disconnects) come from the client
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
 def attach_asyncrl_routes(app, config: InferenceConfig) -> None:
     """Add asyncrl's endpoints and api-key guard to vLLM's app; ours replace vLLM's on the same path."""
     from fastapi import APIRouter, Request
@@ -305,6 +375,7 @@ def attach_asyncrl_routes(app, config: InferenceConfig) -> None:
     app.include_router(router)
 
     app.middleware_stack = None  # vLLM built its stack already; rebuilt lazily with ours in it
+    app.add_middleware(NullAssistantFieldsMiddleware)
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(_: Request, exc: InvalidRequest):
@@ -377,7 +448,8 @@ def run_vllm_server(config: InferenceConfig) -> None:
         ) from e
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM's own CLI sets
     argv = build_vllm_argv(config)
-    args = parse_vllm_args(argv)
+    args = parse_vllm_args(argv, config.vllm_args)
+    check_cpu_head_dim(config.model.name, config.model.trust_remote_code)
     logger.info(f"starting vLLM {vllm.__version__} for {config.model.name}: {json.dumps(argv)}")
     try:
         uvloop.run(_serve(args, config))
