@@ -2,8 +2,9 @@
 
 Each backend runs as its own `inference` server process (the embedded engine in this env, vLLM in
 .venv-vllm via asyncrl.inference.vllm_launch). For each concurrency c, c clients each send `--rounds`
-chat requests back to back (fixed prompt, `--max-tokens` completion tokens, eos ignored), and the
-table shows aggregate completion tokens/s, per-request latency and the speed-up over c=1.
+chat requests back to back (distinct prompts of one fixed length, or one shared prompt with
+`--same-prompt`; `--max-tokens` completion tokens, eos ignored), and the table shows aggregate
+completion tokens/s, per-request median latency and the speed-up over the first level.
 
     python benchmarks/inference.py                                # embedded, c = 1, 16, 64
     python benchmarks/inference.py --backends embedded,vllm --hidden-size 256 --num-layers 4
@@ -72,25 +73,34 @@ def start(backend: str, model_dir: Path, log_dir: Path, max_batch_size: int, num
     raise SystemExit(f"unknown backend '{backend}' (choose from embedded, vllm)")
 
 
-async def run_level(base_url: str, model: str, concurrency: int, rounds: int, prompt: str, max_tokens: int):
+async def run_level(
+    base_url: str, model: str, concurrency: int, rounds: int, prompt_chars: int, max_tokens: int, same_prompt: bool
+):
     """c closed-loop clients x rounds requests; returns (completion tokens, wall seconds, latencies)."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "min_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0}  # fmt: skip
+    filler = "abcdefghij" * (prompt_chars // 10 + 1)
+    body = {"model": model, "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 1.0}  # fmt: skip
     latencies: list[float] = []
-    tokens = 0
+    tokens, sent = 0, 0
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+
+        def request() -> dict:
+            nonlocal sent
+            sent += 1
+            text = filler if same_prompt else f"{sent:06d} {filler}"  # distinct prompts: no prefix reuse
+            return dict(body, messages=[{"role": "user", "content": text[:prompt_chars]}])
 
         async def one_client() -> None:
             nonlocal tokens
             for _ in range(rounds):
                 t0 = time.perf_counter()
-                r = await client.post("/v1/chat/completions", json=body)
+                r = await client.post("/v1/chat/completions", json=request())
                 r.raise_for_status()
                 latencies.append(time.perf_counter() - t0)
                 tokens += r.json()["usage"]["completion_tokens"]
 
-        await client.post("/v1/chat/completions", json=dict(body, max_tokens=4, min_tokens=4))  # warm-up
+        await client.post("/v1/chat/completions", json=dict(request(), max_tokens=4, min_tokens=4))  # warm-up
         t0 = time.perf_counter()
         await asyncio.gather(*[one_client() for _ in range(concurrency)])
         wall = time.perf_counter() - t0
@@ -108,6 +118,7 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--model-dir", type=Path, default=None, help="serve this model instead of building one")
     ap.add_argument("--num-threads", type=int, default=None, help="embedded engine: torch threads")
+    ap.add_argument("--same-prompt", action="store_true", help="one prompt for all requests (prefix reuse)")
     args = ap.parse_args()
 
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -117,9 +128,8 @@ def main() -> None:
         from asyncrl.utils.tiny_model import build_tiny_model
 
         model_dir = build_tiny_model(work / "model", hidden_size=args.hidden_size, num_layers=args.num_layers)
-    prompt = ("abcdefghij" * (args.prompt_chars // 10 + 1))[: args.prompt_chars]
     print(f"model {model_dir} (hidden {args.hidden_size}, {args.num_layers} layers), prompt {args.prompt_chars} "
-          f"chars, {args.max_tokens} completion tokens, {args.rounds} rounds/client, {os.cpu_count()} CPUs, "
+          f"chars ({'one prompt' if args.same_prompt else 'distinct prompts'}), {args.max_tokens} completion tokens, {args.rounds} rounds/client, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
 
     rows = []
@@ -129,7 +139,8 @@ def main() -> None:
             base_tps = None
             for c in levels:
                 tokens, wall, lat = asyncio.run(
-                    run_level(server.base_url, str(model_dir), c, args.rounds, prompt, args.max_tokens)
+                    run_level(server.base_url, str(model_dir), c, args.rounds, args.prompt_chars, args.max_tokens,
+                              args.same_prompt)  # fmt: skip
                 )
                 tps = tokens / wall
                 base_tps = base_tps or tps

@@ -167,9 +167,16 @@ class Launcher:
         py = sys.executable
         server = None
         if "inference" in paths:
+            server_py = py
+            if self.config.inference.backend == "vllm":  # vLLM lives in its own env (it conflicts with verifiers)
+                from asyncrl.inference.vllm_launch import INSTALL_HINT, vllm_python
+
+                server_py = vllm_python()
+                if server_py is None:
+                    raise UserError(f"--inference.backend vllm needs a vLLM environment: {INSTALL_HINT}")
             server = self._spawn(
                 "inference",
-                [py, "-m", "asyncrl.entrypoints.inference", "@", str(paths["inference"])],
+                [str(server_py), "-m", "asyncrl.entrypoints.inference", "@", str(paths["inference"])],
                 self._env(self.config.inference_gpu_ids),
             )
         self._wait_for_server(server)

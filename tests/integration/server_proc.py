@@ -30,7 +30,8 @@ class ServerProcess:
         out.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "asyncrl.entrypoints.inference", "--model.name", self.model,
                "--server.port", str(self.port), "--server.host", "127.0.0.1", "--output-dir", str(out),
-               "--max-batch-size", "32", "--log.level", "warning"]
+               "--max-batch-size", "32", "--log.level", "warning",
+               "--model.enable-auto-tool-choice", "--model.tool-call-parser", "hermes"]
         self._file = self.log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout

@@ -41,9 +41,9 @@ def hf_model(tiny_model_dir):
 
 
 def test_concurrent_mixed_requests_have_exact_logprobs(tiny_model_dir, hf_model):
-    """Different prompt lengths (packed and chunked prefill), n, temperatures and max_tokens in one
+    """Different prompt lengths (batched and chunked prefill), n, temperatures and max_tokens in one
     batch (rows join and leave)."""
-    engine = make_engine(tiny_model_dir, max_batch_size=6, max_prefill_tokens=16)  # prompts of 17, 30: chunked
+    engine = make_engine(tiny_model_dir, max_batch_size=8, max_prefill_tokens=16)  # prompts of 17, 30: chunked
     prompts = [list(range(60, 60 + k)) for k in (3, 17, 9, 30, 1)]
     specs = [(0.7, 2, 12), (1.0, 1, 5), (1.3, 3, 9), (0.5, 1, 20), (1.0, 2, 7)]
 
@@ -67,6 +67,43 @@ def test_concurrent_mixed_requests_have_exact_logprobs(tiny_model_dir, hf_model)
     assert not engine._active
 
 
+def test_repeated_prompts_prefill_once(tiny_model_dir, hf_model):
+    """An RL group sent as separate requests: one prefill, every sample still exact."""
+    engine = make_engine(tiny_model_dir)
+    prefilled = []
+    original = engine._prefill_batch
+
+    def counting(reqs, rows):
+        prefilled.append(len(reqs))
+        return original(reqs, rows)
+
+    engine._prefill_batch = counting
+    prompt = list(range(70, 90))
+
+    async def drain(stream):
+        out: dict[int, dict] = {}
+        async for d in stream:
+            o = out.setdefault(d.index, {"ids": [], "lps": []})
+            o["ids"] += d.token_ids
+            o["lps"] += d.logprobs
+        return list(out.values())
+
+    async def main():
+        # queued before the engine runs, so they are admitted together
+        streams = [engine.generate(prompt, SamplingParams(max_tokens=8, n=n, ignore_eos=True)) for n in (1, 2, 1, 3)]
+        await engine.start()
+        try:
+            return await asyncio.gather(*[drain(s) for s in streams])
+        finally:
+            await engine.shutdown()
+
+    results = asyncio.run(main())
+    assert prefilled == [1]  # 4 requests, 7 samples, one prompt prefilled
+    for choices in results:
+        for c in choices:
+            assert torch.allclose(torch.tensor(c["lps"]), hf_logprobs(hf_model, prompt, c["ids"], 1.0), atol=1e-5)
+
+
 def test_queueing_beyond_batch_size_and_limits(tiny_model_dir):
     engine = make_engine(tiny_model_dir, max_batch_size=2, kv_cache_gb=0.001)
 
@@ -88,6 +125,33 @@ def test_queueing_beyond_batch_size_and_limits(tiny_model_dir):
 
     outs = asyncio.run(main())
     assert all(len(o[0]["ids"]) == 6 for o in outs)
+
+
+def test_kv_budget_limits_the_batch(tiny_model_dir):
+    """A budget of two 128-position rows: five requests still all finish, never more than 2 at once."""
+    engine = make_engine(tiny_model_dir, max_batch_size=8, kv_cache_gb=2 * 128 * 512 / 2**30)  # 512 B/token
+    assert engine._bytes_per_token == 512
+    peak = 0
+
+    async def watch():
+        nonlocal peak
+        while True:
+            peak = max(peak, len(engine._active))
+            await asyncio.sleep(0)
+
+    async def main():
+        await engine.start()
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await asyncio.gather(*[
+                collect(engine, [65 + i, 66], SamplingParams(max_tokens=20, ignore_eos=True)) for i in range(5)
+            ])  # fmt: skip
+        finally:
+            watcher.cancel()
+            await engine.shutdown()
+
+    outs = asyncio.run(main())
+    assert all(len(o[0]["ids"]) == 20 for o in outs) and peak == 2
 
 
 def test_closing_a_stream_aborts_the_request(tiny_model_dir):
@@ -168,7 +232,7 @@ def test_kv_cache_growth_keeps_contents():
     cache.set_prefill(torch.tensor([1]), torch.tensor([0]), 3)
     cache.update(keys, keys + 1, 0)
     cache.ensure(5, 200)
-    assert (cache.slots, cache.capacity) == (8, 256)
+    assert (cache.slots, cache.capacity) == (5, 256)
     assert torch.equal(cache.keys[0][1, :, :3], keys[0])
     cache.copy_row(1, 4, 3)
     assert torch.equal(cache.values[0][4, :, :3], keys[0] + 1)

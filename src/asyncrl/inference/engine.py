@@ -73,33 +73,56 @@ def _model_dir(name: str) -> Path:
     return Path(snapshot_download(name, allow_patterns=["*.safetensors", "*.json"], local_files_only=True))
 
 
+def _set_threads(config: InferenceConfig, device: torch.device) -> None:
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    elif device.type == "cpu":
+        # leave a core to the HTTP side (event loop, JSON, tokenization): spinning torch threads on
+        # every core starve it and slow the whole server down
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
+
+
+def _load(config: InferenceConfig, device: torch.device):
+    """(server tokenizer, engine-thread tokenizer, model on device); fast tokenizers aren't thread-safe."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    mcfg = config.model
+    dtype: torch.dtype | str = _DTYPES.get(mcfg.dtype, "auto")
+    if mcfg.dtype == "auto" and device.type == "cpu":
+        dtype = torch.float32
+    kw = dict(trust_remote_code=mcfg.trust_remote_code)
+    try:
+        tokenizers = [AutoTokenizer.from_pretrained(mcfg.name, **kw) for _ in range(2)]
+        try:
+            model = AutoModelForCausalLM.from_pretrained(mcfg.name, dtype=dtype, attn_implementation="sdpa", **kw)
+        except ValueError:  # an architecture without sdpa support
+            model = AutoModelForCausalLM.from_pretrained(mcfg.name, dtype=dtype, attn_implementation="eager", **kw)
+    except OSError as e:
+        raise UserError(f"cannot load model '{mcfg.name}': {e}. Pass a HF model id or a local model dir") from e
+    return tokenizers[0], tokenizers[1], model.to(device).eval()
+
+
+def _eos_ids(name: str, model, tokenizer) -> set[int]:
+    """The generation config's eos ids (often several) plus the tokenizer's."""
+    from transformers import GenerationConfig
+
+    try:
+        gen_eos = GenerationConfig.from_pretrained(name).eos_token_id
+    except OSError:
+        gen_eos = model.config.eos_token_id
+    eos: set[int] = set()
+    for ids in (gen_eos, tokenizer.eos_token_id):
+        eos |= set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    return eos
+
+
 class EmbeddedEngine(Backend):
     def __init__(self, config: InferenceConfig):
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
         mcfg = config.model
         self.config = config
         self.device = resolve_device(config.device)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        elif self.device.type == "cpu":
-            # leave a core to the HTTP side (event loop, JSON, tokenization): spinning torch
-            # threads on every core starve it and slow the whole server down
-            torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
-        dtype: torch.dtype | str = _DTYPES.get(mcfg.dtype, "auto")
-        if mcfg.dtype == "auto" and self.device.type == "cpu":
-            dtype = torch.float32
-        load = dict(trust_remote_code=mcfg.trust_remote_code)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(mcfg.name, **load)
-            self._engine_tokenizer = AutoTokenizer.from_pretrained(mcfg.name, **load)  # fast tokenizers aren't thread-safe
-            try:
-                model = AutoModelForCausalLM.from_pretrained(mcfg.name, dtype=dtype, attn_implementation="sdpa", **load)
-            except ValueError:  # architecture without sdpa support
-                model = AutoModelForCausalLM.from_pretrained(mcfg.name, dtype=dtype, attn_implementation="eager", **load)
-        except OSError as e:
-            raise UserError(f"cannot load model '{mcfg.name}': {e}. Pass a HF model id or a local model dir") from e
-        self.model = model.to(self.device).eval()
+        _set_threads(config, self.device)
+        self.tokenizer, self._engine_tokenizer, self.model = _load(config, self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.model_name = mcfg.name
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -111,15 +134,7 @@ class EmbeddedEngine(Backend):
             self.masks = MaskBuilder(self.model.config, self.dtype)
         except ValueError as e:
             raise UserError(str(e)) from e
-
-        eos: set[int] = set()
-        try:
-            gen_eos = GenerationConfig.from_pretrained(mcfg.name).eos_token_id
-        except OSError:
-            gen_eos = self.model.config.eos_token_id
-        for ids in (gen_eos, self.tokenizer.eos_token_id):
-            eos |= set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-        self.eos_ids = eos
+        self.eos_ids = _eos_ids(mcfg.name, self.model, self.tokenizer)
 
         self.cache = SlotKVCache(self.model.config.num_hidden_layers, self.dtype, self.device)
         self.lora = LoraManager(self.model)
@@ -135,7 +150,6 @@ class EmbeddedEngine(Backend):
         self._wake = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._healthy = True
         logger.info(
             f"embedded engine: {mcfg.name} on {self.device} ({self.dtype}), max_model_len={self.max_model_len}, "
             f"max_batch_size={self.max_batch_size}, kv budget {self.kv_budget / 2**30:.2f} GiB"
@@ -159,8 +173,7 @@ class EmbeddedEngine(Backend):
 
     def _kv_bytes(self, slots: int, positions: int) -> int:
         """Bytes of the KV buffers the cache allocates for this many slots x positions."""
-        slots, positions = SlotKVCache.rounded(slots, min(positions, self.max_model_len))
-        return slots * positions * self._bytes_per_token
+        return slots * SlotKVCache.rounded_capacity(min(positions, self.max_model_len)) * self._bytes_per_token
 
     # ---- public API (event loop side) -------------------------------------------------------
     async def start(self) -> None:
@@ -179,7 +192,7 @@ class EmbeddedEngine(Backend):
             self._thread = None
 
     def is_healthy(self) -> bool:
-        return self._healthy and self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
     def lora_names(self) -> list[str]:
         return list(self.lora.adapters)
@@ -286,35 +299,49 @@ class EmbeddedEngine(Backend):
         """Pop waiting requests (FIFO) that fit the batch, the KV budget and the prefill budget."""
         admitted: list[_Request] = []
         slots = len(self._active)
-        reserve = max((a.req.reserve for a in self._active), default=0)
-        tokens = 0
+        # buffers only grow while anything is active, so what is allocated already counts
+        reserve = max([a.req.reserve for a in self._active] + [self.cache.capacity])
+        tokens, seen = 0, set()
         with self._wake:
             while self._waiting:
                 req = self._waiting[0]
                 new_slots, new_reserve = slots + req.params.n, max(reserve, req.reserve)
-                if new_slots > self.max_batch_size or self._kv_bytes(new_slots, new_reserve) > self.kv_budget:
+                kv = self._kv_bytes(max(new_slots, self.cache.slots), new_reserve)
+                if new_slots > self.max_batch_size or kv > self.kv_budget:
                     break
-                if admitted and tokens + len(req.prompt_ids) > self.max_prefill_tokens:
+                key = (req.lora.name if req.lora else None, *req.prompt_ids)
+                new_tokens = 0 if key in seen else len(req.prompt_ids)  # repeated prompts prefill once
+                if admitted and tokens + new_tokens > self.max_prefill_tokens:
                     break
                 self._waiting.popleft()
                 admitted.append(req)
-                slots, reserve, tokens = new_slots, new_reserve, tokens + len(req.prompt_ids)
-        if admitted:
-            self.cache.ensure(slots, reserve)
+                seen.add(key)
+                slots, reserve, tokens = new_slots, new_reserve, tokens + new_tokens
+        if admitted and (slots > self.cache.slots or reserve > self.cache.capacity):
+            # grow rows by half again when the budget allows, so rows trickling in rarely reallocate
+            grown = min(self.max_batch_size, max(slots, self.cache.slots * 3 // 2, 8))
+            if self._kv_bytes(grown, reserve) > self.kv_budget:
+                grown = max(slots, self.cache.slots)
+            self.cache.ensure(grown, reserve)
         return admitted
 
     def _prefill(self, reqs: list[_Request]) -> None:
         """Prefill new prompts (left-padded batches of similar length, long ones in chunks), then
-        sample each request's first tokens; a request with n > 1 copies its prompt's KV to n rows."""
+        sample each request's first tokens. A request with n > 1, and any request whose prompt
+        another new request has too, copies the prefilled KV row instead of computing it again."""
         first_row = len(self._active)
         rows, row = [], first_row
         for req in reqs:
             rows.append(row)
             row += req.params.n
+        # identical prompts (e.g. the samples of one RL group sent as separate requests) prefill once
+        first_of: dict[tuple, int] = {}
+        for j, req in enumerate(reqs):
+            first_of.setdefault((req.lora.name if req.lora else None, *req.prompt_ids), j)
+        unique = sorted(set(first_of.values()), key=lambda j: len(reqs[j].prompt_ids))
         last_logits: dict[int, torch.Tensor] = {}
         batch: list[int] = []
-        by_length = sorted(range(len(reqs)), key=lambda j: len(reqs[j].prompt_ids))
-        for j in by_length:
+        for j in unique:
             n_prompt = len(reqs[j].prompt_ids)
             if n_prompt > self.max_prefill_tokens:
                 last_logits[j] = self._prefill_chunked(reqs[j], rows[j])
@@ -327,9 +354,11 @@ class EmbeddedEngine(Backend):
             last_logits.update(zip(batch, self._prefill_batch([reqs[i] for i in batch], [rows[i] for i in batch])))
         new, expanded = [], []
         for j, req in enumerate(reqs):
+            src = first_of[(req.lora.name if req.lora else None, *req.prompt_ids)]
+            last_logits[j] = last_logits[src]
             for i in range(req.params.n):
-                if i:
-                    self.cache.copy_row(rows[j], rows[j] + i, len(req.prompt_ids))
+                if (src, i) != (j, 0):
+                    self.cache.copy_row(rows[src], rows[j] + i, len(req.prompt_ids))
                 seq = Sequence(i, req.prompt_ids, req.params, self._engine_tokenizer, self.eos_ids)
                 seed = None if req.params.seed is None else req.params.seed + i * _SEED_STRIDE
                 req.seqs.append(seq)

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
-SLOT_ROUND, CAPACITY_ROUND = 8, 128
+CAPACITY_ROUND = 128
 
 
 class SlotKVCache(Cache):
@@ -47,14 +47,13 @@ class SlotKVCache(Cache):
 
     # ---- sizing -------------------------------------------------------------------------------
     @staticmethod
-    def rounded(slots: int, capacity: int) -> tuple[int, int]:
-        """The buffer size `ensure` allocates for a need (rounded so growth reallocates rarely)."""
-        return -(-slots // SLOT_ROUND) * SLOT_ROUND, -(-capacity // CAPACITY_ROUND) * CAPACITY_ROUND
+    def rounded_capacity(capacity: int) -> int:
+        """Positions `ensure` allocates for a need (rounded so growth reallocates rarely)."""
+        return -(-capacity // CAPACITY_ROUND) * CAPACITY_ROUND
 
     def ensure(self, slots: int, capacity: int) -> None:
-        """Grow buffers so `slots` rows of `capacity` positions fit; keeps contents."""
-        want_slots, want_cap = self.rounded(slots, capacity)
-        new_slots, new_cap = max(self.slots, want_slots), max(self.capacity, want_cap)
+        """Grow buffers to at least `slots` rows of `capacity` (rounded) positions; keeps contents."""
+        new_slots, new_cap = max(self.slots, slots), max(self.capacity, self.rounded_capacity(capacity))
         if new_slots == self.slots and new_cap == self.capacity:
             return
         for i in range(self.num_layers):

@@ -107,6 +107,8 @@ class _SFTTrainer:
     def _build_stream(self) -> SampleStream:
         d = self.data
         if self._dataset is None:
+            if not self.config.bench:
+                logger.warning("training on fake random data (data.type = 'fake'); pass --data.name for real data")
             vocab = self.model.get_input_embeddings().weight.shape[0]
             get = lambda i: fake_sample(i, d.seq_len, vocab, self.config.seed)  # noqa: E731
             return SampleStream(FAKE_SIZE, get, shuffle=False, seed=d.seed, max_epochs=None)
