@@ -22,14 +22,20 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-BACKENDS = [pytest.param("embedded", id="embedded")]
+from asyncrl.inference.vllm_launch import INSTALL_HINT, start_vllm_server, vllm_python  # noqa: E402
+
+BACKENDS = [
+    pytest.param("embedded", id="embedded"),
+    pytest.param("vllm", id="vllm", marks=[
+        pytest.mark.vllm, pytest.mark.skipif(vllm_python() is None, reason=f"no vLLM env: {INSTALL_HINT}")]),
+]
 API_KEY = "contract-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MESSAGES = [{"role": "user", "content": "reverse: abcdef"}]
 # What the "trained" weights say to any chat prompt (reasoning, content and one hermes tool call).
 REPLY = '<think>ok</think>hi<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "f", "description": "f", "parameters": {"type": "object"}}}]
-LOGPROB_TOL = {"embedded": 2e-5}
+LOGPROB_TOL = {"embedded": 2e-5, "vllm": 1e-4}
 EOS_IDS = [256, 258]  # <|endoftext|>, <|im_end|>: the tiny model's generation_config eos ids
 
 
@@ -84,6 +90,14 @@ def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
             thread.join(30)
 
         return RunningServer(backend, f"http://127.0.0.1:{port}", str(model_dir), stop, engine)
+    if backend == "vllm":
+        assert not overrides, "the vLLM server takes no overrides here"
+        flags = ["--model.dtype", "float32", "--model.enforce-eager", "--api-key", API_KEY,
+                 "--model.enable-auto-tool-choice", "--model.tool-call-parser", "hermes",
+                 "--model.reasoning-parser", "qwen3", "--model.max-model-len", "512",
+                 "--enable-lora", "--max-lora-rank", "8"]
+        srv = start_vllm_server(model_dir, model_dir.parent / "vllm-inference.log", flags)
+        return RunningServer(backend, srv.base_url, str(model_dir), srv.stop)
     raise ValueError(f"unknown backend {backend}")
 
 
@@ -263,7 +277,9 @@ def test_chat_with_openai_client(server, oai, http, tokenizer):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_logprobs_match_hf_forward(server, http, model_dir, temperature):
-    out = chat(http, server, temperature=temperature, n=3, max_tokens=12, logprobs=True, return_token_ids=True)
+    # vLLM refuses n > 1 with greedy sampling (the n copies would be identical)
+    n = 1 if (temperature == 0 and server.backend == "vllm") else 3
+    out = chat(http, server, temperature=temperature, n=n, max_tokens=12, logprobs=True, return_token_ids=True)
     prompt = out["prompt_token_ids"]
     for choice in out["choices"]:
         ids = choice["token_ids"]
@@ -293,6 +309,17 @@ def test_n_and_seed(server, http):
     assert len({tuple(x) for x in a}) == 4  # the n samples differ from each other
 
 
+def reasoning_of(msg: dict) -> str:
+    """Reasoning text (`reasoning_content`; vLLM calls it `reasoning`)."""
+    return msg.get("reasoning_content") or msg.get("reasoning") or ""
+
+
+def text_of(msg: dict) -> str:
+    """All generated text of a message or delta. vLLM's qwen3 parser counts output that has no </think>
+    as reasoning, ours as content: the split differs between backends, the text must not."""
+    return reasoning_of(msg) + (msg.get("content") or "")
+
+
 def test_streaming_chat_matches_non_streaming(server, http):
     body = {"model": server.model, "messages": MESSAGES, "max_tokens": 10, "temperature": 0, "logprobs": True,
             "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
@@ -305,13 +332,13 @@ def test_streaming_chat_matches_non_streaming(server, http):
     text, ids, lps, finish = "", [], [], None
     for ch in chunks:
         for c in ch["choices"]:
-            text += c["delta"].get("content") or ""
+            text += text_of(c["delta"])
             ids += c.get("token_ids") or []
             lps += [x["logprob"] for x in (c.get("logprobs") or {}).get("content", [])]
             finish = c.get("finish_reason") or finish
     assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
     ref = chat(http, server, max_tokens=10, temperature=0, logprobs=True, return_token_ids=True)["choices"][0]
-    assert ids == ref["token_ids"] and text == ref["message"]["content"] and finish == ref["finish_reason"]
+    assert ids == ref["token_ids"] and text == text_of(ref["message"]) and finish == ref["finish_reason"]
     assert lps == pytest.approx([x["logprob"] for x in ref["logprobs"]["content"]], abs=1e-5)
 
 
@@ -338,7 +365,7 @@ def test_stop_token_ids_and_stop_strings(server, http, tokenizer):
     first = full.index(full[k])
     assert out["token_ids"] == full[: first + 1]
     assert out["finish_reason"] == "stop" and out["stop_reason"] == stop
-    assert stop not in out["message"]["content"]
+    assert stop not in text_of(out["message"])
 
 
 def test_completions_route(server, oai, tokenizer):
@@ -427,7 +454,7 @@ def test_trained_weights_answer_with_tools_and_reasoning(server, http, trained_w
             "temperature": 0, "return_token_ids": True}  # fmt: skip
     choice = http.post("/v1/chat/completions/tokens", json=body).json()["choices"][0]
     msg = choice["message"]
-    assert (msg["reasoning_content"], msg["content"], choice["finish_reason"]) == ("ok", "hi", "tool_calls")
+    assert (reasoning_of(msg), msg["content"], choice["finish_reason"]) == ("ok", "hi", "tool_calls")
     [call] = msg["tool_calls"]
     assert call["type"] == "function" and call["function"]["name"] == "f" and call["id"]
     assert json.loads(call["function"]["arguments"]) == {"x": 1}
@@ -438,15 +465,19 @@ def test_trained_weights_answer_with_tools_and_reasoning(server, http, trained_w
     with http.stream("POST", "/v1/chat/completions/tokens", json=dict(body, stream=True)) as r:
         events = sse_events(r)
     assert events[-1] == "[DONE]"
-    reasoning, content, calls, finish = "", "", [], None
+    reasoning, content, finish = "", "", None
+    calls: dict[int, dict] = {}
     for chunk in events[:-1]:
         for c in chunk["choices"]:
-            reasoning += c["delta"].get("reasoning_content") or ""
+            reasoning += reasoning_of(c["delta"])
             content += c["delta"].get("content") or ""
-            calls += c["delta"].get("tool_calls") or []
+            for d in c["delta"].get("tool_calls") or []:  # OpenAI streaming: pieces per call index
+                call = calls.setdefault(d.get("index", 0), {"name": "", "arguments": ""})
+                call["name"] += (d.get("function") or {}).get("name") or ""
+                call["arguments"] += (d.get("function") or {}).get("arguments") or ""
             finish = c.get("finish_reason") or finish
     assert (reasoning, content, finish) == ("ok", "hi", "tool_calls")
-    assert [c["function"]["name"] for c in calls] == ["f"] and json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
+    assert [c["name"] for c in calls.values()] == ["f"] and json.loads(calls[0]["arguments"]) == {"x": 1}
 
 
 def test_logit_bias_is_part_of_the_distribution(server, http, model_dir):
