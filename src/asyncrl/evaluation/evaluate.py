@@ -6,7 +6,7 @@ loaded into the running server first (`POST /update_weights` with a `weights/ste
 (`num_examples` examples x `rollouts_per_example` rollouts), and the server is returned to the base
 model at the end. Results: `{output_dir}/eval/rollouts.jsonl` (one row per rollout) and
 `summary.json`, rewritten after every target so a long run leaves partial results; a table of
-reward by step is printed at the end.
+reward by step is printed at the end. Per-target summaries also go to `metrics/eval.jsonl` (and W&B).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from asyncrl.evaluation.runner import (
 from asyncrl.orchestrator.client import InferenceClient
 from asyncrl.transport.weights import is_stable, step_dirs
 from asyncrl.utils.errors import UserError
+from asyncrl.utils.monitor import MetricsSink
 
 
 @dataclass
@@ -113,18 +114,6 @@ def format_table(results: dict[str, dict[str, dict]]) -> str:
     return _render(rewards) + "\n\n" + _render(details)
 
 
-def _wandb_run(config: EvalConfig):
-    if config.wandb is None:
-        return None
-    try:
-        import wandb
-    except ImportError as e:
-        raise UserError("W&B logging is on but wandb is not installed: pip install 'asyncrl[wandb]'") from e
-    return wandb.init(project=config.wandb.project, name=config.wandb.name, id=config.wandb.id,
-                      mode="offline" if config.wandb.offline else "online", config=config.model_dump(mode="json"),
-                      dir=str(config.output_dir))
-
-
 async def _evaluate(config: EvalConfig) -> dict[str, Any]:
     slots = load_slots(config.envs(), eval_split=True)
     targets = find_targets(config)
@@ -134,7 +123,7 @@ async def _evaluate(config: EvalConfig) -> dict[str, Any]:
     out = Path(config.output_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     admin = InferenceClient(config.client) if config.weights_dir is not None else None
-    wandb_run = _wandb_run(config)
+    sink = MetricsSink(config.output_dir, "eval", config.wandb, config.model_dump(mode="json"))
     results: dict[str, dict] = {}
     rows: list[dict] = []
     summary: dict[str, Any] = {
@@ -159,10 +148,10 @@ async def _evaluate(config: EvalConfig) -> dict[str, Any]:
             for env, s in results[target.label].items():
                 logger.info(f"{target.label} | {env} | reward {_reward(s)} | {s['rollouts']} rollouts, "
                             f"{s['errors']} errors")
-            if wandb_run is not None:
-                wandb_run.log({f"eval/{env}/{k}": v for env, s in results[target.label].items()
-                               for k, v in [("reward_mean", s["reward_mean"]), *s["metrics"].items()]},
-                              step=target.step or 0)
+            sink.log(target.step or 0, {"label": target.label, **{
+                f"eval/{env}/{k}": v for env, s in results[target.label].items()
+                for k, v in [("reward_mean", s["reward_mean"]), ("reward_std", s["reward_std"]),
+                             ("errors", s["errors"]), *s["metrics"].items()]}})
     finally:
         if admin is not None:
             try:
@@ -170,8 +159,7 @@ async def _evaluate(config: EvalConfig) -> dict[str, Any]:
             except Exception as e:  # the server may be gone; the results are already on disk
                 logger.warning(f"could not return the server to the base model: {e}")
             await admin.close()
-        if wandb_run is not None:
-            wandb_run.finish()
+        sink.close()
     print(format_table(results), flush=True)
     logger.info(f"wrote {len(rows)} rollouts to {out / 'rollouts.jsonl'} and the summary to {out / 'summary.json'}")
     return summary

@@ -31,7 +31,6 @@ from asyncrl.config.sft import SFTConfig
 from asyncrl.trainer.ckpt import CheckpointManager, resolve_resume_step
 from asyncrl.trainer.dist import DistContext, init_distributed
 from asyncrl.trainer.model import LoadedModel, load_model, load_tokenizer
-from asyncrl.utils.monitor import MetricsSink
 from asyncrl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from asyncrl.trainer.perf import FlopModel, mfu, peak_flops, peak_memory_gib, reset_peak_memory
 from asyncrl.trainer.sft_data import (
@@ -47,6 +46,7 @@ from asyncrl.trainer.sft_data import (
 from asyncrl.trainer.weights import export_weights
 from asyncrl.transport.weights import weights_dir
 from asyncrl.utils.errors import UserError
+from asyncrl.utils.monitor import MetricsSink
 
 BENCH_STEPS = 5  # --bench without --max-steps: one warm-up step + four timed ones
 FAKE_SIZE = 1_000_000  # samples in the fake dataset (each made from its index)
