@@ -192,7 +192,12 @@ class Launcher:
                 "--master-port", str(_free_port()), "--local-ranks-filter", "0",
                 "-m", "asyncrl.entrypoints.trainer", "@", str(paths["trainer"]),
             ]
-        self._spawn("trainer", trainer_cmd, self._env(self.config.trainer_gpu_ids), stream=True)
+        env = self._env(self.config.trainer_gpu_ids)
+        if not self.cuda and "OMP_NUM_THREADS" not in env:
+            # CPU: torch's default of one thread per core in every process oversubscribes the cores the
+            # inference engine uses too, which makes both many times slower. Leave it a core.
+            env["OMP_NUM_THREADS"] = str(max(1, ((os.cpu_count() or 2) - 1) // self.trainer_ranks))
+        self._spawn("trainer", trainer_cmd, env, stream=True)
 
     # ------------------------------------------------------------ supervise
 
