@@ -25,13 +25,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def rl_args(model_dir: Path, out: Path, steps: int, port: int, lr: float = 3e-3) -> list[str]:
+@pytest.fixture(scope="module")
+def warm_model(tmp_path_factory) -> Path:
+    """The demo's warm-up, through the real `sft` entrypoint: a tiny model that reverses ~10-20% of strings."""
+    from asyncrl.utils.tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("warm")
+    build_tiny_model(root / "tiny", hidden_size=128, num_layers=4)
+    subprocess.run([sys.executable, "-m", "reverse_text", "--sft-out", str(root / "sft.jsonl"), "--n", "6000"],
+                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "asyncrl.entrypoints.sft", "@", "examples/reverse_text/sft.toml",
+         "--model.name", str(root / "tiny"), "--data.name", str(root / "sft.jsonl"), "--output-dir", str(root / "sft"),
+         "--max-steps", "150", "--no-ckpt", "--log.level", "warning"],
+        check=True, capture_output=True, cwd=Path(__file__).resolve().parents[2],
+    )
+    return root / "sft" / "weights" / "step_150"
+
+
+def rl_args(model_dir: Path, out: Path, steps: int, port: int, lr: float = 3e-4) -> list[str]:
     return [
         "--model.name", str(model_dir), "--output-dir", str(out), "--max-steps", str(steps),
         "--seq-len", "128", "--max-async-level", "1",
         "--trainer.optim.lr", str(lr), "--trainer.optim.weight-decay", "0",
-        "--orchestrator.batch-size", "16", "--orchestrator.rollouts-per-example", "4",
-        "--orchestrator.sampling.max-tokens", "12", "--orchestrator.seed", "1",
+        "--orchestrator.batch-size", "128", "--orchestrator.rollouts-per-example", "8",
+        "--orchestrator.sampling.max-tokens", "16", "--orchestrator.seed", "1",
         "--inference.server.port", str(port), "--inference.server.host", "127.0.0.1",
         "--log.level", "info",
     ]
@@ -55,31 +73,35 @@ def run_rl(args: list[str], timeout: float = 420) -> subprocess.CompletedProcess
     return subprocess.run(RL + args, capture_output=True, text=True, timeout=timeout)
 
 
-def test_rl_runs_learns_and_resumes(tiny_model_dir, tmp_path):
+def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     out = tmp_path / "run"
-    first = run_rl(rl_args(tiny_model_dir, out, 6, _free_port()) + ["--ckpt", "--ckpt.interval", "3"])
+    steps = 12
+    first = run_rl(rl_args(warm_model, out, steps, _free_port()) + [
+        "--ckpt", "--ckpt.interval", "6", "--wandb.offline", "--wandb.project", "t", "--wandb.name", "demo"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     rows = orchestrator_rows(out)
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(steps))
     assert max(r["off_policy/level"] for r in rows) <= 1
     # every step's batch was consumed and a new policy published; the server's weights changed each step
     trainer_rows = [json.loads(x) for x in (out / "metrics" / "trainer.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in trainer_rows] == list(range(6))
-    assert (out / "weights" / "step_6").is_dir() and (out / "weights" / "step_3").is_dir()
-    assert (out / "checkpoints" / "step_3").is_dir()
+    assert [r["step"] for r in trainer_rows] == list(range(steps))
+    assert (out / "weights" / f"step_{steps}").is_dir() and (out / "weights" / "step_6").is_dir()
+    assert (out / "checkpoints" / "step_6").is_dir()
     assert [r["policy/step"] for r in rows][2:] == [r["step"] - 1 for r in rows][2:]  # k = 1: one step behind
-    early = sum(r["reward/mean"] for r in rows[:2]) / 2
-    late = sum(r["reward/mean"] for r in rows[-2:]) / 2
+    early = sum(r["reward/mean"] for r in rows[:3]) / 3
+    late = sum(r["reward/mean"] for r in rows[-3:]) / 3
     assert late > early, [round(r["reward/mean"], 3) for r in rows]
     assert "[rl] done" in first.stdout
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 2  # W&B offline: a trainer and an orchestrator run
     assert not own_processes(str(out)), own_processes(str(out))
 
-    resumed = run_rl(rl_args(tiny_model_dir, out, 8, _free_port()) + ["--ckpt.resume-step", "6"])
+    resumed = run_rl(rl_args(warm_model, out, steps + 2, _free_port()) + ["--ckpt.resume-step", str(steps)])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = orchestrator_rows(out)
-    assert [r["step"] for r in rows] == list(range(6)) + [6, 7]  # numbering continues, nothing recomputed
-    assert rows[6]["policy/step"] >= 5
-    assert (out / "weights" / "step_8").is_dir()
+    # numbering continues, nothing recomputed
+    assert [r["step"] for r in rows] == list(range(steps)) + [steps, steps + 1]
+    assert rows[steps]["policy/step"] >= steps - 1
+    assert (out / "weights" / f"step_{steps + 2}").is_dir()
     assert not own_processes(str(out))
 
 
