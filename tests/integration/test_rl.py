@@ -43,14 +43,16 @@ def warm_model(tmp_path_factory) -> Path:
     return root / "sft" / "weights" / "step_150"
 
 
-def rl_args(model_dir: Path, out: Path, steps: int, port: int, lr: float = 3e-4) -> list[str]:
-    return [
+def rl_args(model_dir: Path, out: Path, steps: int, port: int, lr: float = 3e-4, server: bool = True) -> list[str]:
+    """Flags of a small run; `server=False`: no [inference] section, the orchestrator dials `port`."""
+    where = ["--inference.server.port", str(port), "--inference.server.host", "127.0.0.1"] if server else [
+        "--orchestrator.client.port", str(port)]
+    return where + [
         "--model.name", str(model_dir), "--output-dir", str(out), "--max-steps", str(steps),
         "--seq-len", "128", "--max-async-level", "1",
         "--trainer.optim.lr", str(lr), "--trainer.optim.weight-decay", "0",
         "--orchestrator.batch-size", "128", "--orchestrator.rollouts-per-example", "8",
         "--orchestrator.sampling.max-tokens", "16", "--orchestrator.seed", "1",
-        "--inference.server.port", str(port), "--inference.server.host", "127.0.0.1",
         "--log.level", "info",
     ]
 
@@ -63,10 +65,10 @@ def orchestrator_rows(out: Path) -> list[dict]:
 
 def own_processes(marker: str) -> list[str]:
     """Command lines of live processes mentioning `marker` (our output dir), this test excluded."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     me = str(os.getpid())
     return [line for line in out.splitlines() if marker in line and not line.strip().startswith(me)
-            and "ps -eo" not in line]
+            and "ps -ww -eo" not in line]
 
 
 def run_rl(args: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
@@ -150,9 +152,6 @@ def test_rl_ctrl_c_stops_cleanly(tiny_model_dir, tmp_path):
 
 def test_rl_without_server_says_how_to_start_one(tiny_model_dir, tmp_path):
     port = _free_port()
-    args = rl_args(tiny_model_dir, tmp_path / "run", 2, port)
-    args = [a for a in args if not a.startswith("--inference")]
-    args = [a for i, a in enumerate(args) if not (i > 0 and args[i - 1].startswith("--inference"))]
-    result = run_rl(args + ["--orchestrator.client.port", str(port)], timeout=60)
+    result = run_rl(rl_args(tiny_model_dir, tmp_path / "run", 2, port, server=False), timeout=60)
     assert result.returncode == 2
     assert "no inference server answers" in result.stderr and "Traceback" not in result.stderr
