@@ -24,7 +24,8 @@ import torch
 
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.transport.batch import read_batch, read_meta, wait_for_batch
-from asyncrl.transport.weights import broadcast_dir, publish_dir
+from asyncrl.transport.files import publish_dir
+from asyncrl.transport.weights import broadcast_dir
 
 pytestmark = pytest.mark.slow
 

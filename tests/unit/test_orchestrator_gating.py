@@ -13,7 +13,8 @@ from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.orchestrator.gating import Policy, PolicyGate
 from asyncrl.orchestrator.loop import Orchestrator
 from asyncrl.transport.batch import read_meta, wait_for_batch
-from asyncrl.transport.weights import broadcast_dir, publish_dir, weights_dir
+from asyncrl.transport.files import publish_dir
+from asyncrl.transport.weights import broadcast_dir, weights_dir
 
 
 def publish(out, step):

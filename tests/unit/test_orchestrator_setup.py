@@ -13,7 +13,8 @@ from asyncrl.orchestrator.client import InferenceClient, server_root
 from asyncrl.orchestrator.envs import load_env, sampling_args
 from asyncrl.orchestrator.loop import Orchestrator
 from asyncrl.transport.batch import batch_dir
-from asyncrl.transport.weights import broadcast_dir, publish_dir, weights_dir
+from asyncrl.transport.files import publish_dir
+from asyncrl.transport.weights import broadcast_dir, weights_dir
 from asyncrl.utils.errors import UserError
 
 

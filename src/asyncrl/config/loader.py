@@ -191,7 +191,7 @@ def _literal(raw: str) -> Any:
     return raw
 
 
-def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+def set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
     for part in path[:-1]:
         node = tree.get(part)
         if not isinstance(node, dict):
@@ -248,9 +248,9 @@ def from_env(model: type[BaseModel], environ: Mapping[str, str], prefix: str = E
         if leaf is None:
             raise UserError(f"environment variable {name} matches no option{suggest(model, dotted)} (unset it)")
         if leaf.is_section:
-            _set(out, leaf.path, parse_value(leaf, environ[name]) if environ[name].strip() else {})
+            set_path(out, leaf.path, parse_value(leaf, environ[name]) if environ[name].strip() else {})
         else:
-            _set(out, leaf.path, parse_value(leaf, environ[name]))
+            set_path(out, leaf.path, parse_value(leaf, environ[name]))
     return out
 
 
@@ -304,7 +304,7 @@ def parse_argv(model: type[BaseModel], argv: list[str], passthrough: bool = Fals
                     continue
                 raise UserError(f"unknown option --{key}{suggest(model, key.replace('-', '_'))}")
             if negated:
-                _set(out.cli, leaf.path, None if leaf.is_section else False)
+                set_path(out.cli, leaf.path, None if leaf.is_section else False)
             elif leaf.is_section:
                 follows = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
                 if follows is not None and follows.startswith("@"):
@@ -314,29 +314,29 @@ def parse_argv(model: type[BaseModel], argv: list[str], passthrough: bool = Fals
                     i += 0 if eq else (1 if follows != "@" else 2)
                     out.files.append((leaf.path, path))
                 elif eq:
-                    _set(out.cli, leaf.path, parse_value(leaf, inline))
+                    set_path(out.cli, leaf.path, parse_value(leaf, inline))
                 elif follows is not None and follows.lstrip().startswith("{"):  # --data.fake "{'seq_len': 8}"
                     i += 1
-                    _set(out.cli, leaf.path, parse_value(leaf, follows))
+                    set_path(out.cli, leaf.path, parse_value(leaf, follows))
                 else:  # bare section flag: enable with defaults (merges with values set elsewhere)
-                    _set(out.cli, leaf.path, _get(out.cli, leaf.path) or {})
+                    set_path(out.cli, leaf.path, get_path(out.cli, leaf.path) or {})
             elif leaf.is_bool:
                 if eq:
-                    _set(out.cli, leaf.path, inline)
+                    set_path(out.cli, leaf.path, inline)
                 elif i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
                     i += 1
-                    _set(out.cli, leaf.path, argv[i].lower() == "true")
+                    set_path(out.cli, leaf.path, argv[i].lower() == "true")
                 else:
-                    _set(out.cli, leaf.path, True)
+                    set_path(out.cli, leaf.path, True)
             else:
-                _set(out.cli, leaf.path, parse_value(leaf, inline if eq else next_value(f"--{key}")))
+                set_path(out.cli, leaf.path, parse_value(leaf, inline if eq else next_value(f"--{key}")))
         else:
             raise UserError(f"unexpected argument {tok!r}: options start with --, config files with '@ '")
         i += 1
     return out
 
 
-def _get(tree: dict, path: tuple[str, ...]) -> Any:
+def get_path(tree: dict, path: tuple[str, ...]) -> Any:
     for part in path:
         if not isinstance(tree, dict) or part not in tree:
             return None

@@ -65,20 +65,6 @@ SHARED: dict[str, dict[str, tuple[str, ...] | None]] = {
 SHARED_SECTIONS = ("wandb", "ckpt", "log")
 
 
-def _get(tree: dict, path: tuple[str, ...]) -> Any:
-    for part in path:
-        if not isinstance(tree, dict) or part not in tree:
-            return None
-        tree = tree[part]
-    return tree
-
-
-def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
-    for part in path[:-1]:
-        tree = tree.setdefault(part, {})
-    tree[path[-1]] = value
-
-
 def _same(a: Any, b: Any) -> bool:
     return str(a) == str(b) if isinstance(a, (str, Path)) or isinstance(b, (str, Path)) else a == b
 
@@ -91,12 +77,12 @@ def propagate(raw: dict) -> dict:
     components = [c for c in ("trainer", "orchestrator", "inference") if isinstance(raw.get(c), dict)]
 
     for shared, where in SHARED.items():
-        top = _get(raw, tuple(shared.split(".")))
+        top = loader.get_path(raw, tuple(shared.split(".")))
         explicit = {"top level": top} if top is not None else {}
         for comp in components:
             path = where[comp]
-            if path is not None and _get(raw[comp], path) is not None:
-                explicit[comp] = _get(raw[comp], path)
+            if path is not None and loader.get_path(raw[comp], path) is not None:
+                explicit[comp] = loader.get_path(raw[comp], path)
         values = list(explicit.items())
         for name, value in values[1:]:
             if not _same(value, values[0][1]):
@@ -109,7 +95,7 @@ def propagate(raw: dict) -> dict:
         if values:
             for comp in components:
                 if where[comp] is not None:
-                    _set(raw[comp], where[comp], values[0][1])
+                    loader.set_path(raw[comp], where[comp], values[0][1])
 
     for section in SHARED_SECTIONS:
         top = raw.get(section)
@@ -138,19 +124,19 @@ def propagate(raw: dict) -> dict:
     # the orchestrator talks to the server rl starts, unless told otherwise
     if isinstance(raw.get("inference"), dict):
         client = dict(raw["orchestrator"].get("client") or {})
-        port = _get(raw["inference"], ("server", "port"))
+        port = loader.get_path(raw["inference"], ("server", "port"))
         if port is not None and "port" not in client and "base_url" not in client:
             client["port"] = port
         raw["orchestrator"]["client"] = client
-        if _get(raw, ("seq_len",)) is not None and _get(raw["inference"], ("model", "max_model_len")) is None:
-            _set(raw["inference"], ("model", "max_model_len"), raw["seq_len"])
+        if loader.get_path(raw, ("seq_len",)) is not None and loader.get_path(raw["inference"], ("model", "max_model_len")) is None:
+            loader.set_path(raw["inference"], ("model", "max_model_len"), raw["seq_len"])
     return raw
 
 
 def resolve_rl(raw: dict, args: loader.ParsedArgs | None = None) -> RLConfig:
     raw = propagate(raw)
     if raw.get("exp_id"):
-        base = raw.get("output_dir") or _get(raw["trainer"], ("output_dir",)) or "outputs"
+        base = raw.get("output_dir") or loader.get_path(raw["trainer"], ("output_dir",)) or "outputs"
         out = str(Path(base) / raw["exp_id"])
         for comp in ("trainer", "orchestrator", "inference"):
             if isinstance(raw.get(comp), dict):

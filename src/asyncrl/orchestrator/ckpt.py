@@ -10,9 +10,7 @@ The dir is written under a temporary name and renamed into place.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from loguru import logger
 from asyncrl.config.base import CkptConfig
 from asyncrl.orchestrator.filtering import Group
 from asyncrl.orchestrator.samples import Rollout, TokenSample
+from asyncrl.transport.files import publish_dir
 from asyncrl.transport.weights import step_dirs
 from asyncrl.utils.errors import UserError
 
@@ -45,20 +44,11 @@ def ckpt_dir(output_dir: str | Path, step: int) -> Path:
 
 
 def save(output_dir: str | Path, progress: Progress, buffer: list[Group]) -> Path:
-    final = ckpt_dir(output_dir, progress.step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp_{COMPONENT}_{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    def write(tmp: Path) -> None:
         (tmp / "progress.json").write_text(json.dumps(asdict(progress), indent=1))
         (tmp / "buffer.json").write_text(json.dumps([asdict(g) for g in buffer]))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return publish_dir(ckpt_dir(output_dir, progress.step), write, marker=False)
 
 
 def _group_from_dict(d: dict) -> Group:

@@ -2,7 +2,7 @@
 
 The full state dict is gathered to rank 0 (CPU), LoRA adapters are merged into their base weights,
 tensors are cast back to the dtype of the checkpoint we loaded, a tied lm_head is dropped (HF re-ties
-it on load), and the files are written through `transport.weights.publish_dir` (temp dir, rename,
+it on load), and the files are written through `transport.files.publish_dir` (temp dir, rename,
 `STABLE` marker last). Large models are sharded into several safetensors files plus an index.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from asyncrl.trainer.lora import merge_lora_state_dict
-from asyncrl.transport.weights import STABLE, publish_dir
+from asyncrl.transport.files import STABLE, publish_dir
 
 MAX_SHARD_SIZE = "5GB"
 

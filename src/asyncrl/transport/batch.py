@@ -21,14 +21,13 @@ partial batch: its existence means it is complete.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import time
-import uuid
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from asyncrl.transport.files import publish_dir, wait_for
 
 MicroBatch = dict[str, torch.Tensor]
 FIELDS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")
@@ -59,21 +58,15 @@ def write_batch(output_dir: str | Path, step: int, per_rank: list[list[MicroBatc
     for mbs in per_rank:
         for mb in mbs:
             check_micro_batch(mb)
-    final = batch_dir(output_dir, step)
-    tmp = final.parent / f".tmp_step_{step}_{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
+    info = {"step": step, "num_ranks": len(per_rank), "micro_batches_per_rank": counts.pop(), **(meta or {})}
+
+    def write(tmp: Path) -> None:
         for rank, mbs in enumerate(per_rank):
             torch.save({"step": step, "micro_batches": mbs}, tmp / f"rank_{rank}.pt")
-        info = {"step": step, "num_ranks": len(per_rank), "micro_batches_per_rank": counts.pop(), **(meta or {})}
         (tmp / "meta.json").write_text(json.dumps(info))
-        if final.exists():  # a re-run of the same step (e.g. after resume) replaces it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    # a re-run of the same step (e.g. after resume) replaces it
+    return publish_dir(batch_dir(output_dir, step), write, marker=False)
 
 
 def wait_for_batch(
@@ -85,13 +78,7 @@ def wait_for_batch(
 ) -> Path:
     """Block until step `step`'s batch exists; TimeoutError after `timeout` seconds."""
     path = batch_dir(output_dir, step)
-    start = time.monotonic()
-    while not path.exists():
-        if timeout is not None and time.monotonic() - start > timeout:
-            raise TimeoutError(f"no rollout batch for step {step} at {path} after {timeout:.0f}s")
-        if should_stop is not None and should_stop():
-            raise InterruptedError("stopped while waiting for a batch")
-        time.sleep(poll)
+    wait_for(path.exists, f"rollout batch for step {step} at {path}", timeout, poll, should_stop)
     return path
 
 

@@ -17,15 +17,12 @@ only then is `STABLE` created (itself via a temp name), so a reader that sees `S
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import time
-import uuid
 from pathlib import Path
 from typing import Callable
 
-STABLE = "STABLE"
+from asyncrl.transport.files import STABLE, wait_for
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -35,26 +32,6 @@ def broadcast_dir(output_dir: str | Path, step: int) -> Path:
 
 def weights_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / "weights" / f"step_{step}"
-
-
-def publish_dir(final: Path, write: Callable[[Path], None], marker: bool = True) -> Path:
-    """Fill `final` atomically: `write(tmp_dir)` writes the files, then rename, then the STABLE marker."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp_{final.name}_{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        write(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if marker:
-        tmp_marker = final / f".{STABLE}.tmp"
-        tmp_marker.write_text("")
-        os.replace(tmp_marker, final / STABLE)
-    return final
 
 
 def is_stable(path: str | Path) -> bool:
@@ -83,13 +60,7 @@ def wait_for_weights(
 ) -> Path:
     """Block until `broadcast/step_{step}` is STABLE; TimeoutError after `timeout` seconds."""
     path = broadcast_dir(output_dir, step)
-    start = time.monotonic()
-    while not is_stable(path):
-        if timeout is not None and time.monotonic() - start > timeout:
-            raise TimeoutError(f"no stable weights for step {step} at {path} after {timeout:.0f}s")
-        if should_stop is not None and should_stop():
-            raise InterruptedError("stopped while waiting for weights")
-        time.sleep(poll)
+    wait_for(lambda: is_stable(path), f"stable weights for step {step} at {path}", timeout, poll, should_stop)
     return path
 
 

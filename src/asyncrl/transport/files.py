@@ -1,0 +1,52 @@
+"""The two file primitives every wire relies on: publish a directory atomically, wait for one to appear."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+STABLE = "STABLE"
+
+
+def publish_dir(final: Path, write: Callable[[Path], None], marker: bool = True) -> Path:
+    """Fill `final` atomically: `write(tmp_dir)` writes the files, then rename, then (optionally) a STABLE marker.
+
+    A reader never sees a partial dir: it appears whole under its final name, replacing any old one.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp_{final.name}_{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if marker:
+        tmp_marker = final / f".{STABLE}.tmp"
+        tmp_marker.write_text("")
+        os.replace(tmp_marker, final / STABLE)
+    return final
+
+
+def wait_for(
+    ready: Callable[[], bool],
+    what: str,
+    timeout: float | None = None,
+    poll: float = 0.05,
+    should_stop: Callable[[], bool] | None = None,
+) -> None:
+    """Poll `ready()`; TimeoutError naming `what` after `timeout` s, InterruptedError when `should_stop()`."""
+    start = time.monotonic()
+    while not ready():
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise TimeoutError(f"no {what} after {timeout:.0f}s")
+        if should_stop is not None and should_stop():
+            raise InterruptedError(f"stopped while waiting for {what}")
+        time.sleep(poll)
