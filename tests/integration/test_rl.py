@@ -32,13 +32,16 @@ def warm_model(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("warm")
     build_tiny_model(root / "tiny", hidden_size=128, num_layers=4)
-    subprocess.run([sys.executable, "-m", "reverse_text", "--sft-out", str(root / "sft.jsonl"), "--n", "6000"],
+    subprocess.run([sys.executable, "-m", "reverse_text", "--sft-out", str(root / "sft.jsonl"), "--n", "10000"],
                    check=True, capture_output=True)
+    # exactly the demo's warm-up (data, steps, threads): SFT on this task has a sharp drop in loss around
+    # step 100-150 whose timing moves with the data order and float reduction order, so pin both.
+    env = dict(os.environ, OMP_NUM_THREADS="2")
     subprocess.run(
         [sys.executable, "-m", "asyncrl.entrypoints.sft", "@", "examples/reverse_text/sft.toml",
          "--model.name", str(root / "tiny"), "--data.name", str(root / "sft.jsonl"), "--output-dir", str(root / "sft"),
          "--max-steps", "150", "--no-ckpt", "--log.level", "warning"],
-        check=True, capture_output=True, cwd=Path(__file__).resolve().parents[2],
+        check=True, capture_output=True, cwd=Path(__file__).resolve().parents[2], env=env,
     )
     return root / "sft" / "weights" / "step_150"
 
@@ -77,9 +80,9 @@ def run_rl(args: list[str], timeout: float = 420) -> subprocess.CompletedProcess
 
 def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     out = tmp_path / "run"
-    steps = 12
-    first = run_rl(rl_args(warm_model, out, steps, _free_port()) + [
-        "--ckpt", "--ckpt.interval", "6", "--wandb.offline", "--wandb.project", "t", "--wandb.name", "demo"])
+    steps = 16
+    first = run_rl(rl_args(warm_model, out, steps, _free_port(), lr=5e-4) + [
+        "--ckpt", "--ckpt.interval", "8", "--wandb.offline", "--wandb.project", "t", "--wandb.name", "demo"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     rows = orchestrator_rows(out)
     assert [r["step"] for r in rows] == list(range(steps))
@@ -87,17 +90,17 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     # every step's batch was consumed and a new policy published; the server's weights changed each step
     trainer_rows = [json.loads(x) for x in (out / "metrics" / "trainer.jsonl").read_text().splitlines()]
     assert [r["step"] for r in trainer_rows] == list(range(steps))
-    assert (out / "weights" / f"step_{steps}").is_dir() and (out / "weights" / "step_6").is_dir()
-    assert (out / "checkpoints" / "step_6").is_dir()
+    assert (out / "weights" / f"step_{steps}").is_dir() and (out / "weights" / "step_8").is_dir()
+    assert (out / "checkpoints" / "step_8").is_dir()
     assert [r["policy/step"] for r in rows][2:] == [r["step"] - 1 for r in rows][2:]  # k = 1: one step behind
-    early = sum(r["reward/mean"] for r in rows[:3]) / 3
-    late = sum(r["reward/mean"] for r in rows[-3:]) / 3
+    early = sum(r["reward/mean"] for r in rows[:4]) / 4
+    late = sum(r["reward/mean"] for r in rows[-4:]) / 4
     assert late > early, [round(r["reward/mean"], 3) for r in rows]
     assert "[rl] done" in first.stdout
     assert len(list((out / "wandb").glob("offline-run-*"))) == 2  # W&B offline: a trainer and an orchestrator run
     assert not own_processes(str(out)), own_processes(str(out))
 
-    resumed = run_rl(rl_args(warm_model, out, steps + 2, _free_port()) + ["--ckpt.resume-step", str(steps)])
+    resumed = run_rl(rl_args(warm_model, out, steps + 2, _free_port(), lr=5e-4) + ["--ckpt.resume-step", str(steps)])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = orchestrator_rows(out)
     # numbering continues, nothing recomputed
