@@ -74,15 +74,15 @@ def own_processes(marker: str) -> list[str]:
             and "ps -ww -eo" not in line]
 
 
-def run_rl(args: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
+def run_rl(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(RL + args, capture_output=True, text=True, timeout=timeout)
 
 
 def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     out = tmp_path / "run"
-    steps = 16
-    first = run_rl(rl_args(warm_model, out, steps, _free_port(), lr=5e-4) + [
-        "--ckpt", "--ckpt.interval", "8", "--wandb.offline", "--wandb.project", "t", "--wandb.name", "demo"])
+    steps = 40  # the demo's settings; fewer steps leave the rise inside the step-to-step noise (~0.03)
+    first = run_rl(rl_args(warm_model, out, steps, _free_port()) + [
+        "--ckpt", "--ckpt.interval", "20", "--wandb.offline", "--wandb.project", "t", "--wandb.name", "demo"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     rows = orchestrator_rows(out)
     assert [r["step"] for r in rows] == list(range(steps))
@@ -90,17 +90,17 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     # every step's batch was consumed and a new policy published; the server's weights changed each step
     trainer_rows = [json.loads(x) for x in (out / "metrics" / "trainer.jsonl").read_text().splitlines()]
     assert [r["step"] for r in trainer_rows] == list(range(steps))
-    assert (out / "weights" / f"step_{steps}").is_dir() and (out / "weights" / "step_8").is_dir()
-    assert (out / "checkpoints" / "step_8").is_dir()
+    assert (out / "weights" / f"step_{steps}").is_dir() and (out / "weights" / "step_20").is_dir()
+    assert (out / "checkpoints" / "step_20").is_dir()
     assert [r["policy/step"] for r in rows][2:] == [r["step"] - 1 for r in rows][2:]  # k = 1: one step behind
-    early = sum(r["reward/mean"] for r in rows[:4]) / 4
-    late = sum(r["reward/mean"] for r in rows[-4:]) / 4
-    assert late > early, [round(r["reward/mean"], 3) for r in rows]
+    early = sum(r["reward/mean"] for r in rows[:5]) / 5
+    late = sum(r["reward/mean"] for r in rows[-5:]) / 5
+    assert late > early + 0.02, [round(r["reward/mean"], 3) for r in rows]
     assert "[rl] done" in first.stdout
     assert len(list((out / "wandb").glob("offline-run-*"))) == 2  # W&B offline: a trainer and an orchestrator run
     assert not own_processes(str(out)), own_processes(str(out))
 
-    resumed = run_rl(rl_args(warm_model, out, steps + 2, _free_port(), lr=5e-4) + ["--ckpt.resume-step", str(steps)])
+    resumed = run_rl(rl_args(warm_model, out, steps + 2, _free_port()) + ["--ckpt.resume-step", str(steps)])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = orchestrator_rows(out)
     # numbering continues, nothing recomputed
