@@ -38,13 +38,17 @@ def run(model: str, out: Path, k: int, steps: int, extra: list[str]) -> dict:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"rl failed for k={k}:\n{result.stderr[-3000:]}")
+    return summarize(out, k)
+
+
+def summarize(out: Path, k: int) -> dict:
     orch = [r for r in rows(out / "metrics" / "orchestrator.jsonl") if r.get("kind", "train") == "train"]
     trainer = rows(out / "metrics" / "trainer.jsonl")
     skip = 2  # warm-up steps (first weight loads, allocator growth)
     ends = [r["time"] for r in trainer]
     step_time = (ends[-1] - ends[skip - 1]) / (len(ends) - skip)
     gen = statistics.fmean(r["time/rollouts"] for r in orch[skip:])
-    train = statistics.fmean(r["step_time_s"] - r["wait_s"] for r in trainer[skip:])
+    train = statistics.fmean(r["step_time_s"] for r in trainer[skip:])  # compute only: waiting is wait_s
     return {"k": k, "step_s": step_time, "gen_s": gen, "train_s": train,
             "reward_last": statistics.fmean(r["reward/mean"] for r in orch[-2:])}
 
@@ -54,15 +58,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--model", help="model dir (default: a fresh tiny model)")
     parser.add_argument("--ks", default="0,1,2")
+    parser.add_argument("--reuse", help="re-read the runs of an earlier invocation from this dir (no new runs)")
     parser.add_argument("extra", nargs="*", help="more rl flags, after --")
     args = parser.parse_args()
+    ks = [int(k) for k in args.ks.split(",")]
+    if args.reuse:
+        report([summarize(Path(args.reuse) / f"k{k}", k) for k in ks], args.steps, args.reuse)
+        return
     work = Path(tempfile.mkdtemp(prefix="async_overlap_"))
     model = args.model
     if model is None:
         from asyncrl.utils.tiny_model import build_tiny_model
 
         model = str(build_tiny_model(work / "tiny-model"))
-    results = [run(model, work / f"k{k}", k, args.steps, args.extra) for k in map(int, args.ks.split(","))]
+    report([run(model, work / f"k{k}", k, args.steps, args.extra) for k in ks], args.steps, work)
+
+
+def report(results: list[dict], steps: int, work) -> None:
     base = results[0]["step_s"]
     print(f"\n{'k':>2} | {'step s':>7} | {'gen s':>6} | {'train s':>7} | {'gen+train':>9} | {'max(gen,train)':>14} | "
           f"{'step / k0':>9}")
@@ -70,7 +82,7 @@ def main() -> None:
     for r in results:
         print(f"{r['k']:>2} | {r['step_s']:>7.2f} | {r['gen_s']:>6.2f} | {r['train_s']:>7.2f} | "
               f"{r['gen_s'] + r['train_s']:>9.2f} | {max(r['gen_s'], r['train_s']):>14.2f} | {r['step_s'] / base:>9.2f}")
-    print(f"\n(steps {args.steps}, first 2 excluded; runs under {work})")
+    print(f"\n(steps {steps}, first 2 excluded; runs under {work})")
 
 
 if __name__ == "__main__":
