@@ -204,9 +204,8 @@ class Launcher:
     def _died(self, child: Child) -> None:
         code = child.proc.returncode
         self.stop(exclude=child)
-        log = child.log_path if child.log_path.exists() else child.stdout_path
-        extra = f"\n  {child.stdout_path}:\n{_tail(child.stdout_path)}" if child.stdout_path.exists() else ""
-        raise UserError(f"{child.name} died (exit code {code}); last lines of {log}:\n{_tail(log)}{extra}")
+        logs = [f"{p}:\n{_tail(p)}" for p in (child.log_path, child.stdout_path) if p.exists() and p.stat().st_size]
+        raise UserError(f"{child.name} died (exit code {code}); last lines of " + ("\n".join(logs) or "its logs: (none)"))
 
     def _report_steps(self) -> None:
         path = self.out / "metrics" / "orchestrator.jsonl"
