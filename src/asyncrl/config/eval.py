@@ -1,4 +1,4 @@
-"""Config of the `eval` entrypoint: run environments against a server, optionally over saved weights."""
+"""Config of the `eval` entrypoint, and the env-rollout fields it shares with `synthesize`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from asyncrl.config.base import BaseConfig, LogConfig, ModelConfig, WandbConfig,
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
 
 
-class EvalConfig(BaseConfig):
+class EnvRunConfig(BaseConfig):
+    """Which environments to roll out against which server (shared by `eval` and `synthesize`)."""
+
     model: ModelConfig = Field(default_factory=ModelConfig, description="model name as the server knows it")
     client: ClientConfig = Field(default_factory=ClientConfig, description="OpenAI-compatible server")
     environment_ids: list[str] = Field(default_factory=list, description="comma-separated env ids (default args)")
@@ -18,22 +20,29 @@ class EvalConfig(BaseConfig):
     num_examples: int = Field(100, ge=-1, description="examples per env (-1: all)")
     rollouts_per_example: int = Field(1, ge=1, description="rollouts per example")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling arguments")
-    weights_dir: Path | None = Field(None, description="evaluate every weights/step_N found here")
-    steps: list[int] | None = Field(None, description="only these steps of weights_dir, e.g. 10,50")
-    eval_base: bool = Field(True, description="also evaluate the base model (with weights_dir)")
     max_concurrent: int | None = Field(None, ge=1, description="cap on requests in flight")
     server_wait: float = Field(30.0, ge=0, description="seconds to wait for the server to answer before failing")
-    output_dir: Path = Field(default_factory=default_output_dir, description="results go to {output_dir}/eval")
-    wandb: WandbConfig | None = Field(None, description="W&B logging (off unless set)")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
 
     @model_validator(mode="after")
-    def _check(self) -> "EvalConfig":
+    def _some_env(self) -> "EnvRunConfig":
         if not self.environment_ids and not self.env:
-            raise ValueError("no environment to evaluate: pass --environment-ids a,b or [[env]] tables")
-        if self.steps is not None and self.weights_dir is None:
-            raise ValueError("--steps needs --weights-dir")
+            raise ValueError("no environment to run: pass --environment-ids a,b or [[env]] tables")
         return self
 
     def envs(self) -> list[EnvConfig]:
         return [EnvConfig(id=i) for i in self.environment_ids] + list(self.env)
+
+
+class EvalConfig(EnvRunConfig):
+    weights_dir: Path | None = Field(None, description="evaluate every weights/step_N found here")
+    steps: list[int] | None = Field(None, description="only these steps of weights_dir, e.g. 10,50")
+    eval_base: bool = Field(True, description="also evaluate the base model (with weights_dir)")
+    output_dir: Path = Field(default_factory=default_output_dir, description="results go to {output_dir}/eval")
+    wandb: WandbConfig | None = Field(None, description="W&B logging (off unless set)")
+
+    @model_validator(mode="after")
+    def _steps_need_dir(self) -> "EvalConfig":
+        if self.steps is not None and self.weights_dir is None:
+            raise ValueError("--steps needs --weights-dir")
+        return self
