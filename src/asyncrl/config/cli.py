@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import typing
 from pathlib import Path
@@ -93,6 +94,13 @@ def to_toml(config: BaseModel) -> str:
     return tomli_w.dumps(_plain(config.model_dump(mode="python")))
 
 
+def _quiet_broken_pipe() -> None:
+    """`--help | head` should just stop, not print a traceback (only for these print-and-exit paths:
+    a server must keep ignoring SIGPIPE)."""
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
 def fail(message: str, code: int = 2) -> typing.NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(code)
@@ -112,6 +120,7 @@ def parse_or_exit(
     """
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
+        _quiet_broken_pipe()
         print(render_help(model, prog, summary))
         raise SystemExit(0)
     try:
@@ -128,6 +137,7 @@ def parse_or_exit(
     except UserError as e:
         fail(str(e))
     if args.dry_run:
+        _quiet_broken_pipe()
         sys.stdout.write(to_toml(config))
         raise SystemExit(0)
     return config
