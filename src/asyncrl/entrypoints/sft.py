@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 from asyncrl.config.cli import parse_or_exit, run_guarded
 from asyncrl.config.sft import SFTConfig
-from asyncrl.utils.logging import setup_logger
+from asyncrl.utils.logging import setup_rank_logger
 
 SUMMARY = "Supervised fine-tuning on prompt/completion chat data (FSDP2)."
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_or_exit(SFTConfig, "sft", SUMMARY, argv)
-    rank = int(os.environ.get("RANK", "0"))
-    # every rank logs to its own file; only rank 0 prints to the console
-    component = "sft" if rank == 0 else f"sft_rank{rank}"
-    setup_logger(component, config.output_dir, config.log.level, config.log.file, console=rank == 0)
+    setup_rank_logger("sft", config.output_dir, config.log.level, config.log.file)
 
     def run() -> None:
         from asyncrl.trainer.sft import train_sft

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -23,3 +24,11 @@ def setup_logger(component: str, output_dir: str | Path | None, level: str = "in
         path.parent.mkdir(parents=True, exist_ok=True)
         logger.add(path, level=level.upper(), format=_FORMAT, colorize=False, enqueue=False)
     return path
+
+
+def setup_rank_logger(component: str, output_dir: str | Path, level: str = "info", to_file: bool = True):
+    """For torchrun'd entrypoints: every rank logs to its own file (`<component>_rank<R>.log` past rank 0),
+    only rank 0 prints to the console."""
+    rank = int(os.environ.get("RANK", "0"))
+    name = component if rank == 0 else f"{component}_rank{rank}"
+    return setup_logger(name, output_dir, level, to_file, console=rank == 0)
