@@ -110,16 +110,26 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     assert not own_processes(str(out))
 
 
+def start_rl_until(args: list[str], marker: Path, timeout: float = 300) -> subprocess.Popen:
+    """Start `rl` in the background and return once `marker` exists (rl must still be running)."""
+    proc = subprocess.Popen(RL + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"{marker} never appeared"
+            time.sleep(0.5)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+        raise
+    return proc
+
+
 def test_rl_stops_everything_when_the_trainer_dies(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(RL + rl_args(tiny_model_dir, out, 50, _free_port()), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_rl_until(rl_args(tiny_model_dir, out, 50, _free_port()), out / "metrics" / "trainer.jsonl")
     try:
-        deadline = time.monotonic() + 300
-        while not (out / "metrics" / "trainer.jsonl").exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "trainer never finished a step"
-            time.sleep(0.5)
         trainers = [line.split()[0] for line in own_processes(str(out)) if "entrypoints.trainer" in line]
         assert trainers
         os.kill(int(trainers[0]), signal.SIGKILL)
@@ -135,14 +145,8 @@ def test_rl_stops_everything_when_the_trainer_dies(tiny_model_dir, tmp_path):
 
 def test_rl_ctrl_c_stops_cleanly(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(RL + rl_args(tiny_model_dir, out, 50, _free_port()), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_rl_until(rl_args(tiny_model_dir, out, 50, _free_port()), out / "rollouts")
     try:
-        deadline = time.monotonic() + 300
-        while not (out / "rollouts").exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
     finally:
