@@ -552,7 +552,7 @@ def test_update_weights_while_generating(server, http, model_dir, tmp_path):
     other = build_tiny_model(tmp_path / "other", hidden_size=128, num_layers=2, num_heads=4, seed=2)
     body = {"model": server.model, "messages": MESSAGES, "max_tokens": 300, "ignore_eos": True, "stream": True,
             "logprobs": True, "return_token_ids": True, "temperature": 1.0}  # fmt: skip
-    ids, lps, finish, swapped_at = [], [], None, None
+    ids, lps, finish, swapped_at, swap = [], [], None, None, {}
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -563,10 +563,15 @@ def test_update_weights_while_generating(server, http, model_dir, tmp_path):
                 finish = c.get("finish_reason") or finish
             if swapped_at is None and len(ids) >= 20:
                 swapped_at = len(ids)
-                threading.Thread(
-                    target=lambda: httpx.post(server.base_url + "/update_weights", headers=AUTH,
-                                              json={"weight_dir": str(other)}, timeout=60),  # fmt: skip
-                ).start()
+                swapper = threading.Thread(
+                    target=lambda: swap.update(r=httpx.post(server.base_url + "/update_weights", headers=AUTH,
+                                                            json={"weight_dir": str(other)}, timeout=60)),
+                )  # fmt: skip
+                swapper.start()
+    # The swap must have landed before the reload below, or the reload races it and later tests
+    # in this module would run against the other model.
+    swapper.join(timeout=90)
+    assert not swapper.is_alive() and swap["r"].status_code == 200, swap
     assert finish == "length" and len(ids) == len(lps) == 300
     prompt = http.post("/tokenize", json={"model": server.model, "messages": MESSAGES}).json()["tokens"]
     ref = hf_logprobs(model_dir, prompt, ids[:swapped_at])
