@@ -5,15 +5,23 @@ Problems such as "What is 37 * 12 + 5?" are generated from a seed (no downloads)
 walked node by node, so names, calls, attributes and anything else that is not a number or an
 arithmetic operator are refused. The reward is 1.0 when the last number in the final assistant
 message equals the result; ToolEnv's monitor rubric reports `total_tool_calls`/`calculate_calls`.
+
+SFT warm-up data shows the intended trajectory (call the tool with the question's expression, then
+answer with its result): `sft_examples`, or `python -m tool_calc --sft-out FILE --n N`.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
+import json
 import math
 import operator
+import os
 import random
 import re
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import verifiers as vf
@@ -187,3 +195,66 @@ def load_environment(
         rubric=rubric,
         error_formatter=lambda e: f"Error: {e}",
     )
+
+
+def sft_examples(
+    n: int,
+    seed: int = 0,
+    num_terms: int = 3,
+    max_value: int = 50,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+) -> list[dict[str, Any]]:
+    """`n` rows of the ideal trajectory in the environment's exact prompt and tool format.
+
+    Each row is prompt/completion/tools: the assistant calls `calculate` with the question's
+    expression, the tool answers, the assistant replies with the result. Problems come from their
+    own random stream ("sft"), so they are not the RL train or eval problems.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    env = load_environment(num_train_examples=1, num_eval_examples=0, num_terms=num_terms,
+                           max_value=max_value, seed=seed, system_prompt=system_prompt)
+    # what verifiers' OpenAI client sends as `tools`, so SFT prompts tokenize as RL prompts do
+    tools = [{"type": "function", "function": t.model_dump(exclude_none=True)} for t in env.tool_defs]
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    rows = []
+    for i, (expr, result) in enumerate(make_problems(n, seed, "sft", num_terms, max_value)):
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": "calculate", "arguments": json.dumps({"expression": expr})}}
+        rows.append({
+            "prompt": [*system, {"role": "user", "content": f"What is {expr}?"}],
+            "completion": [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": result},
+                {"role": "assistant", "content": result},
+            ],
+            "tools": tools,
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tool_calc",
+                                 description="Write tool-calc SFT data (prompt/completion/tools JSONL).")
+    ap.add_argument("--sft-out", required=True, help="output .jsonl file")
+    ap.add_argument("--n", type=int, default=2000, help="number of examples")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-terms", type=int, default=3)
+    ap.add_argument("--max-value", type=int, default=50)
+    args = ap.parse_args(argv)
+    try:
+        rows = sft_examples(args.n, args.seed, args.num_terms, args.max_value)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.sft_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # readers never see a half-written file
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(tmp, out)
+    print(f"wrote {len(rows)} examples to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

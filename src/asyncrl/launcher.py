@@ -156,7 +156,7 @@ class Launcher:
         if ckpt is not None and ckpt.resume_step is not None:
             from asyncrl.trainer.ckpt import resolve_resume_step
 
-            start = resolve_resume_step(self.out, ckpt.resume_step)
+            start = resolve_resume_step(self.out, ckpt.resume_step, self.config.trainer.max_steps)
         for step, path in step_dirs(rollouts_dir(self.out)).items():
             if step >= start:
                 shutil.rmtree(path, ignore_errors=True)

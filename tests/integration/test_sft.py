@@ -39,14 +39,14 @@ def test_sft_lowers_loss_and_its_weights_serve(tiny_model_dir, reverse_data, tmp
                           timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, 17))
+    assert [r["step"] for r in rows] == list(range(16))  # 0-based, as in the RL trainer
     first = sum(r["loss"] for r in rows[:3]) / 3
     last = sum(r["loss"] for r in rows[-3:]) / 3
     assert last < first - 0.8, [round(r["loss"], 3) for r in rows]
     assert all(r["loss_tokens"] > 0 and r["tokens"] > r["loss_tokens"] for r in rows)  # prompts are masked
     weights = out / "weights" / "step_16"
     assert (weights / "STABLE").exists() and (weights / "config.json").exists()
-    assert "step 16 | loss" in done.stderr
+    assert "step 15 | loss" in done.stderr
     server = ServerProcess(weights, tmp_path / "serve")
     try:
         reply = server.chat("Reverse the text: hello")

@@ -364,3 +364,46 @@ def test_load_environment_by_id(env_id, args, cls):
 def test_load_environment_bad_args_name_the_problem():
     with pytest.raises(RuntimeError, match="max_len \\(2\\) must be >= min_len \\(5\\)"):
         vf.load_environment("reverse-text", max_len=2)
+
+
+def test_tool_calc_sft_rows_replay_as_rewarded_rollouts(tiny_model_dir):
+    """An SFT row is exactly a rollout the env gives reward 1, with the same `tools` verifiers sends,
+    and SFT trains on the model's turns (tool call, answer) only, never on the tool's reply."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.trainer.sft_data import ConversationTokenizer
+
+    rows = tool_calc.sft_examples(4, seed=3)
+    assert len({r["prompt"][-1]["content"] for r in rows}) == 4
+    env = tool_calc.load_environment(num_train_examples=3, num_eval_examples=0, seed=3)
+    row = rows[0]
+    call, tool_reply, answer = row["completion"]
+    fn = call["tool_calls"][0]["function"]
+    server = ScriptedServer([
+        {"content": None, "tool_calls": [(fn["name"], json.loads(fn["arguments"]))]},
+        {"content": answer["content"]},
+    ])
+    inputs = [{"prompt": row["prompt"], "answer": answer["content"], "example_id": 0}]
+    (out,) = asyncio.run(env.run_group(inputs, server.client(), "scripted", {}))
+    assert out["reward"] == 1.0 and out["metrics"]["calculate_calls"] == 1
+    assert server.requests[0]["tools"] == row["tools"]
+    assert server.requests[1]["messages"][-1]["content"] == tool_reply["content"]
+
+    conv = ConversationTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), ["assistant"])
+    sample = conv.tokenize_row(row, 0)
+    trained = conv.tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
+    assert fn["arguments"] in trained and trained.endswith(answer["content"] + "<|im_end|>\n")
+    assert "<tool_response>" not in trained and "What is" not in trained
+
+
+def test_tool_calc_sft_cli(tmp_path):
+    out = tmp_path / "sft.jsonl"
+    cmd = [sys.executable, "-m", "tool_calc", "--sft-out", str(out), "--n", "6", "--seed", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ENV_DIR / "tool_calc")
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line) for line in out.read_text().splitlines()] == tool_calc.sft_examples(6, seed=1)
+    assert not list(tmp_path.glob(".*tmp"))
+    never = tmp_path / "never.jsonl"
+    bad = subprocess.run([sys.executable, "-m", "tool_calc", "--sft-out", str(never), "--n", "0"],
+                         capture_output=True, text=True, cwd=ENV_DIR / "tool_calc")
+    assert bad.returncode == 2 and "n must be >= 1" in bad.stderr and not never.exists()

@@ -52,3 +52,11 @@ def test_resolve_partial_step_is_refused_by_name(tmp_path):
 def test_resolve_latest_without_any(tmp_path):
     with pytest.raises(UserError, match="no complete trainer checkpoint"):
         resolve_resume_step(tmp_path, -1)
+
+
+def test_resume_at_or_past_max_steps_is_refused_before_training(tmp_path):
+    make_ckpt(tmp_path, 4)
+    assert resolve_resume_step(tmp_path, 4, max_steps=5) == 4
+    for max_steps in (4, 3):
+        with pytest.raises(UserError, match=rf"resuming at step 4 but max_steps is {max_steps}: nothing to train"):
+            resolve_resume_step(tmp_path, -1, max_steps=max_steps)

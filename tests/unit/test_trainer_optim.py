@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from asyncrl.config.trainer import SchedulerConfig
+from asyncrl.config.trainer import OptimConfig, SchedulerConfig
 from asyncrl.trainer.lora import LoRALinear, apply_lora, merge_lora_state_dict
-from asyncrl.trainer.optim import lr_factor
+from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler, lr_factor
 from asyncrl.utils.errors import UserError
 
 
@@ -63,3 +63,26 @@ def test_lora_only_adapters_train_and_merge_matches():
 def test_lora_unknown_targets():
     with pytest.raises(UserError, match=r"match no linear layer; this model has \['mlp', 'q_proj'\]"):
         apply_lora(Block(), 2, 4.0, 0.0, ["gate"])
+
+
+def _model_with_grad(grad: float):
+    model = nn.Linear(2, 1, bias=False)
+    optimizer = build_optimizer(model, OptimConfig(lr=0.1, weight_decay=0.0))
+    scheduler = build_scheduler(optimizer, SchedulerConfig(type="constant"), None)
+    model.weight.grad = torch.full_like(model.weight, grad)
+    return model, optimizer, scheduler, model.weight.detach().clone()
+
+
+def test_apply_gradients_clips_steps_and_zeroes():
+    model, optimizer, scheduler, before = _model_with_grad(3.0)
+    grad_norm, lr = apply_gradients([model.weight], optimizer, scheduler, 1.0, step=7)
+    assert grad_norm == pytest.approx(3.0 * math.sqrt(2)) and lr == pytest.approx(0.1)
+    assert model.weight.grad is None and not torch.equal(model.weight.detach(), before)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_apply_gradients_refuses_a_non_finite_norm_before_stepping(bad):
+    model, optimizer, scheduler, before = _model_with_grad(bad)
+    with pytest.raises(UserError, match="gradient norm is .* at step 7; stopped before the optimizer step"):
+        apply_gradients([model.weight], optimizer, scheduler, 1.0, step=7)
+    assert torch.equal(model.weight.detach(), before)

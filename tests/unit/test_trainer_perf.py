@@ -26,3 +26,14 @@ def test_mfu():
     assert mfu(989e12, 1.0, 989e12, 2) == pytest.approx(50.0)
     assert mfu(1.0, 1.0, None, 1) is None
     assert peak_flops(torch.device("cpu")) is None
+
+
+def test_bench_summary_skips_the_warmup_step():
+    from asyncrl.trainer.perf import bench_summary
+
+    history = [{"tokens": 10, "step_time_s": 100.0, "mfu": None, "peak_mem_gib": 9.0}] + [
+        {"tokens": 1000, "step_time_s": 0.5, "mfu": m, "peak_mem_gib": 1.5} for m in (10.0, 20.0)
+    ]
+    text = bench_summary(history)
+    assert "tokens/s 2,000 | MFU 15.00% | step 0.500s" in text and "steps timed 2" in text
+    assert "n/a" in bench_summary([dict(h, mfu=None) for h in history])

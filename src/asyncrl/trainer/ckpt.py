@@ -56,8 +56,16 @@ def steps_to_delete(steps: list[int], keep_last: int | None, keep_interval: int 
     return [s for s in sorted(steps) if s not in newest and not (keep_interval and s % keep_interval == 0)]
 
 
-def resolve_resume_step(output_dir: str | Path, requested: int) -> int:
-    """-1 -> the latest complete checkpoint; N -> N if complete. Clear errors otherwise."""
+def resolve_resume_step(output_dir: str | Path, requested: int, max_steps: int | None = None) -> int:
+    """-1 -> the latest complete checkpoint; N -> N if complete. Clear errors otherwise, including a
+    checkpoint at or past `max_steps` (nothing would be left to train)."""
+    step = _find_resume_step(output_dir, requested)
+    if max_steps is not None and step >= max_steps:
+        raise UserError(f"resuming at step {step} but max_steps is {max_steps}: nothing to train; raise --max-steps")
+    return step
+
+
+def _find_resume_step(output_dir: str | Path, requested: int) -> int:
     root = checkpoints_root(output_dir)
     complete = complete_steps(output_dir)
     all_dirs = {s: d / "trainer" for s, d in step_dirs(root).items() if (d / "trainer").exists()}

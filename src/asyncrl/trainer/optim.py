@@ -47,6 +47,25 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, base_lr, max_steps))
 
 
+def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
+                    max_norm: float, step: int) -> tuple[float, float]:
+    """Clip, step the optimizer and the schedule, zero the grads; returns (grad_norm, lr used).
+
+    A non-finite gradient norm stops the run before the optimizer step, so no bad weights are written.
+    """
+    grad_norm = clip_grad_norm(params, max_norm)
+    if not math.isfinite(grad_norm):
+        raise UserError(f"gradient norm is {grad_norm} at step {step}; stopped before the optimizer step, no weights "
+                        "written for it (lower optim.lr, or lower optim.max_norm)")
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if params and params[0].device.type == "cuda":
+        torch.cuda.synchronize()
+    return grad_norm, lr
+
+
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     """Global L2 grad norm over all ranks (FSDP2 grads are DTensors); clips to `max_norm` unless it is 0."""
     with_grad = [p for p in params if p.grad is not None]

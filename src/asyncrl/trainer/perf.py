@@ -73,3 +73,20 @@ def mfu(flops: float, seconds: float, peak: float | None, world_size: int) -> fl
     if peak is None or seconds <= 0:
         return None
     return 100.0 * flops / (seconds * peak * world_size)
+
+
+def format_mfu(value: float | None) -> str:
+    return f"{value:.1f}%" if value is not None else "n/a"
+
+
+def bench_summary(history: list[dict]) -> str:
+    """The `--bench` result lines shared by both trainers: tokens/s, MFU, step time, peak memory."""
+    timed = history[1:] or history  # the first step pays for warm-up
+    seconds = sum(m["step_time_s"] for m in timed)
+    mfus = [m["mfu"] for m in timed if m["mfu"] is not None]
+    mfu_s = f"{sum(mfus) / len(mfus):.2f}%" if mfus else "n/a (CPU or unknown GPU)"
+    return (
+        f"bench | tokens/s {sum(m['tokens'] for m in timed) / seconds:,.0f} | MFU {mfu_s} | "
+        f"step {seconds / len(timed):.3f}s\n"
+        f"bench | peak memory {max(m['peak_mem_gib'] for m in timed):.2f} GiB | steps timed {len(timed)}"
+    )

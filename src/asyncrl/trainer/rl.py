@@ -30,8 +30,16 @@ from asyncrl.trainer.dist import DistContext, init_distributed
 from asyncrl.trainer.loss import LossInputs, get_loss_fn, mismatch_kl_sum, token_entropy, token_logprobs
 from asyncrl.trainer.model import LoadedModel, load_model
 from asyncrl.utils.monitor import MetricsSink
-from asyncrl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from asyncrl.trainer.perf import FlopModel, mfu, peak_flops, peak_memory_gib, reset_peak_memory
+from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler
+from asyncrl.trainer.perf import (
+    FlopModel,
+    bench_summary,
+    format_mfu,
+    mfu,
+    peak_flops,
+    peak_memory_gib,
+    reset_peak_memory,
+)
 from asyncrl.trainer.weights import export_weights
 from asyncrl.transport.batch import prune_batches
 from asyncrl.transport.weights import broadcast_dir, prune_broadcast, weights_dir
@@ -57,14 +65,14 @@ class _Trainer:
         self.config, self.ctx = config, ctx
         self.out = Path(config.output_dir)
         torch.manual_seed(config.seed)
+        self.max_steps = config.max_steps if config.max_steps or not config.bench else BENCH_STEPS
         resume = config.ckpt.resume_step if config.ckpt and not config.bench else None
         # a bad resume step fails before the (slow) model load
-        self.resume_step = resolve_resume_step(self.out, resume) if resume is not None else None
+        self.resume_step = resolve_resume_step(self.out, resume, self.max_steps) if resume is not None else None
         self.lm: LoadedModel = load_model(config.model, config.tokenizer.name, ctx.mesh)
         self.model = self.lm.model
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, config.optim)
-        self.max_steps = config.max_steps if config.max_steps or not config.bench else BENCH_STEPS
         self.scheduler = build_scheduler(self.optimizer, config.scheduler, self.max_steps)
         self.loss_fn = get_loss_fn(config.loss)
         self.flops = FlopModel.from_hf_config(self.lm.hf_config, self.lm.matmul_params)
@@ -145,15 +153,7 @@ class _Trainer:
                 f"loss is {metrics['loss']} at step {step}; stopped before the optimizer step, no weights written for "
                 f"step {step + 1} (lower optim.lr, or check the rollout batch rollouts/step_{step})"
             )
-        grad_norm = clip_grad_norm(self.params, self.config.optim.max_norm)
-        if not math.isfinite(grad_norm):
-            raise UserError(f"gradient norm is {grad_norm} at step {step}; stopped, no weights written for step {step + 1}")
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize()
+        grad_norm, lr = apply_gradients(self.params, self.optimizer, self.scheduler, self.config.optim.max_norm, step)
         compute_s = time.perf_counter() - compute_start
 
         self.progress = {
@@ -185,18 +185,15 @@ class _Trainer:
     def _log(self, step: int, m: dict) -> None:
         if not self.ctx.is_main:
             return
-        mfu_s = f"{m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
         logger.info(
             f"step {step} | loss {m['loss']:.4f} | entropy {m['entropy']:.3f} | mismatch_kl {m['mismatch_kl']:.2e} | "
             f"masked {m.get('masked_frac', 0):.1%} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-            f"{m['step_time_s']:.2f}s {m['tokens_per_s']:,.0f} tok/s | mfu {mfu_s} | mem {m['peak_mem_gib']:.2f} GiB | wait {m['wait_s']:.2f}s"
+            f"{m['step_time_s']:.2f}s {m['tokens_per_s']:,.0f} tok/s | mfu {format_mfu(m['mfu'])} | mem {m['peak_mem_gib']:.2f} GiB | wait {m['wait_s']:.2f}s"
         )
         self.sink.log(step, m)
 
     def run(self) -> list[dict]:
         step = self._resume()
-        if self.max_steps is not None and step >= self.max_steps:
-            raise UserError(f"resumed at step {step} but max_steps is {self.max_steps}: nothing to train; raise --max-steps")
         history = []
         while self.max_steps is None or step < self.max_steps:
             metrics = self._step(step)
@@ -225,11 +222,7 @@ class _Trainer:
 
 
 def print_bench(config: TrainerConfig, world_size: int, history: list[dict]) -> None:
-    timed = history[1:] or history  # the first step pays for warm-up
-    tok_s = sum(m["tokens"] for m in timed) / sum(m["step_time_s"] for m in timed)
-    mfus = [m["mfu"] for m in timed if m["mfu"] is not None]
     fake = config.data.fake
     shape = f"seq {fake.seq_len} x mbs {fake.micro_batch_size} x bs {fake.batch_size}" if fake else "default fake"
     print(f"bench | {config.model.name} | {world_size} rank(s) | {shape} | {config.model.optimization_dtype}")
-    print(f"bench | tokens/s {tok_s:,.0f} | MFU {sum(mfus) / len(mfus):.2f}%" if mfus else f"bench | tokens/s {tok_s:,.0f} | MFU n/a")
-    print(f"bench | peak memory {max(m['peak_mem_gib'] for m in timed):.2f} GiB | steps timed {len(timed)}")
+    print(bench_summary(history))

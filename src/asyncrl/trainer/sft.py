@@ -31,8 +31,16 @@ from asyncrl.config.sft import SFTConfig
 from asyncrl.trainer.ckpt import CheckpointManager, resolve_resume_step
 from asyncrl.trainer.dist import DistContext, init_distributed
 from asyncrl.trainer.model import LoadedModel, load_model, load_tokenizer
-from asyncrl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from asyncrl.trainer.perf import FlopModel, mfu, peak_flops, peak_memory_gib, reset_peak_memory
+from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler
+from asyncrl.trainer.perf import (
+    FlopModel,
+    bench_summary,
+    format_mfu,
+    mfu,
+    peak_flops,
+    peak_memory_gib,
+    reset_peak_memory,
+)
 from asyncrl.trainer.sft_data import (
     ConversationTokenizer,
     MicroBatch,
@@ -138,7 +146,7 @@ class _SFTTrainer:
         cfg = self.config.ckpt
         if self.ckpt is None or cfg.resume_step is None:
             return 0
-        step = resolve_resume_step(self.out, cfg.resume_step)
+        step = resolve_resume_step(self.out, cfg.resume_step, self.max_steps)
         extra = self.ckpt.load(step, self.model, self.optimizer)
         if "data" not in extra:
             raise UserError(f"checkpoint step_{step} under {self.out} is not an SFT checkpoint (no data position)")
@@ -189,13 +197,7 @@ class _SFTTrainer:
         loss = float(ctx.all_reduce_sum(local[None])[0]) / denom
         if not math.isfinite(loss):
             raise UserError(f"loss is {loss} at step {step}; stopped before the optimizer step (lower optim.lr)")
-        grad_norm = clip_grad_norm(self.params, self.config.optim.max_norm)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize()
+        grad_norm, lr = apply_gradients(self.params, self.optimizer, self.scheduler, self.config.optim.max_norm, step)
         compute_s = time.perf_counter() - compute_start
 
         self.progress = {"step": step + 1, "tokens": self.progress["tokens"] + tokens,
@@ -220,18 +222,15 @@ class _SFTTrainer:
     def _log(self, step: int, m: dict) -> None:
         if not self.ctx.is_main:
             return
-        mfu_s = f"{m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
         logger.info(
             f"step {step} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
             f"{m['samples']} samples in {m['rows']} rows | epoch {m['epoch']} | "
-            f"{m['tokens_per_s']:,.0f} tok/s | mfu {mfu_s} | mem {m['peak_mem_gib']:.2f} GiB"
+            f"{m['tokens_per_s']:,.0f} tok/s | mfu {format_mfu(m['mfu'])} | mem {m['peak_mem_gib']:.2f} GiB"
         )
         self.sink.log(step, m)
 
     def run(self) -> list[dict]:
         step = self._resume()
-        if self.max_steps is not None and step >= self.max_steps:
-            raise UserError(f"resumed at step {step} but max_steps is {self.max_steps}: nothing to train; raise --max-steps")
         history: list[dict] = []
         exported = None
         while self.max_steps is None or step < self.max_steps:
@@ -249,7 +248,7 @@ class _SFTTrainer:
                     "progress": self.progress, "data": self.stream.state(),
                     "scheduler": self.scheduler.state_dict(), "world_size": self.ctx.world_size,
                 })
-            self._log(step, metrics)
+            self._log(step - 1, metrics)  # 0-based like the RL trainer: step n yields weights step_{n+1}
             history.append(metrics)
             if final:
                 break
@@ -270,13 +269,8 @@ class _SFTTrainer:
 
 
 def print_bench(config: SFTConfig, world_size: int, history: list[dict]) -> None:
-    timed = history[1:] or history  # the first step pays for warm-up
-    tok_s = sum(m["tokens"] for m in timed) / sum(m["step_time_s"] for m in timed)
-    mfus = [m["mfu"] for m in timed if m["mfu"] is not None]
     d = config.data
     data = "fake (variable length)" if d.type == "fake" else d.name
     print(f"bench | sft | {config.model.name} | {world_size} rank(s) | data {data} | seq {d.seq_len} x "
           f"mbs {d.micro_batch_size} x bs {d.batch_size} | pack {d.pack} | {config.model.optimization_dtype}")
-    mfu_s = f"{sum(mfus) / len(mfus):.2f}%" if mfus else "n/a (CPU or unknown GPU)"
-    print(f"bench | tokens/s {tok_s:,.0f} | MFU {mfu_s} | step {sum(m['step_time_s'] for m in timed) / len(timed):.3f}s")
-    print(f"bench | peak memory {max(m['peak_mem_gib'] for m in timed):.2f} GiB | steps timed {len(timed)}")
+    print(bench_summary(history))
