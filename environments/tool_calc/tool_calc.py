@@ -6,6 +6,12 @@ walked node by node, so names, calls, attributes and anything else that is not a
 arithmetic operator are refused. The reward is 1.0 when the last number in the final assistant
 message equals the result; ToolEnv's monitor rubric reports `total_tool_calls`/`calculate_calls`.
 
+Two partial-credit scores are always reported as metrics: `expression_similarity` (how close the
+first tool call's expression is to the question's) and `answer_similarity` (how close the final
+number is to the result), each a character similarity in [0, 1]. With `shaping` = s > 0 the reward
+is (1 - s) * correct + s/2 * (the two similarities), still in [0, 1]: a small model that rarely gets
+an answer exactly right then still sees a gradient.
+
 SFT warm-up data shows the intended trajectory (call the tool with the question's expression, then
 answer with its result): `sft_examples`, or `python -m tool_calc --sft-out FILE --n N`.
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import json
 import math
 import operator
@@ -140,6 +147,45 @@ def correct_answer(
     return float(value is not None and math.isclose(value, float(answer), abs_tol=1e-6))
 
 
+def _field(obj: Any, key: str) -> Any:
+    return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+
+def _similarity(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a.replace(" ", ""), b.replace(" ", "")).ratio()
+
+
+def _first_expression(completion: vf.Messages) -> str | None:
+    """The `expression` argument of the first calculate call, whatever form the messages take."""
+    for message in completion:
+        if _field(message, "role") != "assistant":
+            continue
+        for call in _field(message, "tool_calls") or []:
+            if isinstance(call, str):
+                call = json.loads(call)
+            call = _field(call, "function") or call
+            try:
+                expression = json.loads(_field(call, "arguments") or "{}").get("expression")
+            except (json.JSONDecodeError, AttributeError):
+                continue
+            if isinstance(expression, str):
+                return expression
+    return None
+
+
+def expression_similarity(prompt: vf.Messages, completion: vf.Messages, **kwargs: Any) -> float:
+    expression = _first_expression(completion)
+    question = str(_field(prompt[-1], "content") or "").removeprefix("What is ").removesuffix("?")
+    return 0.0 if expression is None else _similarity(expression, question)
+
+
+def answer_similarity(
+    parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any
+) -> float:
+    value = _final_answer(parser, completion)
+    return 0.0 if value is None else _similarity(format_number(value), answer)
+
+
 def make_problems(
     n: int, seed: int, split: str, num_terms: int, max_value: int
 ) -> list[tuple[str, str]]:
@@ -172,19 +218,26 @@ def load_environment(
     seed: int = 0,
     max_turns: int = 3,
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    shaping: float = 0.0,
 ) -> vf.ToolEnv:
-    """Arithmetic questions answered with the `calculate` tool within `max_turns` model turns."""
+    """Arithmetic questions answered with the `calculate` tool within `max_turns` model turns.
+
+    `shaping` in [0, 1] moves that share of the reward to the two partial-credit scores.
+    """
     if num_terms < 2:
         raise ValueError(f"num_terms must be >= 2, got {num_terms}")
     if max_value < 1:
         raise ValueError(f"max_value must be >= 1, got {max_value}")
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if not 0.0 <= shaping <= 1.0:
+        raise ValueError(f"shaping must be in [0, 1], got {shaping}")
     if num_train_examples < 1 or num_eval_examples < 0:
         raise ValueError("need num_train_examples >= 1 and num_eval_examples >= 0 (0: no eval set)")
     common = dict(seed=seed, num_terms=num_terms, max_value=max_value, system_prompt=system_prompt)
     parser = vf.Parser()
-    rubric = vf.Rubric(funcs=[correct_answer], weights=[1.0], parser=parser)
+    rubric = vf.Rubric(funcs=[correct_answer, expression_similarity, answer_similarity],
+                       weights=[1.0 - shaping, shaping / 2, shaping / 2], parser=parser)
     eval_ds = _dataset(num_eval_examples, split="eval", **common) if num_eval_examples else None
     return vf.ToolEnv(
         tools=[calculate],

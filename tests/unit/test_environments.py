@@ -37,11 +37,11 @@ def _assistant(content: str | None = None, tool_calls: list[dict] | None = None)
     return vf.AssistantMessage(content=content, tool_calls=calls)
 
 
-def _score(env: vf.Environment, answer: str, completions: list[list[Any]]) -> list[vf.State]:
+def _score(env: vf.Environment, answer: str, completions: list[list[Any]], question: str = "q") -> list[vf.State]:
     """Score hand-written completions with the environment's full rubric (no model involved)."""
     states = []
     for i, completion in enumerate(completions):
-        prompt = [vf.UserMessage(content="q")]
+        prompt = [vf.UserMessage(content=question)]
         state = vf.State(input={"prompt": prompt, "answer": answer, "example_id": i})
         state.update(prompt=prompt, completion=completion, trajectory=[], info={})
         states.append(state)
@@ -282,6 +282,32 @@ def test_tool_calc_rubric_scores_completions():
     assert wrong["reward"] == 0.0 and wrong["metrics"]["total_tool_calls"] == 0
     assert none["reward"] == 0.0
     assert unfinished["reward"] == 0.0
+
+
+def test_tool_calc_shaping_gives_partial_credit():
+    call = lambda expr: {"id": "c0", "name": "calculate", "arguments": json.dumps({"expression": expr})}  # noqa: E731
+    completions = [
+        [_assistant(tool_calls=[call("37 * 12 + 5")]), vf.ToolMessage(tool_call_id="c0", content="449"),
+         _assistant("449")],
+        [_assistant(tool_calls=[call("37 * 13 + 5")]), vf.ToolMessage(tool_call_id="c0", content="486"),
+         _assistant("486")],
+        [_assistant("I don't know")],
+    ]
+    plain = _score(tool_calc.load_environment(num_train_examples=5, num_eval_examples=0), "449", completions,
+                   question="What is 37 * 12 + 5?")
+    shaped = _score(tool_calc.load_environment(num_train_examples=5, num_eval_examples=0, shaping=0.5), "449",
+                    completions, question="What is 37 * 12 + 5?")
+    right, close, none = shaped
+    assert right["metrics"]["expression_similarity"] == 1.0 and right["metrics"]["answer_similarity"] == 1.0
+    assert 0.5 < close["metrics"]["expression_similarity"] < 1.0 and 0.0 < close["metrics"]["answer_similarity"] < 1.0
+    assert none["metrics"]["expression_similarity"] == 0.0 and none["metrics"]["answer_similarity"] == 0.0
+    # without shaping the similarities are only metrics; with it they join the reward
+    assert [s["reward"] for s in plain] == [1.0, 0.0, 0.0]
+    assert right["reward"] == 1.0 and none["reward"] == 0.0
+    expected = 0.25 * (close["metrics"]["expression_similarity"] + close["metrics"]["answer_similarity"])
+    assert close["reward"] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="shaping must be in"):
+        tool_calc.load_environment(shaping=2.0)
 
 
 def test_tool_calc_rollout_with_openai_tool_calls():
