@@ -10,7 +10,7 @@ from asyncrl.orchestrator.envs import EnvMixture, EnvSlot
 
 
 def fake_output(example_id: int, reward: float, turns: list[tuple[list[int], list[int]]], error=None,
-                truncated: bool = False, metrics: dict | None = None) -> dict:
+                truncated: bool = False, metrics: dict | None = None, stop_condition: str = "has_final_answer") -> dict:
     """A verifiers-like RolloutOutput whose trajectory has (prompt_ids, completion_ids) per turn."""
     trajectory = []
     for prompt, completion in turns:
@@ -24,7 +24,8 @@ def fake_output(example_id: int, reward: float, turns: list[tuple[list[int], lis
             "is_truncated": truncated,
         })
     return {"example_id": example_id, "reward": reward, "error": error, "is_truncated": truncated,
-            "metrics": metrics or {"exact": float(reward == 1.0)}, "trajectory": trajectory}
+            "metrics": metrics or {"exact": float(reward == 1.0)}, "trajectory": trajectory,
+            "stop_condition": stop_condition}
 
 
 def fake_mixture(names=("a",), ratios=None, n_rows: int = 50, seed: int = 0) -> EnvMixture:
@@ -39,11 +40,13 @@ def fake_mixture(names=("a",), ratios=None, n_rows: int = 50, seed: int = 0) -> 
 class FakeRunner:
     """Stands in for verifiers' run_group: rewards by a rule, optional delay, errors and multi-turn."""
 
-    def __init__(self, reward_fn=None, delay: float = 0.0, error_fn=None, turns: int = 1, seed: int = 0):
+    def __init__(self, reward_fn=None, delay: float = 0.0, error_fn=None, turns: int = 1, seed: int = 0,
+                 stop_fn=None):
         self.reward_fn = reward_fn or (lambda slot, row, i: float(i % 2))
         self.delay = delay
         self.error_fn = error_fn or (lambda slot, row, i: None)
         self.turns = turns
+        self.stop_fn = stop_fn or (lambda slot, row, i: "has_final_answer")
         self.rng = random.Random(seed)
         self.in_flight = 0
         self.calls = 0
@@ -70,7 +73,7 @@ class FakeRunner:
                 prev = turns[-1][0] + turns[-1][1]
                 turns.append((prev + [90, 91], [20 + t, 21]))
             outs.append(fake_output(row["example_id"], self.reward_fn(slot, row, i), turns,
-                                    error=self.error_fn(slot, row, i)))
+                                    error=self.error_fn(slot, row, i), stop_condition=self.stop_fn(slot, row, i)))
         return outs
 
 

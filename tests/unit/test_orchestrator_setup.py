@@ -101,6 +101,16 @@ def test_dead_server_during_rollouts_is_reported_as_such(tmp_path):
         asyncio.run(orch.run())
 
 
+def test_rollouts_cut_short_by_a_full_context_are_counted_and_explained(tmp_path, caplog_loguru):
+    full = lambda slot, row, i: "prompt_too_long" if i < 2 else "has_final_answer"  # noqa: E731
+    orch = Orchestrator(_config(tmp_path, max_steps=2), fake_mixture(), FakeRunner(stop_fn=full), FakeServer())
+    asyncio.run(orch.run())
+    records = [json.loads(l) for l in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
+    assert [r["context_full/frac"] for r in records] == [0.5, 0.5]  # 2 of each group of 4
+    warnings = [m for m in caplog_loguru if "did not fit the context" in m]
+    assert len(warnings) == 1 and "raise seq_len or lower sampling.max_tokens" in warnings[0]  # once per 10 steps
+
+
 @pytest.mark.slow
 def test_wandb_offline_logging(tmp_path):
     pytest.importorskip("wandb")

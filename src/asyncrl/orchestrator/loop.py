@@ -71,6 +71,7 @@ class Orchestrator:
         self.args = sampling_args(config.sampling)
         self.progress = ckpt.Progress()
         self.loaded_policy: int | None = None  # unknown until we set it
+        self._context_warned_at: int | None = None
 
     # ---- setup -------------------------------------------------------------------------------
     def _resume(self) -> Policy | None:
@@ -178,6 +179,7 @@ class Orchestrator:
         if record["rollouts/errors"]:
             logger.warning(f"step {step}: {int(record['rollouts/errors'])} rollouts failed and were masked out "
                            f"(last error: {self.collector.last_error})")
+        self._warn_context_full(step, record["context_full/frac"])
         log_extras(self.sink, step, used)
         cfg = self.config.ckpt
         if cfg is not None and (p.step % cfg.interval == 0 or p.step == self.config.max_steps):
@@ -185,6 +187,18 @@ class Orchestrator:
             ckpt.prune(self.config.output_dir, cfg)
             logger.info(f"saved orchestrator checkpoint {path}")
         return record
+
+    def _warn_context_full(self, step: int, frac: float) -> None:
+        """Rollouts cut short by a full context silently lose their later turns (and usually their reward)."""
+        if frac == 0 or (self._context_warned_at is not None and step - self._context_warned_at < 10):
+            return
+        self._context_warned_at = step
+        logger.warning(
+            f"step {step}: {frac:.0%} of rollouts ended early because their next turn did not fit the context "
+            f"(prompt so far + sampling.max_tokens = {self.config.sampling.max_tokens} > the server's max_model_len, "
+            f"which rl sets to seq_len = {self.config.seq_len}); raise seq_len or lower sampling.max_tokens "
+            "(metric context_full/frac)"
+        )
 
     async def run(self) -> None:
         resume_policy = self._resume()

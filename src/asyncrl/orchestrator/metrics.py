@@ -45,6 +45,7 @@ def rollout_metrics(rollouts: list[Rollout], prefix: str = "") -> dict[str, floa
     out[f"{prefix}completion_len/max"] = float(max(r.completion_len for r in rollouts))
     out[f"{prefix}num_turns/mean"] = _mean([r.num_turns for r in rollouts])
     out[f"{prefix}truncated/frac"] = _mean([float(r.is_truncated) for r in rollouts])
+    out[f"{prefix}context_full/frac"] = _mean([float(r.context_full) for r in rollouts])
     return out
 
 

@@ -46,6 +46,7 @@ class Rollout:
     completion_len: int = 0
     num_turns: int = 0
     is_truncated: bool = False
+    context_full: bool = False  # ended because the next turn's prompt + max_tokens exceeded the context
     error: str | None = None
     advantage: float = 0.0
     text: str = ""  # the completion's messages as text (for W&B sample tables), clipped
@@ -81,6 +82,7 @@ class TrajectoryConverter:
         rollout.reward = float(reward)
         rollout.metrics = {k: float(v) for k, v in (output.get("metrics") or {}).items() if _is_number(v)}
         rollout.is_truncated = bool(output.get("is_truncated", False))
+        rollout.context_full = output.get("stop_condition") == "prompt_too_long"
         rollout.text = _completion_text(output.get("completion"))
         try:
             steps = [_step_tokens(step) for step in output.get("trajectory") or []]
