@@ -214,16 +214,17 @@ def test_rl_exp_id_separates_output_dirs():
     assert str(cfg.trainer.output_dir) == str(cfg.orchestrator.output_dir) == "outputs/exp-2"
 
 
-@pytest.mark.parametrize("example", sorted((REPO / "examples").rglob("*.toml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("example", sorted((REPO / "examples").rglob("*.toml")),
+                         ids=lambda p: str(p.relative_to(REPO / "examples")))
 def test_examples_resolve(example):
     text = example.read_text()
     if "[trainer" in text or "[orchestrator" in text or "inference_gpu_ids" in text:
         rl(["@", str(example)])
-    else:  # a component file: it must resolve as that component
-        comp = {"train": TrainerConfig, "orch": OrchestratorConfig, "infer": InferenceConfig}
+    else:  # a component file: it must resolve as the component its name says
+        comp = {"sft": SFTConfig, "train": TrainerConfig, "orch": OrchestratorConfig, "infer": InferenceConfig}
         model = next((m for k, m in comp.items() if k in example.stem), None)
-        if model is not None:
-            loader.load_config(model, ["@", str(example)], {})
+        assert model is not None, f"{example}: name it after its entrypoint (sft, trainer, orchestrator, inference)"
+        loader.load_config(model, ["@", str(example)], {})
 
 
 # ------------------------------------------------------------------ errors: one line, names the key, says the fix
