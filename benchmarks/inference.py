@@ -30,7 +30,8 @@ from asyncrl.inference.vllm_launch import free_port
 class EmbeddedServer:
     """`inference` (embedded engine) in a child process of this env."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, max_batch_size: int, num_threads: int | None):
+    def __init__(self, model_dir: Path, log_dir: Path, max_batch_size: int, num_threads: int | None,
+                 extra_args: tuple[str, ...] = ()):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / "embedded.log", "wb")
@@ -39,6 +40,7 @@ class EmbeddedServer:
                "--no-log.file", "--max-batch-size", str(max_batch_size)]  # fmt: skip
         if num_threads is not None:
             cmd += ["--num-threads", str(num_threads)]
+        cmd += list(extra_args)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -104,6 +104,52 @@ def test_repeated_prompts_prefill_once(tiny_model_dir, hf_model):
             assert torch.allclose(torch.tensor(c["lps"]), hf_logprobs(hf_model, prompt, c["ids"], 1.0), atol=1e-5)
 
 
+def test_prefix_cache_reuses_finished_kv_exactly(tiny_model_dir, hf_model, tmp_path):
+    """A next turn (prompt = earlier prompt + its output + more) and a prompt sharing only a system-prompt
+    prefix reuse the stored KV, compute only the rest, and still match HF; a weight swap clears it."""
+    engine = make_engine(tiny_model_dir, max_prefill_tokens=16)  # the uncached rest goes in 16-token chunks
+    system = list(range(40, 100))
+    params = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+
+    async def main():
+        await engine.start()
+        try:
+            [first] = await collect(engine, system + [5, 6, 7], params)
+            turn2 = system + [5, 6, 7] + first["ids"] + [8, 9]
+            [second] = await collect(engine, turn2, params)
+            after_turn2 = (engine.prefix.hits, engine.prefix.reused_tokens)
+            [other] = await collect(engine, system + [11, 12], params)  # shares the 60-token prefix only
+            after_other = (engine.prefix.hits, engine.prefix.reused_tokens)
+            await collect(engine, turn2 + second["ids"][:3], params)  # its best match is not the oldest entry
+            assert engine.prefix.hits == 3
+            await engine.reload_weights()
+            assert engine.prefix.nbytes == 0
+            await collect(engine, turn2, params)
+            return first, turn2, second, after_turn2, other, after_other
+        finally:
+            await engine.shutdown()
+
+    first, turn2, second, after_turn2, other, after_other = asyncio.run(main())
+    assert after_turn2 == (1, len(system) + 3 + 10 - 1)  # all but the first turn's last token
+    assert after_other == (2, after_turn2[1] + len(system))
+    for prompt, c in ((turn2, second), (system + [11, 12], other)):
+        assert torch.allclose(torch.tensor(c["lps"]), hf_logprobs(hf_model, prompt, c["ids"], 1.0), atol=1e-5)
+    assert engine.prefix.hits == 3  # nothing reused after the weights changed
+
+    off = make_engine(tiny_model_dir, prefix_cache_gb=0)
+
+    async def twice():
+        await off.start()
+        try:
+            for _ in range(2):
+                await collect(off, system, params)
+        finally:
+            await off.shutdown()
+
+    asyncio.run(twice())
+    assert off.prefix.hits == 0
+
+
 def test_queueing_beyond_batch_size_and_limits(tiny_model_dir):
     engine = make_engine(tiny_model_dir, max_batch_size=2, kv_cache_gb=0.001)
 

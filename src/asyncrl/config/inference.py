@@ -51,6 +51,9 @@ class InferenceConfig(BaseConfig):
     kv_cache_gb: float | None = Field(
         None, gt=0, description="embedded engine: KV cache budget in GiB (default: 4 on CPU, half the free GPU memory)"
     )
+    prefix_cache_gb: float = Field(
+        1.0, ge=0, description="embedded engine: KV of finished sequences kept for prompts that extend them (0: off)"
+    )
     seed: int | None = Field(None, description="seed the engine's random generator once at start (per-request seeds win)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: fraction of GPU memory to use")
     data_parallel_size: int = Field(1, ge=1, description="vLLM: data-parallel engines")

@@ -5,6 +5,8 @@ One background thread owns the model. Each loop iteration it (1) runs queued con
 fit the batch and KV budget and prefills their prompts together in one packed forward, (3) runs one
 decode step for every active sequence, then hands each request its new tokens. Sequences in flight
 during a weight swap keep their KV cache and continue with the new weights from the next step.
+A prompt that starts with tokens a finished sequence already computed (the next turn of a
+conversation, a shared system prompt) copies that KV from the prefix cache and prefills only the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.backend import Backend, InvalidRequest, SamplingParams, SeqDelta
 from asyncrl.inference.kv_cache import MaskBuilder, SlotKVCache
 from asyncrl.inference.lora import LoraAdapter, LoraManager, read_adapter
+from asyncrl.inference.prefix_cache import PrefixCache
 from asyncrl.inference.sampling import RowSampler, sample
 from asyncrl.inference.sequence import Sequence
 from asyncrl.inference.weights import copy_into, load_matching_weights
@@ -54,6 +57,7 @@ class _Active:
     seq: Sequence
     req: _Request
     sampler: RowSampler
+    weights_version: int  # its KV is reusable only if no weight swap happened while it ran
 
 
 def resolve_device(name: str) -> torch.device:
@@ -137,6 +141,8 @@ class EmbeddedEngine(Backend):
         self.eos_ids = _eos_ids(mcfg.name, self.model, self.tokenizer)
 
         self.cache = SlotKVCache(self.model.config.num_hidden_layers, self.dtype, self.device)
+        self.prefix = PrefixCache(int(config.prefix_cache_gb * 2**30))
+        self._weights_version = 0
         self.lora = LoraManager(self.model)
         self.max_batch_size = config.max_batch_size
         self.max_prefill_tokens = max(config.max_prefill_tokens, 1)
@@ -262,6 +268,8 @@ class EmbeddedEngine(Backend):
                     ops = list(self._ops)
                     self._ops.clear()
                 for fn, fut in ops:
+                    self._weights_version += 1  # every op changes weights or adapters: stored KV is stale
+                    self.prefix.clear()
                     try:
                         fut.set_result(fn())
                     except BaseException as e:  # noqa: BLE001 - handed to the waiting request
@@ -343,6 +351,12 @@ class EmbeddedEngine(Backend):
         batch: list[int] = []
         for j in unique:
             n_prompt = len(reqs[j].prompt_ids)
+            hit = self.prefix.lookup(reqs[j].lora.name if reqs[j].lora else None, reqs[j].prompt_ids)
+            if hit is not None:  # copy the shared prefix's KV, compute only the rest
+                entry, start = hit
+                self.prefix.load(entry, start, self.cache, rows[j])
+                last_logits[j] = self._prefill_chunked(reqs[j], rows[j], start)
+                continue
             if n_prompt > self.max_prefill_tokens:
                 last_logits[j] = self._prefill_chunked(reqs[j], rows[j])
                 continue
@@ -362,7 +376,7 @@ class EmbeddedEngine(Backend):
                 seq = Sequence(i, req.prompt_ids, req.params, self._engine_tokenizer, self.eos_ids)
                 seed = None if req.params.seed is None else req.params.seed + i * _SEED_STRIDE
                 req.seqs.append(seq)
-                new.append(_Active(seq, req, RowSampler(req.params, seed, self.device)))
+                new.append(_Active(seq, req, RowSampler(req.params, seed, self.device), self._weights_version))
                 expanded.append(last_logits[j])
         self._active.extend(new)
         self._sample_and_emit(torch.stack(expanded), first_row)
@@ -388,14 +402,14 @@ class EmbeddedEngine(Backend):
         )
         return out.logits[:, -1]
 
-    def _prefill_chunked(self, req: _Request, row: int) -> torch.Tensor:
-        """A prompt longer than max_prefill_tokens, chunk by chunk; its last-position logits [V]."""
+    def _prefill_chunked(self, req: _Request, row: int, cached: int = 0) -> torch.Tensor:
+        """The prompt from position `cached` on (0, or a reused prefix's length), chunk by chunk over
+        what row `row` already holds; its last-position logits [V]."""
         dev, chunk, prompt = self.device, self.max_prefill_tokens, req.prompt_ids
-        self.lora.set_rows([req.lora.name if req.lora else None] * min(chunk, len(prompt)), dev)
-        for start in range(0, len(prompt), chunk):
+        name = req.lora.name if req.lora else None
+        for start in range(cached, len(prompt), chunk):
             piece = prompt[start : start + chunk]
-            if len(piece) < chunk:
-                self.lora.set_rows([req.lora.name if req.lora else None] * len(piece), dev)
+            self.lora.set_rows([name] * len(piece), dev)
             self.cache.set_extend(row, start, len(piece))
             kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
             out = self.model(
@@ -435,6 +449,9 @@ class EmbeddedEngine(Backend):
             top = result.top[k] if result.top is not None else None
             if a.seq.append(result.tokens[k], result.logprobs[k], top, self.max_model_len):
                 finished.append(first_row + k)
+                if a.weights_version == self._weights_version:  # its last token was never fed back: not cached
+                    tokens = (a.req.prompt_ids + a.seq.output_ids)[:-1]
+                    self.prefix.store(a.req.lora.name if a.req.lora else None, tokens, self.cache, first_row + k)
         self._deliver(group)
         self._remove_rows(finished)
 

@@ -7,8 +7,9 @@ Buffers per layer are [slots, kv_heads, capacity, head_dim]. Active sequences al
 - prefill: new prompts as one left-padded batch [b, P]; real tokens' keys/values are scattered to
   their slots at positions 0.., the forward attends over the fresh keys only (no prefix reuse), and
   every row's last prompt token sits in the last column (one logits row each).
-- extend: one prompt longer than the prefill budget, chunk by chunk; each chunk attends over the
-  row's cached prefix and itself.
+- extend: one prompt longer than the prefill budget, or the rest of a prompt whose start was copied
+  from the prefix cache (`write_prefix`), chunk by chunk; each chunk attends over the row's cached
+  prefix and itself.
 - decode: one token per active row, written at that row's own position; the mask hides each row's
   stale tail, so rows of different lengths share one batched forward.
 
@@ -80,6 +81,15 @@ class SlotKVCache(Cache):
             for buf in store:
                 if buf is not None:
                     buf[dst, :, :length] = buf[src, :, :length]
+
+    def write_prefix(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Put per-layer [kv_heads, n, head_dim] keys/values at positions 0..n-1 of `row` (prefix reuse)."""
+        for i in range(self.num_layers):
+            for store, src in ((self.keys, keys[i]), (self.values, values[i])):
+                if store[i] is None:
+                    shape = (self.slots, src.shape[0], self.capacity, src.shape[2])
+                    store[i] = torch.zeros(shape, dtype=src.dtype, device=self.device)
+                store[i][row, :, : src.shape[1]] = src
 
     # ---- per-forward modes --------------------------------------------------------------------
     def set_prefill(self, rows: torch.Tensor, pads: torch.Tensor, width: int) -> None:
