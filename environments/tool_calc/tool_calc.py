@@ -128,14 +128,15 @@ def last_number(text: str) -> float | None:
     return float(matches[-1]) if matches else None
 
 
+def _field(obj: Any, key: str) -> Any:
+    return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+
 def _final_answer(parser: vf.Parser, completion: vf.Messages) -> float | None:
     assistant = parser.get_assistant_messages(completion)
     if not assistant:
         return None
-    last = assistant[-1]
-    get = last.get if isinstance(last, dict) else lambda key: getattr(last, key, None)
-    tool_calls = get("tool_calls")
-    if tool_calls:
+    if _field(assistant[-1], "tool_calls"):
         return None  # the rollout ended while the model was still calling tools
     return last_number(parser.parse_answer(completion) or "")
 
@@ -145,10 +146,6 @@ def correct_answer(
 ) -> float:
     value = _final_answer(parser, completion)
     return float(value is not None and math.isclose(value, float(answer), abs_tol=1e-6))
-
-
-def _field(obj: Any, key: str) -> Any:
-    return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
 
 
 def _similarity(a: str, b: str) -> float:

@@ -44,15 +44,16 @@ class PrefixCache:
         n = len(tokens)
         if n < self.min_tokens or cache.keys[0] is None:
             return
+        keys = [k[row, :, :n] for k in cache.keys]  # views: nothing is copied unless it is kept
+        values = [v[row, :, :n] for v in cache.values]
+        nbytes = sum(x.numel() * x.element_size() for x in keys + values)
+        if nbytes > self.budget:  # includes budget 0 (off)
+            return
         t = torch.tensor(tokens, dtype=torch.long)
         for e in self._entries:  # already held inside a longer entry: nothing new to keep
             if e.adapter == adapter and len(e.tokens) >= n and torch.equal(e.tokens[:n], t):
                 return
-        keys = [k[row, :, :n].clone() for k in cache.keys]
-        values = [v[row, :, :n].clone() for v in cache.values]
-        nbytes = sum(x.numel() * x.element_size() for x in keys + values)
-        if nbytes > self.budget:
-            return
+        keys, values = [k.clone() for k in keys], [v.clone() for v in values]
         self._entries.append(_Entry(adapter, t, keys, values, nbytes))
         self.nbytes += nbytes
         while self.nbytes > self.budget:
