@@ -31,9 +31,22 @@ def rows(path: Path) -> list[dict]:
 
 def run(model: str, out: Path, k: int, steps: int, extra: list[str]) -> dict:
     cmd = [
-        sys.executable, "-m", "asyncrl.entrypoints.rl", "@", "examples/reverse_text/rl.toml",
-        "--model.name", model, "--output-dir", str(out), "--max-steps", str(steps), "--max-async-level", str(k),
-        "--inference.server.port", str(free_port()), *extra,
+        sys.executable,
+        "-m",
+        "asyncrl.entrypoints.rl",
+        "@",
+        "examples/reverse_text/rl.toml",
+        "--model.name",
+        model,
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(steps),
+        "--max-async-level",
+        str(k),
+        "--inference.server.port",
+        str(free_port()),
+        *extra,
     ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -49,8 +62,13 @@ def summarize(out: Path, k: int) -> dict:
     step_time = (ends[-1] - ends[skip - 1]) / (len(ends) - skip)
     gen = statistics.fmean(r["time/rollouts"] for r in orch[skip:])
     train = statistics.fmean(r["step_time_s"] for r in trainer[skip:])  # compute only: waiting is wait_s
-    return {"k": k, "step_s": step_time, "gen_s": gen, "train_s": train,
-            "reward_last": statistics.fmean(r["reward/mean"] for r in orch[-2:])}
+    return {
+        "k": k,
+        "step_s": step_time,
+        "gen_s": gen,
+        "train_s": train,
+        "reward_last": statistics.fmean(r["reward/mean"] for r in orch[-2:]),
+    }
 
 
 def main() -> None:
@@ -76,12 +94,16 @@ def main() -> None:
 
 def report(results: list[dict], steps: int, work) -> None:
     base = results[0]["step_s"]
-    print(f"\n{'k':>2} | {'step s':>7} | {'gen s':>6} | {'train s':>7} | {'gen+train':>9} | {'max(gen,train)':>14} | "
-          f"{'step / k0':>9}")
+    print(
+        f"\n{'k':>2} | {'step s':>7} | {'gen s':>6} | {'train s':>7} | {'gen+train':>9} | {'max(gen,train)':>14} | "
+        f"{'step / k0':>9}"
+    )
     print("-" * 75)
     for r in results:
-        print(f"{r['k']:>2} | {r['step_s']:>7.2f} | {r['gen_s']:>6.2f} | {r['train_s']:>7.2f} | "
-              f"{r['gen_s'] + r['train_s']:>9.2f} | {max(r['gen_s'], r['train_s']):>14.2f} | {r['step_s'] / base:>9.2f}")
+        print(
+            f"{r['k']:>2} | {r['step_s']:>7.2f} | {r['gen_s']:>6.2f} | {r['train_s']:>7.2f} | "
+            f"{r['gen_s'] + r['train_s']:>9.2f} | {max(r['gen_s'], r['train_s']):>14.2f} | {r['step_s'] / base:>9.2f}"
+        )
     print(f"\n(steps {steps}, first 2 excluded; runs under {work})")
 
 

@@ -30,8 +30,14 @@ from asyncrl.inference.vllm_launch import free_port
 class EmbeddedServer:
     """`inference` (embedded engine) in a child process of this env."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, max_batch_size: int, num_threads: int | None,
-                 extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        model_dir: Path,
+        log_dir: Path,
+        max_batch_size: int,
+        num_threads: int | None,
+        extra_args: tuple[str, ...] = (),
+    ):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / "embedded.log", "wb")
@@ -131,7 +137,8 @@ def main() -> None:
 
         model_dir = build_tiny_model(work / "model", hidden_size=args.hidden_size, num_layers=args.num_layers)
     print(f"model {model_dir} (hidden {args.hidden_size}, {args.num_layers} layers), prompt {args.prompt_chars} "
-          f"chars ({'one prompt' if args.same_prompt else 'distinct prompts'}), {args.max_tokens} completion tokens, {args.rounds} rounds/client, {os.cpu_count()} CPUs, "
+          f"chars ({'one prompt' if args.same_prompt else 'distinct prompts'}), {args.max_tokens} completion tokens, "
+          f"{args.rounds} rounds/client, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
 
     rows = []
@@ -141,8 +148,15 @@ def main() -> None:
             base_tps = None
             for c in levels:
                 tokens, wall, lat = asyncio.run(
-                    run_level(server.base_url, str(model_dir), c, args.rounds, args.prompt_chars, args.max_tokens,
-                              args.same_prompt)  # fmt: skip
+                    run_level(
+                        server.base_url,
+                        str(model_dir),
+                        c,
+                        args.rounds,
+                        args.prompt_chars,
+                        args.max_tokens,
+                        args.same_prompt,
+                    )  # fmt: skip
                 )
                 tps = tokens / wall
                 base_tps = base_tps or tps

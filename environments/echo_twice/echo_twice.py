@@ -21,10 +21,7 @@ DEFAULT_FOLLOW_UP = "Say it again."
 
 def random_words(n: int, seed: int, split: str, min_len: int, max_len: int) -> list[str]:
     rng = random.Random(f"echo-twice:{split}:{seed}")
-    return [
-        "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(min_len, max_len)))
-        for _ in range(n)
-    ]
+    return ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(min_len, max_len))) for _ in range(n)]
 
 
 def _replies(parser: vf.Parser, completion: vf.Messages) -> list[str]:
@@ -38,9 +35,7 @@ def both_correct(parser: vf.Parser, completion: vf.Messages, answer: str, **kwar
     return float(len(replies) == 2 and all(r == answer for r in replies))
 
 
-def correct_replies(
-    parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any
-) -> float:
+def correct_replies(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
     """Number of replies equal to the word (0, 1 or 2); logged as a metric."""
     return float(sum(r == answer for r in _replies(parser, completion)))
 
@@ -52,9 +47,7 @@ class EchoTwiceEnv(vf.MultiTurnEnv):
         super().__init__(max_turns=2, **kwargs)
         self.follow_up = follow_up
 
-    async def env_response(
-        self, messages: vf.Messages, state: vf.State, **kwargs: Any
-    ) -> vf.Messages:
+    async def env_response(self, messages: vf.Messages, state: vf.State, **kwargs: Any) -> vf.Messages:
         return [vf.UserMessage(content=self.follow_up)]
 
 
@@ -77,11 +70,12 @@ def load_environment(
 
     def dataset(n: int, split: str) -> Dataset:
         words = random_words(n, seed, split, min_len, max_len)
-        return Dataset.from_list([
-            {"prompt": [*system, {"role": "user", "content": USER_TEMPLATE.format(word=w)}],
-             "answer": w}
-            for w in words
-        ])
+        return Dataset.from_list(
+            [
+                {"prompt": [*system, {"role": "user", "content": USER_TEMPLATE.format(word=w)}], "answer": w}
+                for w in words
+            ]
+        )
 
     parser = vf.Parser()
     rubric = vf.Rubric(funcs=[both_correct, correct_replies], weights=[1.0, 0.0], parser=parser)

@@ -41,10 +41,7 @@ def random_strings(
     """`n` random strings; `split` names an independent stream so train/eval/sft differ."""
     # A str seed is hashed with SHA-512 by `random`, so it is stable across runs and machines.
     rng = random.Random(f"reverse-text:{split}:{seed}")
-    return [
-        "".join(rng.choice(alphabet) for _ in range(rng.randint(min_len, max_len)))
-        for _ in range(n)
-    ]
+    return ["".join(rng.choice(alphabet) for _ in range(rng.randint(min_len, max_len))) for _ in range(n)]
 
 
 def make_prompt(text: str, system_prompt: str | None = None) -> list[dict[str, str]]:
@@ -54,8 +51,9 @@ def make_prompt(text: str, system_prompt: str | None = None) -> list[dict[str, s
     return messages
 
 
-def _rows(n: int, seed: int, split: str, min_len: int, max_len: int, alphabet: str,
-          system_prompt: str | None) -> list[dict[str, Any]]:
+def _rows(
+    n: int, seed: int, split: str, min_len: int, max_len: int, alphabet: str, system_prompt: str | None
+) -> list[dict[str, Any]]:
     texts = random_strings(n, seed, split, min_len, max_len, alphabet)
     return [{"prompt": make_prompt(t, system_prompt), "answer": t[::-1]} for t in texts]
 
@@ -86,15 +84,13 @@ def load_environment(
     _check_args(min_len, max_len, alphabet)
     if num_train_examples < 1 or num_eval_examples < 0:
         raise ValueError("need num_train_examples >= 1 and num_eval_examples >= 0 (0: no eval set)")
-    common = dict(seed=seed, min_len=min_len, max_len=max_len, alphabet=alphabet,
-                  system_prompt=system_prompt)
+    common = dict(seed=seed, min_len=min_len, max_len=max_len, alphabet=alphabet, system_prompt=system_prompt)
     dataset = Dataset.from_list(_rows(num_train_examples, split="train", **common))
     eval_rows = _rows(num_eval_examples, split="eval", **common)
     eval_dataset = Dataset.from_list(eval_rows) if eval_rows else None
     parser = vf.Parser()
     rubric = vf.Rubric(funcs=[lcs_reward, exact_match], weights=[1.0, 0.0], parser=parser)
-    return vf.SingleTurnEnv(dataset=dataset, eval_dataset=eval_dataset, parser=parser,
-                            rubric=rubric)
+    return vf.SingleTurnEnv(dataset=dataset, eval_dataset=eval_dataset, parser=parser, rubric=rubric)
 
 
 def sft_examples(
@@ -113,10 +109,7 @@ def sft_examples(
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     rows = _rows(n, seed, "sft", min_len, max_len, alphabet, system_prompt)
-    return [
-        {"prompt": r["prompt"], "completion": [{"role": "assistant", "content": r["answer"]}]}
-        for r in rows
-    ]
+    return [{"prompt": r["prompt"], "completion": [{"role": "assistant", "content": r["answer"]}]} for r in rows]
 
 
 def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> Path:
@@ -149,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alphabet", default=DEFAULT_ALPHABET)
     args = ap.parse_args(argv)
     try:
-        rows = sft_examples(args.n, args.seed, args.min_len, args.max_len, args.system_prompt,
-                            args.alphabet)
+        rows = sft_examples(args.n, args.seed, args.min_len, args.max_len, args.system_prompt, args.alphabet)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

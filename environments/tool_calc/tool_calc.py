@@ -28,15 +28,14 @@ import os
 import random
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import verifiers as vf
 from datasets import Dataset
 
-DEFAULT_SYSTEM_PROMPT = (
-    "Use the calculate tool for arithmetic, then reply with the final answer as a number."
-)
+DEFAULT_SYSTEM_PROMPT = "Use the calculate tool for arithmetic, then reply with the final answer as a number."
 MAX_EXPRESSION_CHARS = 200
 MAX_RESULT_BITS = 256  # refuse results beyond ~1e77 so a short expression cannot eat the CPU
 
@@ -83,9 +82,7 @@ def _eval_node(node: ast.AST) -> int | float:
         if isinstance(result, complex):
             raise ValueError("result is not a real number")
         return _check_size(result)
-    raise ValueError(
-        f"unsupported syntax {type(node).__name__}: use numbers, + - * / // % ** and parentheses"
-    )
+    raise ValueError(f"unsupported syntax {type(node).__name__}: use numbers, + - * / // % ** and parentheses")
 
 
 def safe_eval(expression: str) -> int | float:
@@ -141,9 +138,7 @@ def _final_answer(parser: vf.Parser, completion: vf.Messages) -> float | None:
     return last_number(parser.parse_answer(completion) or "")
 
 
-def correct_answer(
-    parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any
-) -> float:
+def correct_answer(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
     value = _final_answer(parser, completion)
     return float(value is not None and math.isclose(value, float(answer), abs_tol=1e-6))
 
@@ -176,16 +171,12 @@ def expression_similarity(prompt: vf.Messages, completion: vf.Messages, **kwargs
     return 0.0 if expression is None else _similarity(expression, question)
 
 
-def answer_similarity(
-    parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any
-) -> float:
+def answer_similarity(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
     value = _final_answer(parser, completion)
     return 0.0 if value is None else _similarity(format_number(value), answer)
 
 
-def make_problems(
-    n: int, seed: int, split: str, num_terms: int, max_value: int
-) -> list[tuple[str, str]]:
+def make_problems(n: int, seed: int, split: str, num_terms: int, max_value: int) -> list[tuple[str, str]]:
     """`n` (expression, result) pairs of `num_terms` integers in [1, max_value] joined by + - *."""
     rng = random.Random(f"tool-calc:{split}:{seed}")
     problems = []
@@ -197,8 +188,7 @@ def make_problems(
     return problems
 
 
-def _dataset(n: int, seed: int, split: str, num_terms: int, max_value: int,
-             system_prompt: str | None) -> Dataset:
+def _dataset(n: int, seed: int, split: str, num_terms: int, max_value: int, system_prompt: str | None) -> Dataset:
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     rows = [
         {"prompt": [*system, {"role": "user", "content": f"What is {expr}?"}], "answer": result}
@@ -233,8 +223,11 @@ def load_environment(
         raise ValueError("need num_train_examples >= 1 and num_eval_examples >= 0 (0: no eval set)")
     common = dict(seed=seed, num_terms=num_terms, max_value=max_value, system_prompt=system_prompt)
     parser = vf.Parser()
-    rubric = vf.Rubric(funcs=[correct_answer, expression_similarity, answer_similarity],
-                       weights=[1.0 - shaping, shaping / 2, shaping / 2], parser=parser)
+    rubric = vf.Rubric(
+        funcs=[correct_answer, expression_similarity, answer_similarity],
+        weights=[1.0 - shaping, shaping / 2, shaping / 2],
+        parser=parser,
+    )
     eval_ds = _dataset(num_eval_examples, split="eval", **common) if num_eval_examples else None
     return vf.ToolEnv(
         tools=[calculate],
@@ -262,30 +255,42 @@ def sft_examples(
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    env = load_environment(num_train_examples=1, num_eval_examples=0, num_terms=num_terms,
-                           max_value=max_value, seed=seed, system_prompt=system_prompt)
+    env = load_environment(
+        num_train_examples=1,
+        num_eval_examples=0,
+        num_terms=num_terms,
+        max_value=max_value,
+        seed=seed,
+        system_prompt=system_prompt,
+    )
     # what verifiers' OpenAI client sends as `tools`, so SFT prompts tokenize as RL prompts do
     tools = [{"type": "function", "function": t.model_dump(exclude_none=True)} for t in env.tool_defs]
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     rows = []
     for i, (expr, result) in enumerate(make_problems(n, seed, "sft", num_terms, max_value)):
-        call = {"id": f"call_{i}", "type": "function",
-                "function": {"name": "calculate", "arguments": json.dumps({"expression": expr})}}
-        rows.append({
-            "prompt": [*system, {"role": "user", "content": f"What is {expr}?"}],
-            "completion": [
-                {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": call["id"], "content": result},
-                {"role": "assistant", "content": result},
-            ],
-            "tools": tools,
-        })
+        call = {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": "calculate", "arguments": json.dumps({"expression": expr})},
+        }
+        rows.append(
+            {
+                "prompt": [*system, {"role": "user", "content": f"What is {expr}?"}],
+                "completion": [
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "content": result},
+                    {"role": "assistant", "content": result},
+                ],
+                "tools": tools,
+            }
+        )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tool_calc",
-                                 description="Write tool-calc SFT data (prompt/completion/tools JSONL).")
+    ap = argparse.ArgumentParser(
+        prog="python -m tool_calc", description="Write tool-calc SFT data (prompt/completion/tools JSONL)."
+    )
     ap.add_argument("--sft-out", required=True, help="output .jsonl file")
     ap.add_argument("--n", type=int, default=2000, help="number of examples")
     ap.add_argument("--seed", type=int, default=0)

@@ -188,9 +188,19 @@ class Launcher:
         trainer_cmd = [py, "-m", "asyncrl.entrypoints.trainer", "@", str(paths["trainer"])]
         if self.trainer_ranks > 1:
             trainer_cmd = [
-                py, "-m", "torch.distributed.run", "--nproc-per-node", str(self.trainer_ranks),
-                "--master-port", str(_free_port()), "--local-ranks-filter", "0",
-                "-m", "asyncrl.entrypoints.trainer", "@", str(paths["trainer"]),
+                py,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                str(self.trainer_ranks),
+                "--master-port",
+                str(_free_port()),
+                "--local-ranks-filter",
+                "0",
+                "-m",
+                "asyncrl.entrypoints.trainer",
+                "@",
+                str(paths["trainer"]),
             ]
         env = self._env(self.config.trainer_gpu_ids)
         if not self.cuda and "OMP_NUM_THREADS" not in env:
@@ -205,7 +215,9 @@ class Launcher:
         code = child.proc.returncode
         self.stop(exclude=child)
         logs = [f"{p}:\n{_tail(p)}" for p in (child.log_path, child.stdout_path) if p.exists() and p.stat().st_size]
-        raise UserError(f"{child.name} died (exit code {code}); last lines of " + ("\n".join(logs) or "its logs: (none)"))
+        raise UserError(
+            f"{child.name} died (exit code {code}); last lines of " + ("\n".join(logs) or "its logs: (none)")
+        )
 
     def _report_steps(self) -> None:
         path = self.out / "metrics" / "orchestrator.jsonl"
@@ -226,7 +238,8 @@ class Launcher:
                 reward = row["reward/mean"]
                 self.rewards.append((row["step"], reward))
                 extras = "".join(
-                    f"  {k.rsplit('/', 1)[-1]} {v:.3f}" for k, v in row.items()
+                    f"  {k.rsplit('/', 1)[-1]} {v:.3f}"
+                    for k, v in row.items()
                     if k.startswith("metrics/") and k.endswith("exact_match")
                 )
                 print(
@@ -283,7 +296,7 @@ class Launcher:
         if not self.rewards:
             return f"[rl] done in {elapsed:.0f}s (no reward logged)"
         first = self.rewards[: max(1, len(self.rewards) // 5)]
-        last = self.rewards[-max(1, len(self.rewards) // 5):]
+        last = self.rewards[-max(1, len(self.rewards) // 5) :]
         mean = lambda xs: sum(r for _, r in xs) / len(xs)  # noqa: E731
         return (
             f"[rl] done: {len(self.rewards)} steps in {elapsed:.0f}s; reward {mean(first):.3f} (first steps) -> "

@@ -28,10 +28,26 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log = out / "server.out"
         out.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "asyncrl.entrypoints.inference", "--model.name", self.model,
-               "--server.port", str(self.port), "--server.host", "127.0.0.1", "--output-dir", str(out),
-               "--max-batch-size", "32", "--log.level", "warning",
-               "--model.enable-auto-tool-choice", "--model.tool-call-parser", "hermes"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "asyncrl.entrypoints.inference",
+            "--model.name",
+            self.model,
+            "--server.port",
+            str(self.port),
+            "--server.host",
+            "127.0.0.1",
+            "--output-dir",
+            str(out),
+            "--max-batch-size",
+            "32",
+            "--log.level",
+            "warning",
+            "--model.enable-auto-tool-choice",
+            "--model.tool-call-parser",
+            "hermes",
+        ]
         self._file = self.log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -59,6 +75,12 @@ class ServerProcess:
         self._file.close()
 
     def chat(self, content: str, max_tokens: int = 16) -> httpx.Response:
-        return httpx.post(f"{self.url}/chat/completions", timeout=60, json={
-            "model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-        })
+        return httpx.post(
+            f"{self.url}/chat/completions",
+            timeout=60,
+            json={
+                "model": self.model,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens,
+            },
+        )

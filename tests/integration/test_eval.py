@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from server_proc import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -26,11 +25,17 @@ def weights(tiny_model_dir, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("eval_sft")
     data = write_jsonl(root / "data.jsonl", sft_examples(200))
-    train_sft(SFTConfig(
-        model={"name": str(tiny_model_dir)}, data={"name": str(data), "seq_len": 256, "batch_size": 4,
-                                                   "micro_batch_size": 2},
-        optim={"lr": 1e-2}, max_steps=2, ckpt={"interval": 1}, output_dir=root / "run", device="cpu",
-    ))
+    train_sft(
+        SFTConfig(
+            model={"name": str(tiny_model_dir)},
+            data={"name": str(data), "seq_len": 256, "batch_size": 4, "micro_batch_size": 2},
+            optim={"lr": 1e-2},
+            max_steps=2,
+            ckpt={"interval": 1},
+            output_dir=root / "run",
+            device="cpu",
+        )
+    )
     return root / "run" / "weights"
 
 
@@ -43,15 +48,39 @@ def server(tiny_model_dir, tmp_path_factory):
 
 def run_eval(server: ServerProcess, out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        EVAL + ["--model.name", server.model, "--client.base-url", server.url, "--output-dir", str(out),
-                "--sampling.max-tokens", "10", "--sampling.seed", "7", *extra],
-        capture_output=True, text=True, timeout=400,
+        EVAL
+        + [
+            "--model.name",
+            server.model,
+            "--client.base-url",
+            server.url,
+            "--output-dir",
+            str(out),
+            "--sampling.max-tokens",
+            "10",
+            "--sampling.seed",
+            "7",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
 
 
 def test_eval_over_two_steps_prints_table_and_writes_results(server, weights, tmp_path):
-    done = run_eval(server, tmp_path, "--environment-ids", "reverse-text,echo-twice", "--num-examples", "3",
-                    "--rollouts-per-example", "2", "--weights-dir", str(weights))
+    done = run_eval(
+        server,
+        tmp_path,
+        "--environment-ids",
+        "reverse-text,echo-twice",
+        "--num-examples",
+        "3",
+        "--rollouts-per-example",
+        "2",
+        "--weights-dir",
+        str(weights),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     table = done.stdout.splitlines()
     assert table[0].split(" | ")[0].strip() == "step" and "reverse-text" in table[0] and "echo-twice" in table[0]
@@ -74,14 +103,28 @@ def test_eval_over_two_steps_prints_table_and_writes_results(server, weights, tm
     prompt = next(r["prompt"] for r in rows if r["label"] == "base" and r["env"] == "reverse-text")
     import httpx
 
-    reply = httpx.post(f"{server.url}/chat/completions", timeout=60, json={
-        "model": server.model, "messages": prompt, "max_tokens": 10, "seed": 7}).json()
+    reply = httpx.post(
+        f"{server.url}/chat/completions",
+        timeout=60,
+        json={"model": server.model, "messages": prompt, "max_tokens": 10, "seed": 7},
+    ).json()
     assert reply["choices"][0]["message"]["content"] == answers("base")[0]
 
 
 def test_eval_chosen_steps_without_base(server, weights, tmp_path):
-    done = run_eval(server, tmp_path, "--environment-ids", "reverse-text", "--num-examples", "2",
-                    "--weights-dir", str(weights), "--steps", "2", "--no-eval-base")
+    done = run_eval(
+        server,
+        tmp_path,
+        "--environment-ids",
+        "reverse-text",
+        "--num-examples",
+        "2",
+        "--weights-dir",
+        str(weights),
+        "--steps",
+        "2",
+        "--no-eval-base",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert list(summary["results"]) == ["step_2"]

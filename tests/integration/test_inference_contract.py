@@ -12,9 +12,9 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import pytest
@@ -26,8 +26,11 @@ from asyncrl.inference.vllm_launch import INSTALL_HINT, start_vllm_server, vllm_
 
 BACKENDS = [
     pytest.param("embedded", id="embedded"),
-    pytest.param("vllm", id="vllm", marks=[
-        pytest.mark.vllm, pytest.mark.skipif(vllm_python() is None, reason=f"no vLLM env: {INSTALL_HINT}")]),
+    pytest.param(
+        "vllm",
+        id="vllm",
+        marks=[pytest.mark.vllm, pytest.mark.skipif(vllm_python() is None, reason=f"no vLLM env: {INSTALL_HINT}")],
+    ),
 ]
 API_KEY = "contract-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -92,10 +95,23 @@ def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
         return RunningServer(backend, f"http://127.0.0.1:{port}", str(model_dir), stop, engine)
     if backend == "vllm":
         assert not overrides, "the vLLM server takes no overrides here"
-        flags = ["--model.dtype", "float32", "--model.enforce-eager", "--api-key", API_KEY,
-                 "--model.enable-auto-tool-choice", "--model.tool-call-parser", "hermes",
-                 "--model.reasoning-parser", "qwen3", "--model.max-model-len", "512",
-                 "--enable-lora", "--max-lora-rank", "8"]
+        flags = [
+            "--model.dtype",
+            "float32",
+            "--model.enforce-eager",
+            "--api-key",
+            API_KEY,
+            "--model.enable-auto-tool-choice",
+            "--model.tool-call-parser",
+            "hermes",
+            "--model.reasoning-parser",
+            "qwen3",
+            "--model.max-model-len",
+            "512",
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+        ]
         srv = start_vllm_server(model_dir, model_dir.parent / "vllm-inference.log", flags)
         return RunningServer(backend, srv.base_url, str(model_dir), srv.stop)
     raise ValueError(f"unknown backend {backend}")
@@ -411,7 +427,8 @@ def test_generate_route(server, http, model_dir):
     ref = chat(http, server, temperature=0, max_tokens=8, return_token_ids=True)
     prompt = ref["prompt_token_ids"]
     body = {"model": server.model, "token_ids": prompt,
-            "sampling_params": {"temperature": 0, "max_tokens": 8, "logprobs": 1, "skip_special_tokens": False}}  # fmt: skip
+            "sampling_params": {"temperature": 0, "max_tokens": 8, "logprobs": 1,
+                                "skip_special_tokens": False}}  # fmt: skip
     out = http.post("/inference/v1/generate", json=body).json()
     choice = out["choices"][0]
     assert choice["token_ids"] == ref["choices"][0]["token_ids"]
@@ -419,7 +436,8 @@ def test_generate_route(server, http, model_dir):
     assert choice["finish_reason"] in ("stop", "length")
     sampled = http.post("/inference/v1/generate", json={
         "model": server.model, "token_ids": prompt,
-        "sampling_params": {"temperature": 0.8, "max_tokens": 8, "logprobs": 0, "seed": 1}}).json()["choices"][0]  # fmt: skip
+        "sampling_params": {"temperature": 0.8, "max_tokens": 8, "logprobs": 0, "seed": 1},
+    }).json()["choices"][0]  # fmt: skip
     served = [e["logprob"] for e in sampled["logprobs"]["content"]]
     ref_lp = hf_logprobs(model_dir, prompt, sampled["token_ids"], 0.8)
     assert max(abs(a - b) for a, b in zip(served, ref_lp)) < LOGPROB_TOL[server.backend]
@@ -624,14 +642,16 @@ def test_bad_chat_requests_are_4xx(server, http, patch, status):
 
 def test_bad_requests_are_4xx(server, http):
     m = server.model
-    raw_nan = '{"model": "%s", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}' % m
+    raw_nan = '{"model": "' + m + '", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
     cases = [
         http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
         http.post("/v1/chat/completions", content=raw_nan.encode(), headers={"content-type": "application/json"}),
         http.post("/v1/chat/completions", json=[1, 2]),
         http.post("/inference/v1/generate", json={"model": m, "token_ids": [10**7]}),
         http.post("/inference/v1/generate", json={"model": m, "token_ids": []}),
-        http.post("/inference/v1/generate", json={"model": m, "token_ids": [1], "sampling_params": {"max_tokens": 10**6}}),
+        http.post(
+            "/inference/v1/generate", json={"model": m, "token_ids": [1], "sampling_params": {"max_tokens": 10**6}}
+        ),
         http.post("/v1/chat/completions/tokens", json={"model": m, "messages": MESSAGES, "tokens": [-1]}),
         http.post("/v1/completions", json={"model": m, "prompt": [10**9]}),
         http.post("/v1/completions", json={"model": m, "prompt": "x", "temperature": -0.5}),
@@ -709,7 +729,9 @@ def test_verifiers_multi_turn_stitches_tokens(server, http, model_dir, monkeypat
         for t in (first, second):
             ref = hf_logprobs(model_dir, t["prompt_ids"], t["completion_ids"], 1.0, {eos: 7.0}, (2, EOS_IDS))
             assert max(abs(a - b) for a, b in zip(t["completion_logprobs"], ref)) < LOGPROB_TOL[server.backend]
-            assert t["prompt_mask"] == [0] * len(t["prompt_ids"]) and t["completion_mask"] == [1] * len(t["completion_ids"])
+            assert t["prompt_mask"] == [0] * len(t["prompt_ids"]) and t["completion_mask"] == [1] * len(
+                t["completion_ids"]
+            )
         if first["completion_ids"][-1] != eos:
             continue  # truncated turn 1: verifiers re-tokenizes by design
         stitched_any = True
@@ -718,4 +740,3 @@ def test_verifiers_multi_turn_stitches_tokens(server, http, model_dir, monkeypat
         bridge = second["prompt_ids"][len(stitched) :]
         assert bridge and bridge[-1] == 10  # "...<|im_start|>assistant\n"
     assert stitched_any
-

@@ -2,7 +2,8 @@
 
 The model is the tiny random model after a few seconds of SFT on short chat replies, so that turns end
 with <|im_end|> (a random model runs every turn into max_tokens, and verifiers then re-renders the next
-prompt from text, so multi-turn rollouts could not be interleaved). The fake trainer reads each batch, perturbs the weights and publishes them as `broadcast/step_{n+1}`,
+prompt from text, so multi-turn rollouts could not be interleaved). The fake trainer reads each batch,
+perturbs the weights and publishes them as `broadcast/step_{n+1}`,
 so the orchestrator really tells the server to load new weights. Afterwards every batch is checked:
 ids/positions/masks line up, advantages are per-sample constants summing to zero per step, and the
 inference logprobs on loss tokens equal a fresh forward pass of the policy the batch says it used.
@@ -71,7 +72,7 @@ def chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
         mask = torch.zeros_like(ids)
         for i, (p, c) in enumerate(rows):
             ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-            labels[i, len(p): len(p) + len(c)] = torch.tensor(c)
+            labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
             mask[i, : len(p) + len(c)] = 1
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
@@ -91,8 +92,16 @@ def server(chat_model_dir):
     from asyncrl.inference.server import build_backend, create_app
 
     torch.set_num_threads(1)
-    config = InferenceConfig(model={"name": str(chat_model_dir), "max_model_len": 2048, "enable_auto_tool_choice": True,
-                                    "tool_call_parser": "hermes"}, max_batch_size=16, seed=0)
+    config = InferenceConfig(
+        model={
+            "name": str(chat_model_dir),
+            "max_model_len": 2048,
+            "enable_auto_tool_choice": True,
+            "tool_call_parser": "hermes",
+        },
+        max_batch_size=16,
+        seed=0,
+    )
     app = create_app(build_backend(config), config)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -191,9 +200,17 @@ def test_three_steps_per_environment(env_id, server, tmp_path):
     args, seq_len = ENVS[env_id]
     k = 1
     config = OrchestratorConfig(
-        model={"name": str(model_dir)}, client={"base_url": url}, env=[{"id": env_id, "args": args}],
-        batch_size=8, rollouts_per_example=4, seq_len=seq_len, max_steps=STEPS, max_async_level=k,
-        sampling={"max_tokens": 16}, output_dir=tmp_path, eval={"interval": 2, "num_examples": 2},
+        model={"name": str(model_dir)},
+        client={"base_url": url},
+        env=[{"id": env_id, "args": args}],
+        batch_size=8,
+        rollouts_per_example=4,
+        seq_len=seq_len,
+        max_steps=STEPS,
+        max_async_level=k,
+        sampling={"max_tokens": 16},
+        output_dir=tmp_path,
+        eval={"interval": 2, "num_examples": 2},
     )
     trainer = WeightTrainer(tmp_path, model_dir, STEPS)
     trainer.start()
@@ -227,9 +244,16 @@ def test_bench_reports_throughput(server, tmp_path, capsys):
 
     url, model_dir = server
     config = OrchestratorConfig(
-        model={"name": str(model_dir)}, client={"base_url": url}, env=[{"id": "reverse-text"}],
-        batch_size=8, rollouts_per_example=4, seq_len=256, max_steps=2, sampling={"max_tokens": 16},
-        output_dir=tmp_path, bench=True,
+        model={"name": str(model_dir)},
+        client={"base_url": url},
+        env=[{"id": "reverse-text"}],
+        batch_size=8,
+        rollouts_per_example=4,
+        seq_len=256,
+        max_steps=2,
+        sampling={"max_tokens": 16},
+        output_dir=tmp_path,
+        bench=True,
     )
     asyncio.run(orchestrate(config))
     out = capsys.readouterr().out

@@ -32,31 +32,73 @@ def warm_model(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("warm")
     build_tiny_model(root / "tiny", hidden_size=128, num_layers=4)
-    subprocess.run([sys.executable, "-m", "reverse_text", "--sft-out", str(root / "sft.jsonl"), "--n", "10000"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "reverse_text", "--sft-out", str(root / "sft.jsonl"), "--n", "10000"],
+        check=True,
+        capture_output=True,
+    )
     # exactly the demo's warm-up (data, steps, threads): SFT on this task has a sharp drop in loss around
     # step 100-150 whose timing moves with the data order and float reduction order, so pin both.
     env = dict(os.environ, OMP_NUM_THREADS="2")
     subprocess.run(
-        [sys.executable, "-m", "asyncrl.entrypoints.sft", "@", "examples/reverse_text/sft.toml",
-         "--model.name", str(root / "tiny"), "--data.name", str(root / "sft.jsonl"), "--output-dir", str(root / "sft"),
-         "--max-steps", "150", "--no-ckpt", "--log.level", "warning"],
-        check=True, capture_output=True, cwd=Path(__file__).resolve().parents[2], env=env,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.entrypoints.sft",
+            "@",
+            "examples/reverse_text/sft.toml",
+            "--model.name",
+            str(root / "tiny"),
+            "--data.name",
+            str(root / "sft.jsonl"),
+            "--output-dir",
+            str(root / "sft"),
+            "--max-steps",
+            "150",
+            "--no-ckpt",
+            "--log.level",
+            "warning",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
     )
     return root / "sft" / "weights" / "step_150"
 
 
 def rl_args(model_dir: Path, out: Path, steps: int, port: int, lr: float = 3e-4, server: bool = True) -> list[str]:
     """Flags of a small run; `server=False`: no [inference] section, the orchestrator dials `port`."""
-    where = ["--inference.server.port", str(port), "--inference.server.host", "127.0.0.1"] if server else [
-        "--orchestrator.client.port", str(port)]
+    where = (
+        ["--inference.server.port", str(port), "--inference.server.host", "127.0.0.1"]
+        if server
+        else ["--orchestrator.client.port", str(port)]
+    )
     return where + [
-        "--model.name", str(model_dir), "--output-dir", str(out), "--max-steps", str(steps),
-        "--seq-len", "128", "--max-async-level", "1",
-        "--trainer.optim.lr", str(lr), "--trainer.optim.weight-decay", "0",
-        "--orchestrator.batch-size", "128", "--orchestrator.rollouts-per-example", "8",
-        "--orchestrator.sampling.max-tokens", "16", "--orchestrator.seed", "1",
-        "--log.level", "info",
+        "--model.name",
+        str(model_dir),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(steps),
+        "--seq-len",
+        "128",
+        "--max-async-level",
+        "1",
+        "--trainer.optim.lr",
+        str(lr),
+        "--trainer.optim.weight-decay",
+        "0",
+        "--orchestrator.batch-size",
+        "128",
+        "--orchestrator.rollouts-per-example",
+        "8",
+        "--orchestrator.sampling.max-tokens",
+        "16",
+        "--orchestrator.seed",
+        "1",
+        "--log.level",
+        "info",
     ]
 
 
@@ -70,8 +112,11 @@ def own_processes(marker: str) -> list[str]:
     """Command lines of live processes mentioning `marker` (our output dir), this test excluded."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     me = str(os.getpid())
-    return [line for line in out.splitlines() if marker in line and not line.strip().startswith(me)
-            and "ps -ww -eo" not in line]
+    return [
+        line
+        for line in out.splitlines()
+        if marker in line and not line.strip().startswith(me) and "ps -ww -eo" not in line
+    ]
 
 
 def assert_no_processes_left(marker: str, within: float = 15) -> None:
@@ -89,8 +134,10 @@ def run_rl(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess
 def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     out = tmp_path / "run"
     steps = 40  # the demo's settings; fewer steps leave the rise inside the step-to-step noise (~0.03)
-    first = run_rl(rl_args(warm_model, out, steps, _free_port()) + [
-        "--ckpt", "--ckpt.interval", "20", "--wandb.offline", "--wandb.project", "t", "--wandb.name", "demo"])
+    first = run_rl(
+        rl_args(warm_model, out, steps, _free_port())
+        + ["--ckpt", "--ckpt.interval", "20", "--wandb.offline", "--wandb.project", "t", "--wandb.name", "demo"]
+    )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     rows = orchestrator_rows(out)
     assert [r["step"] for r in rows] == list(range(steps))

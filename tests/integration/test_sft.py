@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from server_proc import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -24,9 +23,27 @@ def reverse_data(tmp_path_factory) -> Path:
 
 
 def sft_args(model_dir: Path, data: Path, out: Path, steps: int, *extra: str) -> list[str]:
-    return ["--model.name", str(model_dir), "--data.name", str(data), "--output-dir", str(out),
-            "--data.seq-len", "256", "--data.batch-size", "4", "--data.micro-batch-size", "2",
-            "--optim.lr", "3e-3", "--max-steps", str(steps), "--device", "cpu", *extra]
+    return [
+        "--model.name",
+        str(model_dir),
+        "--data.name",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--data.seq-len",
+        "256",
+        "--data.batch-size",
+        "4",
+        "--data.micro-batch-size",
+        "2",
+        "--optim.lr",
+        "3e-3",
+        "--max-steps",
+        str(steps),
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def metrics(out: Path) -> list[dict]:
@@ -35,8 +52,9 @@ def metrics(out: Path) -> list[dict]:
 
 def test_sft_lowers_loss_and_its_weights_serve(tiny_model_dir, reverse_data, tmp_path):
     out = tmp_path / "run"
-    done = subprocess.run(SFT + sft_args(tiny_model_dir, reverse_data, out, 16), capture_output=True, text=True,
-                          timeout=400)
+    done = subprocess.run(
+        SFT + sft_args(tiny_model_dir, reverse_data, out, 16), capture_output=True, text=True, timeout=400
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(16))  # 0-based, as in the RL trainer
@@ -85,11 +103,22 @@ def test_micro_batch_size_does_not_change_the_step(tiny_model_dir, reverse_data,
     from asyncrl.trainer.sft import train_sft
 
     def run(mbs: int, pack: bool) -> list[dict]:
-        return train_sft(SFTConfig(
-            model={"name": str(tiny_model_dir)}, data={"name": str(reverse_data), "seq_len": 200, "batch_size": 4,
-                                                       "micro_batch_size": mbs, "pack": pack},
-            optim={"lr": 3e-3}, max_steps=2, output_dir=tmp_path / f"{mbs}-{pack}", device="cpu",
-        ))
+        return train_sft(
+            SFTConfig(
+                model={"name": str(tiny_model_dir)},
+                data={
+                    "name": str(reverse_data),
+                    "seq_len": 200,
+                    "batch_size": 4,
+                    "micro_batch_size": mbs,
+                    "pack": pack,
+                },
+                optim={"lr": 3e-3},
+                max_steps=2,
+                output_dir=tmp_path / f"{mbs}-{pack}",
+                device="cpu",
+            )
+        )
 
     for pack in (True, False):
         one, four = run(1, pack), run(4, pack)
@@ -100,26 +129,58 @@ def test_micro_batch_size_does_not_change_the_step(tiny_model_dir, reverse_data,
 
 def test_sft_two_ranks_match_one(tiny_model_dir, reverse_data, tmp_path):
     args = ("--data.micro-batch-size", "1", "--log.level", "warning")
-    one = subprocess.run(SFT + sft_args(tiny_model_dir, reverse_data, tmp_path / "one", 3, *args),
-                         capture_output=True, text=True, timeout=300)
+    one = subprocess.run(
+        SFT + sft_args(tiny_model_dir, reverse_data, tmp_path / "one", 3, *args),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "asyncrl.entrypoints.sft",
-         *sft_args(tiny_model_dir, reverse_data, tmp_path / "two", 3, *args)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "asyncrl.entrypoints.sft",
+            *sft_args(tiny_model_dir, reverse_data, tmp_path / "two", 3, *args),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert [m["loss"] for m in metrics(tmp_path / "two")] == pytest.approx(
-        [m["loss"] for m in metrics(tmp_path / "one")], rel=1e-4)
+        [m["loss"] for m in metrics(tmp_path / "one")], rel=1e-4
+    )
     assert (tmp_path / "two" / "logs" / "sft_rank1.log").exists()
 
 
 def test_sft_bench_on_fake_data(tiny_model_dir, tmp_path):
     done = subprocess.run(
-        SFT + ["--model.name", str(tiny_model_dir), "--data.type", "fake", "--bench", "--data.seq-len", "128",
-               "--data.batch-size", "4", "--data.micro-batch-size", "2", "--output-dir", str(tmp_path),
-               "--device", "cpu"],
-        capture_output=True, text=True, timeout=300,
+        SFT
+        + [
+            "--model.name",
+            str(tiny_model_dir),
+            "--data.type",
+            "fake",
+            "--bench",
+            "--data.seq-len",
+            "128",
+            "--data.batch-size",
+            "4",
+            "--data.micro-batch-size",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "bench | tokens/s" in done.stdout and "MFU" in done.stdout, done.stdout

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from server_proc import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -23,13 +22,36 @@ def server(tiny_model_dir, tmp_path_factory):
     proc.stop()
 
 
-def synthesize(server: ServerProcess, out: Path, examples: int, rollouts: int, *extra: str,
-               envs: str = "reverse-text,echo-twice,tool-calc"):
+def synthesize(
+    server: ServerProcess,
+    out: Path,
+    examples: int,
+    rollouts: int,
+    *extra: str,
+    envs: str = "reverse-text,echo-twice,tool-calc",
+):
     return subprocess.run(
-        SYNTH + ["--model.name", server.model, "--client.base-url", server.url, "--output-dir", str(out),
-                 "--environment-ids", envs, "--num-examples", str(examples),
-                 "--rollouts-per-example", str(rollouts), "--sampling.max-tokens", "12", *extra],
-        capture_output=True, text=True, timeout=400,
+        SYNTH
+        + [
+            "--model.name",
+            server.model,
+            "--client.base-url",
+            server.url,
+            "--output-dir",
+            str(out),
+            "--environment-ids",
+            envs,
+            "--num-examples",
+            str(examples),
+            "--rollouts-per-example",
+            str(rollouts),
+            "--sampling.max-tokens",
+            "12",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
 
 
@@ -42,8 +64,9 @@ def test_synthesize_resumes_and_feeds_sft(server, tiny_model_dir, tmp_path):
     first = synthesize(server, tmp_path, 3, 2)
     assert first.returncode == 0, first.stderr[-3000:]
     progress = lines(data.with_name("data.jsonl.progress"))
-    assert {(p["env"], p["example_id"]) for p in progress} <= {(e, i) for e in ("reverse-text", "echo-twice", "tool-calc")
-                                                               for i in range(3)}
+    assert {(p["env"], p["example_id"]) for p in progress} <= {
+        (e, i) for e in ("reverse-text", "echo-twice", "tool-calc") for i in range(3)
+    }
     rows = lines(data)
     assert rows, first.stderr[-2000:]
     for row in rows:
@@ -69,11 +92,15 @@ def test_synthesize_resumes_and_feeds_sft(server, tiny_model_dir, tmp_path):
     from asyncrl.config.sft import SFTConfig
     from asyncrl.trainer.sft import train_sft
 
-    history = train_sft(SFTConfig(
-        model={"name": str(tiny_model_dir)}, data={"name": str(data), "seq_len": 1024, "batch_size": 2,
-                                                   "micro_batch_size": 1},
-        max_steps=2, output_dir=tmp_path / "sft", device="cpu",
-    ))
+    history = train_sft(
+        SFTConfig(
+            model={"name": str(tiny_model_dir)},
+            data={"name": str(data), "seq_len": 1024, "batch_size": 2, "micro_batch_size": 1},
+            max_steps=2,
+            output_dir=tmp_path / "sft",
+            device="cpu",
+        )
+    )
     assert len(history) == 2 and all(m["loss_tokens"] > 0 for m in history)
     assert (tmp_path / "sft" / "weights" / "step_2" / "STABLE").exists()
 

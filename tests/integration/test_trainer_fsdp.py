@@ -43,8 +43,16 @@ def synthetic_rows(model_dir: Path, samples: list[list[int]], seed: int) -> list
             mu = token_logprobs(logits, ids, temps)
         mask = pos >= 3
         adv = torch.cat([torch.full((k,), float(torch.randn(1, generator=g))) for k in lengths]) * mask
-        rows.append({"input_ids": ids, "position_ids": pos, "loss_mask": mask, "advantages": adv,
-                     "inference_logprobs": mu * mask, "temperatures": temps})
+        rows.append(
+            {
+                "input_ids": ids,
+                "position_ids": pos,
+                "loss_mask": mask,
+                "advantages": adv,
+                "inference_logprobs": mu * mask,
+                "temperatures": temps,
+            }
+        )
     return rows
 
 
@@ -55,8 +63,14 @@ def write_steps(model_dir: Path, out: Path, steps: range, ranks: int, layout: li
 
 
 def config(model_dir: Path, out: Path, **overrides) -> TrainerConfig:
-    data = {"model": {"name": str(model_dir)}, "output_dir": str(out), "max_steps": 3, "max_async_level": 1,
-            "optim": {"lr": 1e-3, "weight_decay": 0.0}, "recv_timeout": 30}
+    data = {
+        "model": {"name": str(model_dir)},
+        "output_dir": str(out),
+        "max_steps": 3,
+        "max_async_level": 1,
+        "optim": {"lr": 1e-3, "weight_decay": 0.0},
+        "recv_timeout": 30,
+    }
     for key, value in overrides.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return TrainerConfig.model_validate(data)
@@ -107,7 +121,7 @@ def test_gradient_does_not_depend_on_packing(tiny_model_dir, tmp_path):
     r = rows[0]
     split, start = [], 0
     for k in (9, 7, 12):
-        split.append({f: v[start:start + k] for f, v in r.items()})
+        split.append({f: v[start : start + k] for f, v in r.items()})
         start += k
     single = tmp_path / "single"
     write_batch(single, 0, [split])
@@ -117,8 +131,15 @@ def test_gradient_does_not_depend_on_packing(tiny_model_dir, tmp_path):
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     # activation checkpointing recomputes, it does not change the gradient
     write_batch(tmp_path / "ac", 0, [rows])
-    c = run_train(config(tiny_model_dir, tmp_path / "ac", max_steps=1, optim={"max_norm": 0.0},
-                         model={"name": str(tiny_model_dir), "ac": {"freq": 1}}))[0]
+    c = run_train(
+        config(
+            tiny_model_dir,
+            tmp_path / "ac",
+            max_steps=1,
+            optim={"max_norm": 0.0},
+            model={"name": str(tiny_model_dir), "ac": {"freq": 1}},
+        )
+    )[0]
     assert c["loss"] == a["loss"] and c["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
 
 
@@ -133,9 +154,18 @@ def test_nan_loss_stops_without_weights(tiny_model_dir, tmp_path):
 
 def test_lora_ac_bf16_export_merges(tiny_model_dir, tmp_path):
     write_steps(tiny_model_dir, tmp_path, range(1), 1, [[10, 8]])
-    cfg = config(tiny_model_dir, tmp_path, max_steps=1, optim={"lr": 1e-2},
-                 model={"name": str(tiny_model_dir), "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-                        "ac": {"freq": 2}, "optimization_dtype": "bfloat16"})
+    cfg = config(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=1,
+        optim={"lr": 1e-2},
+        model={
+            "name": str(tiny_model_dir),
+            "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            "ac": {"freq": 2},
+            "optimization_dtype": "bfloat16",
+        },
+    )
     history = run_train(cfg)
     assert history[0]["grad_norm"] > 0
     # a zero-initialised B makes step 0's update touch only B; merged weights equal base until then
@@ -148,8 +178,14 @@ def test_lora_ac_bf16_export_merges(tiny_model_dir, tmp_path):
 
 def test_single_process_resume_retention_and_bad_checkpoints(tiny_model_dir, tmp_path):
     write_steps(tiny_model_dir, tmp_path, range(4), 1, [[9, 7], [12]])
-    first = run_train(config(tiny_model_dir, tmp_path, max_steps=4,
-                             ckpt={"interval": 1, "keep_last": 2, "keep_interval": 2, "save_async": True}))
+    first = run_train(
+        config(
+            tiny_model_dir,
+            tmp_path,
+            max_steps=4,
+            ckpt={"interval": 1, "keep_last": 2, "keep_interval": 2, "save_async": True},
+        )
+    )
     ckpts = sorted(step_dirs(tmp_path / "checkpoints"))
     assert ckpts == [2, 3, 4]  # last two plus multiples of 2
     final = load_file(str(broadcast_dir(tmp_path, 4) / "model.safetensors"))
@@ -175,10 +211,20 @@ def test_single_process_resume_retention_and_bad_checkpoints(tiny_model_dir, tmp
 
 def torchrun(out: Path, args: list[str], timeout: int = 300) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "asyncrl.entrypoints.trainer", *args]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "asyncrl.entrypoints.trainer",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -197,8 +243,20 @@ def read_metrics(out: Path) -> dict[int, dict]:
 def test_two_process_fsdp_trains_checkpoints_resumes_exactly(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     write_steps(tiny_model_dir, out, range(3), 2, [[9, 7], [12]])
-    common = ["--model.name", str(tiny_model_dir), "--output-dir", str(out), "--max-steps", "3",
-              "--max-async-level", "1", "--optim.lr", "1e-3", "--recv-timeout", "60"]
+    common = [
+        "--model.name",
+        str(tiny_model_dir),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "3",
+        "--max-async-level",
+        "1",
+        "--optim.lr",
+        "1e-3",
+        "--recv-timeout",
+        "60",
+    ]
     torchrun(out, common + ["--ckpt.interval", "2", "--ckpt.save-async"])
     first = read_metrics(out)
     assert first[0]["mismatch_kl"] < 1e-10 and first[0]["loss_tokens"] == 2 * (6 + 4 + 9)

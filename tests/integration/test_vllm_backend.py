@@ -135,8 +135,11 @@ def test_tokenize_then_chat_completions_tokens_uses_the_given_tokens(http, model
 
 def test_generate_token_in_token_out(http, model_dir, tokenizer):
     ids = prompt_ids(tokenizer, MESSAGES)
-    body = {"model": str(model_dir), "token_ids": ids,
-            "sampling_params": {"temperature": 0, "max_tokens": 8, "logprobs": 1, "skip_special_tokens": False}}
+    body = {
+        "model": str(model_dir),
+        "token_ids": ids,
+        "sampling_params": {"temperature": 0, "max_tokens": 8, "logprobs": 1, "skip_special_tokens": False},
+    }
     r = http.post("/inference/v1/generate", json=body)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -213,8 +216,16 @@ def write_lora(path, model_dir, scale: float, rank: int = 8, alpha: int = 16) ->
             deltas[f"model.layers.{i}.self_attn.{proj}.weight"] = alpha / rank * b @ a
     path.mkdir(parents=True)
     save_file(tensors, path / "adapter_model.safetensors")
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
-              "target_modules": ["q_proj", "v_proj"], "bias": "none", "base_model_name_or_path": str(model_dir)}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "bias": "none",
+        "base_model_name_or_path": str(model_dir),
+    }
     (path / "adapter_config.json").write_text(json.dumps(config))
     return deltas
 
@@ -225,9 +236,10 @@ def test_lora_adapter_load_and_replace(model_dir, tokenizer, tmp_path):
     args = ["--model.dtype", "float32", "--model.enforce-eager", "--max-model-len", "512",
             "--enable-lora", "--max-lora-rank", "8"]  # fmt: skip
     ids = prompt_ids(tokenizer, MESSAGES)
-    with start_vllm_server(model_dir, tmp_path / "inference.log", args) as srv, httpx.Client(
-        base_url=srv.base_url, timeout=60
-    ) as http:
+    with (
+        start_vllm_server(model_dir, tmp_path / "inference.log", args) as srv,
+        httpx.Client(base_url=srv.base_url, timeout=60) as http,
+    ):
         base = greedy(http, model_dir)["choices"][0]["token_ids"]
         for step, scale in ((1, 1.0), (2, -1.7)):  # the second load replaces the adapter in place
             deltas = write_lora(tmp_path / f"lora_{step}", model_dir, scale)

@@ -9,30 +9,51 @@ import random
 from asyncrl.orchestrator.envs import EnvMixture, EnvSlot
 
 
-def fake_output(example_id: int, reward: float, turns: list[tuple[list[int], list[int]]], error=None,
-                truncated: bool = False, metrics: dict | None = None, stop_condition: str = "has_final_answer") -> dict:
+def fake_output(
+    example_id: int,
+    reward: float,
+    turns: list[tuple[list[int], list[int]]],
+    error=None,
+    truncated: bool = False,
+    metrics: dict | None = None,
+    stop_condition: str = "has_final_answer",
+) -> dict:
     """A verifiers-like RolloutOutput whose trajectory has (prompt_ids, completion_ids) per turn."""
     trajectory = []
     for prompt, completion in turns:
-        trajectory.append({
-            "tokens": {
-                "prompt_ids": list(prompt), "prompt_mask": [0] * len(prompt),
-                "completion_ids": list(completion), "completion_mask": [1] * len(completion),
-                "completion_logprobs": [-0.5 - 0.01 * t for t in completion],
-                "is_truncated": truncated, "overlong_prompt": False, "routed_experts": None,
-            },
-            "is_truncated": truncated,
-        })
-    return {"example_id": example_id, "reward": reward, "error": error, "is_truncated": truncated,
-            "metrics": metrics or {"exact": float(reward == 1.0)}, "trajectory": trajectory,
-            "stop_condition": stop_condition}
+        trajectory.append(
+            {
+                "tokens": {
+                    "prompt_ids": list(prompt),
+                    "prompt_mask": [0] * len(prompt),
+                    "completion_ids": list(completion),
+                    "completion_mask": [1] * len(completion),
+                    "completion_logprobs": [-0.5 - 0.01 * t for t in completion],
+                    "is_truncated": truncated,
+                    "overlong_prompt": False,
+                    "routed_experts": None,
+                },
+                "is_truncated": truncated,
+            }
+        )
+    return {
+        "example_id": example_id,
+        "reward": reward,
+        "error": error,
+        "is_truncated": truncated,
+        "metrics": metrics or {"exact": float(reward == 1.0)},
+        "trajectory": trajectory,
+        "stop_condition": stop_condition,
+    }
 
 
 def fake_mixture(names=("a",), ratios=None, n_rows: int = 50, seed: int = 0) -> EnvMixture:
     slots = []
     for i, name in enumerate(names):
-        rows = [{"prompt": [{"role": "user", "content": f"{name}{j}"}], "example_id": j, "answer": str(j)}
-                for j in range(n_rows)]
+        rows = [
+            {"prompt": [{"role": "user", "content": f"{name}{j}"}], "example_id": j, "answer": str(j)}
+            for j in range(n_rows)
+        ]
         slots.append(EnvSlot(name=name, env=None, ratio=(ratios[i] if ratios else 1.0), rows=rows))
     return EnvMixture(slots, seed=seed)
 
@@ -40,8 +61,7 @@ def fake_mixture(names=("a",), ratios=None, n_rows: int = 50, seed: int = 0) -> 
 class FakeRunner:
     """Stands in for verifiers' run_group: rewards by a rule, optional delay, errors and multi-turn."""
 
-    def __init__(self, reward_fn=None, delay: float = 0.0, error_fn=None, turns: int = 1, seed: int = 0,
-                 stop_fn=None):
+    def __init__(self, reward_fn=None, delay: float = 0.0, error_fn=None, turns: int = 1, seed: int = 0, stop_fn=None):
         self.reward_fn = reward_fn or (lambda slot, row, i: float(i % 2))
         self.delay = delay
         self.error_fn = error_fn or (lambda slot, row, i: None)
@@ -72,8 +92,15 @@ class FakeRunner:
             for t in range(1, self.turns):
                 prev = turns[-1][0] + turns[-1][1]
                 turns.append((prev + [90, 91], [20 + t, 21]))
-            outs.append(fake_output(row["example_id"], self.reward_fn(slot, row, i), turns,
-                                    error=self.error_fn(slot, row, i), stop_condition=self.stop_fn(slot, row, i)))
+            outs.append(
+                fake_output(
+                    row["example_id"],
+                    self.reward_fn(slot, row, i),
+                    turns,
+                    error=self.error_fn(slot, row, i),
+                    stop_condition=self.stop_fn(slot, row, i),
+                )
+            )
         return outs
 
 

@@ -83,10 +83,20 @@ def test_at_without_space_is_accepted(qwen_files):
 def test_seeds_precedence_command_end_to_end(qwen_files):
     """The exact command of the seeds, through the installed console script."""
     out = subprocess.run(
-        [str(Path(sys.executable).parent / "inference"), "@", qwen_files[0], "@", qwen_files[1],
-         "--model.name", "Qwen/Qwen3-32B", "--dry-run"],
+        [
+            str(Path(sys.executable).parent / "inference"),
+            "@",
+            qwen_files[0],
+            "@",
+            qwen_files[1],
+            "--model.name",
+            "Qwen/Qwen3-32B",
+            "--dry-run",
+        ],
         env={"PRIME_MODEL__NAME": "Qwen/Qwen3-4B", "PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert tomllib.loads(out.stdout)["model"]["name"] == "Qwen/Qwen3-32B"
 
@@ -128,8 +138,9 @@ def test_lists_and_dicts_from_cli():
         TrainerConfig, ["--bench", "--data.fake", "{'micro_batch_size': 8, 'batch_size': 128, 'seq_len': 128}"], {}
     )
     assert t.data.fake.batch_size == 128 and t.bench
-    e = loader.load_config(EvalConfig, ["--environment-ids", "math500,aime2025", "--steps", "10,50"] +
-                           ["--weights-dir", "w"], {})
+    e = loader.load_config(
+        EvalConfig, ["--environment-ids", "math500,aime2025", "--steps", "10,50"] + ["--weights-dir", "w"], {}
+    )
     assert e.environment_ids == ["math500", "aime2025"] and e.steps == [10, 50]
 
 
@@ -161,9 +172,29 @@ def test_rl_component_files_and_shared_propagation(tmp_path):
     t = write(tmp_path, "t.toml", "[optim]\nlr = 3e-5\n")
     o = write(tmp_path, "o.toml", "batch_size = 16\nrollouts_per_example = 4\n")
     i = write(tmp_path, "i.toml", "[server]\nport = 8011\n")
-    cfg = rl(["--trainer", "@", t, "--orchestrator", "@", o, "--inference", "@", i,
-              "--model.name", "m", "--max-steps", "5", "--seq-len", "256", "--max-async-level", "1",
-              "--output-dir", "out/x"])
+    cfg = rl(
+        [
+            "--trainer",
+            "@",
+            t,
+            "--orchestrator",
+            "@",
+            o,
+            "--inference",
+            "@",
+            i,
+            "--model.name",
+            "m",
+            "--max-steps",
+            "5",
+            "--seq-len",
+            "256",
+            "--max-async-level",
+            "1",
+            "--output-dir",
+            "out/x",
+        ]
+    )
     assert cfg.trainer.optim.lr == 3e-5 and cfg.orchestrator.batch_size == 16
     for comp in (cfg.trainer, cfg.orchestrator, cfg.inference):
         assert comp.model.name == "m" and str(comp.output_dir) == "out/x"
@@ -175,9 +206,13 @@ def test_rl_component_files_and_shared_propagation(tmp_path):
 
 
 def test_rl_combined_file(tmp_path):
-    f = write(tmp_path, "rl.toml", 'max_steps = 3\n[model]\nname = "m"\n[wandb]\nproject = "p"\nname = "run"\n'
-                                   "[ckpt]\ninterval = 2\n[trainer.optim]\nlr = 1e-4\n[orchestrator]\nbatch_size = 8\n"
-                                   "rollouts_per_example = 2\n[inference]\n")
+    f = write(
+        tmp_path,
+        "rl.toml",
+        'max_steps = 3\n[model]\nname = "m"\n[wandb]\nproject = "p"\nname = "run"\n'
+        "[ckpt]\ninterval = 2\n[trainer.optim]\nlr = 1e-4\n[orchestrator]\nbatch_size = 8\n"
+        "rollouts_per_example = 2\n[inference]\n",
+    )
     cfg = rl(["@", f])
     assert cfg.trainer.wandb.name == "run-trainer" and cfg.orchestrator.wandb.name == "run-orchestrator"
     assert cfg.trainer.ckpt.interval == cfg.orchestrator.ckpt.interval == 2
@@ -214,8 +249,9 @@ def test_rl_exp_id_separates_output_dirs():
     assert str(cfg.trainer.output_dir) == str(cfg.orchestrator.output_dir) == "outputs/exp-2"
 
 
-@pytest.mark.parametrize("example", sorted((REPO / "examples").rglob("*.toml")),
-                         ids=lambda p: str(p.relative_to(REPO / "examples")))
+@pytest.mark.parametrize(
+    "example", sorted((REPO / "examples").rglob("*.toml")), ids=lambda p: str(p.relative_to(REPO / "examples"))
+)
 def test_examples_resolve(example):
     text = example.read_text()
     if "[trainer" in text or "[orchestrator" in text or "inference_gpu_ids" in text:
@@ -279,8 +315,9 @@ def test_cli_errors_exit_2_with_one_line(capsys):
 
 def test_bad_input_via_console_script_has_no_traceback(tmp_path):
     bad = write(tmp_path, "o.toml", "batch_size = 10\nrollouts_per_example = 3\n")
-    out = subprocess.run([str(Path(sys.executable).parent / "rl"), "--orchestrator", "@", bad],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "rl"), "--orchestrator", "@", bad], capture_output=True, text=True
+    )
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and "divisible by rollouts_per_example" in out.stderr
 

@@ -63,15 +63,17 @@ class ScriptedServer:
         message: dict[str, Any] = {"role": "assistant", "content": reply.get("content")}
         if "tool_calls" in reply:
             message["tool_calls"] = [
-                {"id": f"call_{i}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(args)}}
+                {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
                 for i, (name, args) in enumerate(reply["tool_calls"])
             ]
         body = {
-            "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": 0,
+            "id": f"chatcmpl-{len(self.requests)}",
+            "object": "chat.completion",
+            "created": 0,
             "model": "scripted",
-            "choices": [{"index": 0, "message": message,
-                         "finish_reason": "tool_calls" if "tool_calls" in reply else "stop"}],
+            "choices": [
+                {"index": 0, "message": message, "finish_reason": "tool_calls" if "tool_calls" in reply else "stop"}
+            ],
             "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
         }
         return httpx.Response(200, json=body)
@@ -110,8 +112,9 @@ def test_reverse_text_dataset_deterministic_and_sized():
 
 
 def test_reverse_text_lengths_and_system_prompt():
-    env = reverse_text.load_environment(num_train_examples=30, num_eval_examples=0, min_len=2,
-                                        max_len=3, system_prompt="Be brief.")
+    env = reverse_text.load_environment(
+        num_train_examples=30, num_eval_examples=0, min_len=2, max_len=3, system_prompt="Be brief."
+    )
     assert {len(a) for a in env.get_dataset()["answer"]} <= {2, 3}
     assert env.eval_dataset is None
     first = env.get_dataset()[0]["prompt"]
@@ -138,9 +141,7 @@ def test_reverse_text_rewards_hand_checked():
 
 def test_reverse_text_rubric_scores_completions():
     env = reverse_text.load_environment(num_train_examples=5, num_eval_examples=0)
-    exact, partial, empty = _score(
-        env, "dcba", [[_assistant("dcba")], [_assistant("dcxx")], [_assistant("")]]
-    )
+    exact, partial, empty = _score(env, "dcba", [[_assistant("dcba")], [_assistant("dcxx")], [_assistant("")]])
     assert exact["reward"] == 1.0 and exact["metrics"]["exact_match"] == 1.0
     assert partial["reward"] == pytest.approx(0.5) and partial["metrics"]["exact_match"] == 0.0
     assert empty["reward"] == 0.0
@@ -159,8 +160,7 @@ def test_reverse_text_rollout_through_openai_client():
 
 
 def test_reverse_text_sft_matches_env_prompt_format():
-    env = reverse_text.load_environment(num_train_examples=20, num_eval_examples=0, seed=7,
-                                        system_prompt="S")
+    env = reverse_text.load_environment(num_train_examples=20, num_eval_examples=0, seed=7, system_prompt="S")
     rows = reverse_text.sft_examples(20, seed=7, system_prompt="S")
     assert rows == reverse_text.sft_examples(20, seed=7, system_prompt="S")
     assert len(rows) == 20
@@ -177,15 +177,15 @@ def test_reverse_text_sft_matches_env_prompt_format():
 
 def test_reverse_text_sft_cli(tmp_path):
     out = tmp_path / "sub" / "sft.jsonl"
-    cmd = [sys.executable, "-m", "reverse_text", "--sft-out", str(out), "--n", "12",
-           "--seed", "2", "--max-len", "6"]
+    cmd = [sys.executable, "-m", "reverse_text", "--sft-out", str(out), "--n", "12", "--seed", "2", "--max-len", "6"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ENV_DIR / "reverse_text")
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows == reverse_text.sft_examples(12, seed=2, max_len=6)
     assert not list(out.parent.glob(".*tmp"))  # temp file was renamed away
-    bad = subprocess.run(cmd[:-4] + ["--min-len", "9", "--max-len", "3"], capture_output=True,
-                         text=True, cwd=ENV_DIR / "reverse_text")
+    bad = subprocess.run(
+        cmd[:-4] + ["--min-len", "9", "--max-len", "3"], capture_output=True, text=True, cwd=ENV_DIR / "reverse_text"
+    )
     assert bad.returncode == 2 and "max_len (3) must be >= min_len (9)" in bad.stderr
 
 
@@ -195,8 +195,7 @@ def test_reverse_text_prompt_fits_tiny_context(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = reverse_text.sft_examples(200, seed=0)
     longest = max(rows, key=lambda r: len(r["completion"][0]["content"]))
-    enc = tok.apply_chat_template(longest["prompt"] + longest["completion"], tokenize=True,
-                                  return_dict=True)
+    enc = tok.apply_chat_template(longest["prompt"] + longest["completion"], tokenize=True, return_dict=True)
     # Byte-level tokenizer: 8 letters each way + ChatML framing is ~55 tokens, well inside 128.
     assert len(enc["input_ids"]) <= 64, len(enc["input_ids"])
 
@@ -204,33 +203,45 @@ def test_reverse_text_prompt_fits_tiny_context(tiny_model_dir):
 # ---------------------------------------------------------------- tool-calc
 
 
-@pytest.mark.parametrize("expr, value", [
-    ("37 * 12 + 5", 449), ("(2 + 3) * -4", -20), ("7 / 2", 3.5), ("7 // 2", 3),
-    ("2 ** 10", 1024), ("17 % 5", 2), ("+1.5 - 0.5", 1.0), ("2 ** -1", 0.5),
-])
+@pytest.mark.parametrize(
+    "expr, value",
+    [
+        ("37 * 12 + 5", 449),
+        ("(2 + 3) * -4", -20),
+        ("7 / 2", 3.5),
+        ("7 // 2", 3),
+        ("2 ** 10", 1024),
+        ("17 % 5", 2),
+        ("+1.5 - 0.5", 1.0),
+        ("2 ** -1", 0.5),
+    ],
+)
 def test_safe_eval_arithmetic(expr, value):
     assert tool_calc.safe_eval(expr) == value
 
 
-@pytest.mark.parametrize("expr, message", [
-    ("__import__('os').system('true')", "unsupported syntax Call"),
-    ("x + 1", "unsupported syntax Name"),
-    ("(1).__class__", "unsupported syntax Attribute"),
-    ("'a' * 3", "unsupported constant 'a'"),
-    ("True + 1", "unsupported constant True"),
-    ("[1, 2]", "unsupported syntax List"),
-    ("1 if 1 else 2", "unsupported syntax IfExp"),
-    ("1 < 2", "unsupported syntax Compare"),
-    ("1j * 2", "unsupported constant 1j"),
-    ("1 / 0", "division by zero"),
-    ("5 % 0", "division by zero"),
-    ("9 ** 9 ** 9", "too large"),
-    ("2 ** 100000", "too large"),
-    ("10.0 ** 400", "too large"),
-    ("(-8) ** 0.5", "not a real number"),
-    ("1 +", "cannot parse"),
-    ("1" * 201, "longer than 200"),
-])
+@pytest.mark.parametrize(
+    "expr, message",
+    [
+        ("__import__('os').system('true')", "unsupported syntax Call"),
+        ("x + 1", "unsupported syntax Name"),
+        ("(1).__class__", "unsupported syntax Attribute"),
+        ("'a' * 3", "unsupported constant 'a'"),
+        ("True + 1", "unsupported constant True"),
+        ("[1, 2]", "unsupported syntax List"),
+        ("1 if 1 else 2", "unsupported syntax IfExp"),
+        ("1 < 2", "unsupported syntax Compare"),
+        ("1j * 2", "unsupported constant 1j"),
+        ("1 / 0", "division by zero"),
+        ("5 % 0", "division by zero"),
+        ("9 ** 9 ** 9", "too large"),
+        ("2 ** 100000", "too large"),
+        ("10.0 ** 400", "too large"),
+        ("(-8) ** 0.5", "not a real number"),
+        ("1 +", "cannot parse"),
+        ("1" * 201, "longer than 200"),
+    ],
+)
 def test_safe_eval_refuses(expr, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("*", r"\*")):
         tool_calc.safe_eval(expr)
@@ -270,13 +281,20 @@ def test_tool_calc_dataset_and_tool_schema():
 def test_tool_calc_rubric_scores_completions():
     env = tool_calc.load_environment(num_train_examples=5, num_eval_examples=0)
     call = {"id": "c0", "name": "calculate", "arguments": json.dumps({"expression": "37*12+5"})}
-    right, wrong, none, unfinished = _score(env, "449", [
-        [_assistant(tool_calls=[call]), vf.ToolMessage(tool_call_id="c0", content="449"),
-         _assistant("The answer is 449.")],
-        [_assistant("37 * 12 + 5 = 450")],
-        [_assistant("I don't know")],
-        [_assistant("449", tool_calls=[call])],  # still calling tools: not a final answer
-    ])
+    right, wrong, none, unfinished = _score(
+        env,
+        "449",
+        [
+            [
+                _assistant(tool_calls=[call]),
+                vf.ToolMessage(tool_call_id="c0", content="449"),
+                _assistant("The answer is 449."),
+            ],
+            [_assistant("37 * 12 + 5 = 450")],
+            [_assistant("I don't know")],
+            [_assistant("449", tool_calls=[call])],  # still calling tools: not a final answer
+        ],
+    )
     assert right["reward"] == 1.0
     assert right["metrics"]["total_tool_calls"] == 1 and right["metrics"]["calculate_calls"] == 1
     assert wrong["reward"] == 0.0 and wrong["metrics"]["total_tool_calls"] == 0
@@ -287,16 +305,30 @@ def test_tool_calc_rubric_scores_completions():
 def test_tool_calc_shaping_gives_partial_credit():
     call = lambda expr: {"id": "c0", "name": "calculate", "arguments": json.dumps({"expression": expr})}  # noqa: E731
     completions = [
-        [_assistant(tool_calls=[call("37 * 12 + 5")]), vf.ToolMessage(tool_call_id="c0", content="449"),
-         _assistant("449")],
-        [_assistant(tool_calls=[call("37 * 13 + 5")]), vf.ToolMessage(tool_call_id="c0", content="486"),
-         _assistant("486")],
+        [
+            _assistant(tool_calls=[call("37 * 12 + 5")]),
+            vf.ToolMessage(tool_call_id="c0", content="449"),
+            _assistant("449"),
+        ],
+        [
+            _assistant(tool_calls=[call("37 * 13 + 5")]),
+            vf.ToolMessage(tool_call_id="c0", content="486"),
+            _assistant("486"),
+        ],
         [_assistant("I don't know")],
     ]
-    plain = _score(tool_calc.load_environment(num_train_examples=5, num_eval_examples=0), "449", completions,
-                   question="What is 37 * 12 + 5?")
-    shaped = _score(tool_calc.load_environment(num_train_examples=5, num_eval_examples=0, shaping=0.5), "449",
-                    completions, question="What is 37 * 12 + 5?")
+    plain = _score(
+        tool_calc.load_environment(num_train_examples=5, num_eval_examples=0),
+        "449",
+        completions,
+        question="What is 37 * 12 + 5?",
+    )
+    shaped = _score(
+        tool_calc.load_environment(num_train_examples=5, num_eval_examples=0, shaping=0.5),
+        "449",
+        completions,
+        question="What is 37 * 12 + 5?",
+    )
     right, close, none = shaped
     assert right["metrics"]["expression_similarity"] == 1.0 and right["metrics"]["answer_similarity"] == 1.0
     assert 0.5 < close["metrics"]["expression_similarity"] < 1.0 and 0.0 < close["metrics"]["answer_similarity"] < 1.0
@@ -314,10 +346,12 @@ def test_tool_calc_rollout_with_openai_tool_calls():
     env = tool_calc.load_environment(num_train_examples=3, num_eval_examples=0, seed=1)
     row = env.get_dataset()[0]
     expr = row["prompt"][-1]["content"].removeprefix("What is ").removesuffix("?")
-    server = ScriptedServer([
-        {"content": None, "tool_calls": [("calculate", {"expression": expr})]},
-        {"content": f"The answer is {row['answer']}."},
-    ])
+    server = ScriptedServer(
+        [
+            {"content": None, "tool_calls": [("calculate", {"expression": expr})]},
+            {"content": f"The answer is {row['answer']}."},
+        ]
+    )
     out = _rollout(env, server)
     assert out["reward"] == 1.0
     assert out["metrics"]["calculate_calls"] == 1 and out["metrics"]["num_turns"] == 2
@@ -373,11 +407,14 @@ def test_echo_twice_dataset_deterministic():
 # ---------------------------------------------------------------- loading by id
 
 
-@pytest.mark.parametrize("env_id, args, cls", [
-    ("reverse-text", {"num_train_examples": 8, "max_len": 6}, vf.SingleTurnEnv),
-    ("tool-calc", {"num_train_examples": 8, "max_turns": 4}, vf.ToolEnv),
-    ("echo-twice", {"num_train_examples": 8}, vf.MultiTurnEnv),
-])
+@pytest.mark.parametrize(
+    "env_id, args, cls",
+    [
+        ("reverse-text", {"num_train_examples": 8, "max_len": 6}, vf.SingleTurnEnv),
+        ("tool-calc", {"num_train_examples": 8, "max_turns": 4}, vf.ToolEnv),
+        ("echo-twice", {"num_train_examples": 8}, vf.MultiTurnEnv),
+    ],
+)
 def test_load_environment_by_id(env_id, args, cls):
     env = vf.load_environment(env_id, **args)
     assert isinstance(env, cls)
@@ -405,10 +442,12 @@ def test_tool_calc_sft_rows_replay_as_rewarded_rollouts(tiny_model_dir):
     row = rows[0]
     call, tool_reply, answer = row["completion"]
     fn = call["tool_calls"][0]["function"]
-    server = ScriptedServer([
-        {"content": None, "tool_calls": [(fn["name"], json.loads(fn["arguments"]))]},
-        {"content": answer["content"]},
-    ])
+    server = ScriptedServer(
+        [
+            {"content": None, "tool_calls": [(fn["name"], json.loads(fn["arguments"]))]},
+            {"content": answer["content"]},
+        ]
+    )
     inputs = [{"prompt": row["prompt"], "answer": answer["content"], "example_id": 0}]
     (out,) = asyncio.run(env.run_group(inputs, server.client(), "scripted", {}))
     assert out["reward"] == 1.0 and out["metrics"]["calculate_calls"] == 1
@@ -430,6 +469,10 @@ def test_tool_calc_sft_cli(tmp_path):
     assert [json.loads(line) for line in out.read_text().splitlines()] == tool_calc.sft_examples(6, seed=1)
     assert not list(tmp_path.glob(".*tmp"))
     never = tmp_path / "never.jsonl"
-    bad = subprocess.run([sys.executable, "-m", "tool_calc", "--sft-out", str(never), "--n", "0"],
-                         capture_output=True, text=True, cwd=ENV_DIR / "tool_calc")
+    bad = subprocess.run(
+        [sys.executable, "-m", "tool_calc", "--sft-out", str(never), "--n", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ENV_DIR / "tool_calc",
+    )
     assert bad.returncode == 2 and "n must be >= 1" in bad.stderr and not never.exists()

@@ -72,7 +72,9 @@ def test_request_args_drop_vllm_only_defaults():
 def test_unreachable_server_names_url_and_how_to_start():
     from asyncrl.config.orchestrator import ClientConfig
 
-    with pytest.raises(UserError, match=r"no OpenAI-compatible server reachable at http://127.0.0.1:9/v1.*inference --model.name"):
+    with pytest.raises(
+        UserError, match=r"no OpenAI-compatible server reachable at http://127.0.0.1:9/v1.*inference --model.name"
+    ):
         asyncio.run(check_server(ClientConfig(base_url="http://127.0.0.1:9/v1"), "m", wait=0))
 
 
@@ -82,7 +84,9 @@ def test_eval_cli_missing_env_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--environment-ids", "no-such-env", "--output-dir", str(tmp_path), "--log.level", "error"])
     assert e.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: environment 'no-such-env' is not installed")
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1].startswith("error: environment 'no-such-env' is not installed")
+    )
 
 
 # ---- synthesize: resume bookkeeping ---------------------------------------------------------------
@@ -103,8 +107,16 @@ class FakeRollouts:
         out = []
         for i, row in enumerate(inputs):
             error = {"error": "EmptyModelResponseError", "message": "empty"} if ex in self.empty else None
-            out.append({"example_id": ex, "prompt": row["prompt"], "reward": 0.25 * (i + 1), "metrics": {},
-                        "completion": [{"role": "assistant", "content": row["answer"]}], "error": error})
+            out.append(
+                {
+                    "example_id": ex,
+                    "prompt": row["prompt"],
+                    "reward": 0.25 * (i + 1),
+                    "metrics": {},
+                    "completion": [{"role": "assistant", "content": row["answer"]}],
+                    "error": error,
+                }
+            )
         return out
 
 
@@ -125,8 +137,13 @@ def _lines(path):
 
 
 def test_synthesize_appends_only_missing(fake_synth, tmp_path):
-    cfg = lambda n, r, **kw: SynthesizeConfig(environment_ids=["reverse-text"], num_examples=n,  # noqa: E731
-                                              rollouts_per_example=r, output_dir=tmp_path, **kw)
+    cfg = lambda n, r, **kw: SynthesizeConfig(  # noqa: E731
+        environment_ids=["reverse-text"],
+        num_examples=n,
+        rollouts_per_example=r,
+        output_dir=tmp_path,
+        **kw,
+    )
     data = tmp_path / "synthetic" / "data.jsonl"
     synth.run_synthesize(cfg(3, 2))
     rows = _lines(data)
@@ -136,8 +153,12 @@ def test_synthesize_appends_only_missing(fake_synth, tmp_path):
     synth.run_synthesize(cfg(3, 2))
     assert fake_synth.calls == [] and _lines(data) == rows
     synth.run_synthesize(cfg(4, 3))
-    assert sorted(fake_synth.calls) == [("reverse-text", 0, 1), ("reverse-text", 1, 1), ("reverse-text", 2, 1),
-                                        ("reverse-text", 3, 3)]
+    assert sorted(fake_synth.calls) == [
+        ("reverse-text", 0, 1),
+        ("reverse-text", 1, 1),
+        ("reverse-text", 2, 1),
+        ("reverse-text", 3, 3),
+    ]
     grown = _lines(data)
     assert grown[:6] == rows and len(grown) == 12
     assert len({(r["example_id"], r["rollout"]) for r in grown}) == 12
@@ -145,8 +166,9 @@ def test_synthesize_appends_only_missing(fake_synth, tmp_path):
 
 def test_synthesize_min_reward_model_errors_and_retries(fake_synth, tmp_path):
     fake_synth.fail, fake_synth.empty = {1}, {2}
-    cfg = SynthesizeConfig(environment_ids=["reverse-text"], num_examples=3, rollouts_per_example=2,
-                           min_reward=0.5, output_dir=tmp_path)
+    cfg = SynthesizeConfig(
+        environment_ids=["reverse-text"], num_examples=3, rollouts_per_example=2, min_reward=0.5, output_dir=tmp_path
+    )
     synth.run_synthesize(cfg)
     data = tmp_path / "synthetic" / "data.jsonl"
     assert [(r["example_id"], r["reward"]) for r in _lines(data)] == [(0, 0.5)]  # 0.25 filtered out
@@ -159,8 +181,12 @@ def test_synthesize_min_reward_model_errors_and_retries(fake_synth, tmp_path):
 
 def test_all_groups_failing_is_an_error(fake_synth, tmp_path):
     fake_synth.fail = {0, 1}
-    cfg = SynthesizeConfig(environment_ids=["reverse-text"], num_examples=2, output_dir=tmp_path,
-                           client={"base_url": "http://127.0.0.1:9/v1"})
+    cfg = SynthesizeConfig(
+        environment_ids=["reverse-text"],
+        num_examples=2,
+        output_dir=tmp_path,
+        client={"base_url": "http://127.0.0.1:9/v1"},
+    )
     with pytest.raises(UserError, match="every rollout group failed.*server went away.*127.0.0.1:9"):
         synth.run_synthesize(cfg)
 
@@ -171,7 +197,7 @@ def test_repair_drops_rows_beyond_progress_and_torn_lines(tmp_path):
     orphan = dict(good, example_id=1)  # written, but the crash came before its progress line
     data.write_text(json.dumps(good) + "\n" + json.dumps(orphan) + "\n" + '{"env": "e", "exa')
     progress = synth.progress_path(data)
-    progress.write_text(json.dumps({"env": "e", "example_id": 0, "rollouts": 1}) + "\n{\"env\"")
+    progress.write_text(json.dumps({"env": "e", "example_id": 0, "rollouts": 1}) + '\n{"env"')
     done = synth.read_progress(progress)
     assert done == {("e", 0): 1}
     assert synth.repair_dataset(data, done) == 1 and _lines(data) == [good]
@@ -181,15 +207,26 @@ def test_sft_row_converts_tools_and_tool_calls():
     from verifiers.types import Tool
 
     record = RolloutRecord(
-        env="tool-calc", example_id=3, rollout=1, reward=1.0, prompt=[{"role": "user", "content": "1+1?"}],
-        completion=[{"role": "assistant", "content": "",
-                     "tool_calls": [json.dumps({"id": "c", "name": "calculate", "arguments": "{\"expression\": \"1+1\"}"})]},
-                    {"role": "tool", "content": "2", "tool_call_id": "c"}, {"role": "assistant", "content": "2"}],
+        env="tool-calc",
+        example_id=3,
+        rollout=1,
+        reward=1.0,
+        prompt=[{"role": "user", "content": "1+1?"}],
+        completion=[
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [json.dumps({"id": "c", "name": "calculate", "arguments": '{"expression": "1+1"}'})],
+            },
+            {"role": "tool", "content": "2", "tool_call_id": "c"},
+            {"role": "assistant", "content": "2"},
+        ],
         tools=[Tool(name="calculate", description="d", parameters={"type": "object"})],
     )
     row = synth.sft_row(record)
-    assert row["tools"] == [{"type": "function", "function": {"name": "calculate", "description": "d",
-                                                                "parameters": {"type": "object"}}}]
+    assert row["tools"] == [
+        {"type": "function", "function": {"name": "calculate", "description": "d", "parameters": {"type": "object"}}}
+    ]
     call = row["completion"][0]["tool_calls"][0]
-    assert call["function"] == {"name": "calculate", "arguments": "{\"expression\": \"1+1\"}"} and call["id"] == "c"
+    assert call["function"] == {"name": "calculate", "arguments": '{"expression": "1+1"}'} and call["id"] == "c"
     assert (row["env"], row["example_id"], row["rollout"], row["reward"]) == ("tool-calc", 3, 1, 1.0)

@@ -32,7 +32,10 @@ def test_hermes_tool_calls():
     assert calls[0]["function"]["name"] == "get"
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
 
-    two = '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {"x": [1]}}</tool_call>'
+    two = (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": {"x": [1]}}</tool_call>'
+    )
     content, calls = parse_hermes_tool_calls(two)
     assert content is None and [c["function"]["name"] for c in calls] == ["a", "b"]
     assert len({c["id"] for c in calls}) == 2
@@ -54,7 +57,9 @@ def test_string_arguments_kept_verbatim():
 
 
 def test_final_message_fields():
-    msg = ChatOutputParser("qwen3", True).final('<think>hmm</think>hi<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    msg = ChatOutputParser("qwen3", True).final(
+        '<think>hmm</think>hi<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    )
     assert msg["reasoning_content"] == "hmm" and msg["content"] == "hi" and len(msg["tool_calls"]) == 1
     msg = ChatOutputParser(None, False).final("<tool_call>x</tool_call>")
     assert msg == {"role": "assistant", "content": "<tool_call>x</tool_call>"}

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from asyncrl.config.base import WandbConfig
-from asyncrl.utils.monitor import MetricsSink
 from asyncrl.utils.errors import UserError
+from asyncrl.utils.monitor import MetricsSink
 
 
 def test_jsonl_lines_per_step(tmp_path):

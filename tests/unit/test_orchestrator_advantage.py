@@ -44,8 +44,10 @@ def test_single_and_empty_groups():
 
 
 def _group(rewards, errors=()):
-    rs = [Rollout(env="e", example_id=0, reward=r, completion_len=2, error=("boom" if i in errors else None))
-          for i, r in enumerate(rewards)]
+    rs = [
+        Rollout(env="e", example_id=0, reward=r, completion_len=2, error=("boom" if i in errors else None))
+        for i, r in enumerate(rewards)
+    ]
     return Group(env="e", example_id=0, policy_step=0, rollouts=rs)
 
 

@@ -39,8 +39,9 @@ class FakeTrainer(threading.Thread):
 
 
 def run_orchestrator_with_trainer(tmp_path, k, steps, train_s, gen_delay):
-    config = OrchestratorConfig(batch_size=8, rollouts_per_example=4, seq_len=64, max_steps=steps,
-                                max_async_level=k, output_dir=tmp_path)
+    config = OrchestratorConfig(
+        batch_size=8, rollouts_per_example=4, seq_len=64, max_steps=steps, max_async_level=k, output_dir=tmp_path
+    )
     runner = FakeRunner(delay=gen_delay)
     server = FakeServer(runner)
     orch = Orchestrator(config, fake_mixture(), runner, server)
@@ -69,8 +70,9 @@ def run_orchestrator_with_trainer(tmp_path, k, steps, train_s, gen_delay):
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_never_more_than_k_ahead_of_a_slow_trainer(tmp_path, k):
     steps = 6
-    orch, server, trainer, written, records, metas = run_orchestrator_with_trainer(tmp_path, k, steps, train_s=0.25,
-                                                                            gen_delay=0.005)
+    orch, server, trainer, written, records, metas = run_orchestrator_with_trainer(
+        tmp_path, k, steps, train_s=0.25, gen_delay=0.005
+    )
     assert [r["step"] for r in records] == list(range(steps))
     for r in records:
         n = r["step"]
@@ -81,9 +83,9 @@ def test_never_more_than_k_ahead_of_a_slow_trainer(tmp_path, k):
     # Slow trainer: the first k+1 steps go without waiting, later ones wait and run exactly k behind.
     for r in records[: k + 1]:
         assert r["time/wait_weights"] < 0.1
-    for r in records[k + 1:]:
+    for r in records[k + 1 :]:
         assert r["off_policy/level"] == k
-    assert sum(r["time/wait_weights"] for r in records[k + 1:]) > 0.1 * (steps - k - 1)
+    assert sum(r["time/wait_weights"] for r in records[k + 1 :]) > 0.1 * (steps - k - 1)
     # Weights change only between steps: nothing was in flight at any update.
     assert server.calls and all(in_flight == 0 for _, _, in_flight in server.calls)
     assert server.calls[0][0] == "reload"  # step 0 starts from the base model explicitly

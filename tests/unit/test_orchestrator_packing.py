@@ -10,8 +10,11 @@ from asyncrl.transport.batch import check_micro_batch
 
 def _sample(n_prompt: int, n_completion: int, base: int) -> TokenSample:
     ids = [base + i for i in range(n_prompt + n_completion)]
-    return TokenSample(ids, [False] * n_prompt + [True] * n_completion,
-                       [0.0] * n_prompt + [-0.1 * (i + 1) for i in range(n_completion)])
+    return TokenSample(
+        ids,
+        [False] * n_prompt + [True] * n_completion,
+        [0.0] * n_prompt + [-0.1 * (i + 1) for i in range(n_completion)],
+    )
 
 
 def _split_row(mb):
@@ -44,7 +47,7 @@ def test_rows_keep_sample_boundaries_masks_and_values():
         assert len(mb["input_ids"]) <= 16
         assert mb["loss_mask"].dtype == torch.bool and mb["input_ids"].dtype == torch.long
         assert (mb["inference_logprobs"][~mb["loss_mask"]] == 0).all()
-        assert (mb["temperatures"] == pytest.approx(0.7))
+        assert mb["temperatures"] == pytest.approx(0.7)
         for sl in _split_row(mb):
             ids = mb["input_ids"][sl].tolist()
             k = next(i for i, s in enumerate(samples) if s.input_ids == ids)
@@ -52,7 +55,7 @@ def test_rows_keep_sample_boundaries_masks_and_values():
             assert mb["position_ids"][sl].tolist() == list(range(len(ids)))
             assert mb["loss_mask"][sl].tolist() == samples[k].loss_mask
             assert mb["inference_logprobs"][sl].tolist() == pytest.approx(samples[k].logprobs)
-            assert (mb["advantages"][sl] == pytest.approx(0.1 * k))
+            assert mb["advantages"][sl] == pytest.approx(0.1 * k)
     assert sorted(seen) == list(range(6))
 
 

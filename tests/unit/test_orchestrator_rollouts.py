@@ -10,8 +10,15 @@ from asyncrl.orchestrator.samples import TrajectoryConverter
 
 
 def collector(runner, mixture=None, filtering=False, fail_limit=8, n=4):
-    return GroupCollector(mixture or fake_mixture(), runner, TrajectoryConverter(), n,
-                          BufferConfig(online_difficulty_filtering=filtering), "mean", fail_limit)
+    return GroupCollector(
+        mixture or fake_mixture(),
+        runner,
+        TrajectoryConverter(),
+        n,
+        BufferConfig(online_difficulty_filtering=filtering),
+        "mean",
+        fail_limit,
+    )
 
 
 def collect(c, problems=4, in_flight=4, step=0, policy=0, k=1):

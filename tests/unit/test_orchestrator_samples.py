@@ -44,9 +44,20 @@ def test_branching_gives_one_sample_per_turn():
 
 def test_errors_become_masked_rollouts_not_exceptions():
     conv = TrajectoryConverter()
-    err = conv.convert(fake_output(0, 0.0, [([1], [2])], error={"error": "ModelError", "message": "x",
-                                                                  "error_chain_repr": "ModelError(conn refused)",
-                                                                  "error_chain_str": "x"}), "e")
+    err = conv.convert(
+        fake_output(
+            0,
+            0.0,
+            [([1], [2])],
+            error={
+                "error": "ModelError",
+                "message": "x",
+                "error_chain_repr": "ModelError(conn refused)",
+                "error_chain_str": "x",
+            },
+        ),
+        "e",
+    )
     assert not err.ok and "conn refused" in err.error and err.samples == []
     no_tokens = fake_output(0, 1.0, [([1], [2])])
     no_tokens["trajectory"][0]["tokens"] = None

@@ -30,7 +30,9 @@ def test_sampling_args_keep_ratios_exact_and_refuse_duplicates():
     assert args["temperature"] == 0.7 and args["top_p"] == 1.0 and args["max_tokens"] == 16
     assert args["extra_body"] == {"top_k": -1, "min_p": 0.0} and "seed" not in args
     assert sampling_args(SamplingConfig(seed=3), with_seed=True)["seed"] == 3
-    assert sampling_args(SamplingConfig(extra_body={"repetition_penalty": 1.1}))["extra_body"]["repetition_penalty"] == 1.1
+    assert (
+        sampling_args(SamplingConfig(extra_body={"repetition_penalty": 1.1}))["extra_body"]["repetition_penalty"] == 1.1
+    )
     with pytest.raises(UserError, match="top_p"):
         sampling_args(SamplingConfig(extra_body={"top_p": 0.9}))
 
@@ -50,8 +52,9 @@ def test_unreachable_server_error_names_the_url():
 
 
 def _config(tmp_path, k=1, **kw):
-    return OrchestratorConfig(batch_size=8, rollouts_per_example=4, seq_len=64, output_dir=tmp_path,
-                              max_async_level=k, **kw)
+    return OrchestratorConfig(
+        batch_size=8, rollouts_per_example=4, seq_len=64, output_dir=tmp_path, max_async_level=k, **kw
+    )
 
 
 def _publish(out, step):
@@ -81,7 +84,7 @@ def test_checkpoint_and_resume_continue_where_the_run_stopped(tmp_path):
     assert not broadcast_dir(tmp_path, 6).exists()
     assert server.calls[0][:2] == ("update", str(w))  # the server is pointed at the checkpoint weights itself
     assert orch2.mixture.problems == progress.sampler["problems"] + 2
-    records = [json.loads(l) for l in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert records[-1]["progress/total_samples"] == 40 and records[-1]["policy/step"] == 4
     assert (batch_dir(tmp_path, 4) / "meta.json").exists() and not stale_batch.exists()
@@ -105,7 +108,7 @@ def test_rollouts_cut_short_by_a_full_context_are_counted_and_explained(tmp_path
     full = lambda slot, row, i: "prompt_too_long" if i < 2 else "has_final_answer"  # noqa: E731
     orch = Orchestrator(_config(tmp_path, max_steps=2), fake_mixture(), FakeRunner(stop_fn=full), FakeServer())
     asyncio.run(orch.run())
-    records = [json.loads(l) for l in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
     assert [r["context_full/frac"] for r in records] == [0.5, 0.5]  # 2 of each group of 4
     warnings = [m for m in caplog_loguru if "did not fit the context" in m]
     assert len(warnings) == 1 and "raise seq_len or lower sampling.max_tokens" in warnings[0]  # once per 10 steps
@@ -116,8 +119,9 @@ def test_wandb_offline_logging(tmp_path):
     pytest.importorskip("wandb")
     from asyncrl.config.base import WandbConfig
 
-    cfg = _config(tmp_path, k=2, max_steps=2, wandb=WandbConfig(offline=True, name="t-orchestrator",
-                                                                log_extras={"interval": 1}))
+    cfg = _config(
+        tmp_path, k=2, max_steps=2, wandb=WandbConfig(offline=True, name="t-orchestrator", log_extras={"interval": 1})
+    )
     asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0

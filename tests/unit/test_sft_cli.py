@@ -19,8 +19,19 @@ def run_main(argv, capsys) -> str:
 
 
 def test_missing_dataset_file(tiny_model_dir, tmp_path, capsys):
-    msg = run_main(["--model.name", str(tiny_model_dir), "--data.name", str(tmp_path / "nope.jsonl"),
-                    "--output-dir", str(tmp_path), "--log.level", "error"], capsys)
+    msg = run_main(
+        [
+            "--model.name",
+            str(tiny_model_dir),
+            "--data.name",
+            str(tmp_path / "nope.jsonl"),
+            "--output-dir",
+            str(tmp_path),
+            "--log.level",
+            "error",
+        ],
+        capsys,
+    )
     assert "nope.jsonl: no such file" in msg
 
 
@@ -33,13 +44,31 @@ def test_prefix_property_failure_before_training(tiny_model_dir, tmp_path, capsy
         "<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
     )
     tok.save_pretrained(tmp_path / "tok")
-    row = {"prompt": [{"role": "user", "content": "q"}],
-           "completion": [{"role": "assistant", "content": "a", "reasoning_content": "r"},
-                          {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"}]}
+    row = {
+        "prompt": [{"role": "user", "content": "q"}],
+        "completion": [
+            {"role": "assistant", "content": "a", "reasoning_content": "r"},
+            {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": "b"},
+        ],
+    }
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(row) + "\n")
-    msg = run_main(["--model.name", str(tiny_model_dir), "--tokenizer.name", str(tmp_path / "tok"),
-                    "--data.name", str(data), "--output-dir", str(tmp_path), "--log.level", "error"], capsys)
+    msg = run_main(
+        [
+            "--model.name",
+            str(tiny_model_dir),
+            "--tokenizer.name",
+            str(tmp_path / "tok"),
+            "--data.name",
+            str(data),
+            "--output-dir",
+            str(tmp_path),
+            "--log.level",
+            "error",
+        ],
+        capsys,
+    )
     assert "prefix property (dataset row 0)" in msg and "message 2 (role 'user')" in msg
     assert not (tmp_path / "weights").exists()
 

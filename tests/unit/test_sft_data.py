@@ -21,7 +21,8 @@ from asyncrl.utils.errors import UserError
 # Like Qwen3's template in the way that matters: earlier assistant turns lose their reasoning.
 HISTORY_REWRITING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{% if m.role == 'assistant' and m.reasoning_content and loop.last %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% if m.role == 'assistant' and m.reasoning_content and loop.last %}"
+    "<think>{{ m.reasoning_content }}</think>{% endif %}"
     "{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -50,23 +51,29 @@ def test_single_turn_trains_only_the_answer(tokenizer):
 def test_multi_turn_with_tools_masks_user_and_tool_messages(tokenizer):
     conv = ConversationTokenizer(tokenizer, ["assistant"])
     call = json.dumps({"id": "c1", "name": "calculate", "arguments": json.dumps({"expression": "1+2"})})
-    completion = normalize_messages([
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "content": "3", "tool_call_id": "c1"},
-        {"role": "assistant", "content": "The answer is 3"},
-    ], "assistant")
+    completion = normalize_messages(
+        [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "3", "tool_call_id": "c1"},
+            {"role": "assistant", "content": "The answer is 3"},
+        ],
+        "assistant",
+    )
     tools = openai_tools([{"name": "calculate", "description": "math", "parameters": {"type": "object"}}])
     s = conv.tokenize([{"role": "user", "content": "1+2?"}], completion, tools)
     text, trained = tokenizer.decode(s.input_ids), trained_text(tokenizer, s)
     assert '"name": "calculate"' in text and "<tools>" in text  # tool defs and calls rendered
-    assert '<tool_call>' in trained and "The answer is 3<|im_end|>" in trained
+    assert "<tool_call>" in trained and "The answer is 3<|im_end|>" in trained
     assert "<tool_response>" not in trained and "1+2?" not in trained and "<tools>" not in trained
 
 
 def test_loss_roles_are_configurable(tokenizer):
     prompt = [{"role": "user", "content": "hi"}]
-    completion = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "again"},
-                  {"role": "assistant", "content": "b"}]
+    completion = [
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "b"},
+    ]
     both = ConversationTokenizer(tokenizer, ["assistant", "user"]).tokenize(prompt, completion)
     only = ConversationTokenizer(tokenizer, ["assistant"]).tokenize(prompt, completion)
     assert "again" in trained_text(tokenizer, both) and "again" not in trained_text(tokenizer, only)
@@ -80,8 +87,11 @@ def test_prefix_property_violation_names_the_message(tokenizer):
     bad.chat_template = HISTORY_REWRITING_TEMPLATE
     conv = ConversationTokenizer(bad, ["assistant"])
     prompt = [{"role": "user", "content": "q1"}]
-    completion = [{"role": "assistant", "content": "a1", "reasoning_content": "think"},
-                  {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    completion = [
+        {"role": "assistant", "content": "a1", "reasoning_content": "think"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
     with pytest.raises(UserError, match=r"prefix property \(dataset row 7\).*message 2 \(role 'user'\)") as e:
         conv.tokenize_row({"prompt": prompt, "completion": completion}, 7)
     assert "Qwen3" in str(e.value) and "--tokenizer.name" in str(e.value)
@@ -92,10 +102,24 @@ def test_prefix_property_violation_names_the_message(tokenizer):
 
 def test_normalize_strings_none_fields_and_flat_tool_calls():
     assert normalize_messages("hello", "user") == [{"role": "user", "content": "hello"}]
-    msgs = normalize_messages([{"role": "assistant", "content": None, "reasoning_content": None,
-                                "tool_calls": [{"id": "x", "name": "f", "arguments": "{}", "type": None}]}], "assistant")
-    assert msgs == [{"role": "assistant", "content": "",
-                     "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}, "id": "x"}]}]
+    msgs = normalize_messages(
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": None,
+                "tool_calls": [{"id": "x", "name": "f", "arguments": "{}", "type": None}],
+            }
+        ],
+        "assistant",
+    )
+    assert msgs == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}, "id": "x"}],
+        }
+    ]
     with pytest.raises(ValueError, match="role"):
         normalize_messages([{"content": "no role"}], "user")
     assert openai_tools(None) is None
@@ -126,8 +150,10 @@ def _write_jsonl(path, rows):
     return path
 
 
-ROWS = [{"prompt": [{"role": "user", "content": f"q{i}"}], "completion": [{"role": "assistant", "content": f"a{i}"}]}
-        for i in range(5)]
+ROWS = [
+    {"prompt": [{"role": "user", "content": f"q{i}"}], "completion": [{"role": "assistant", "content": f"a{i}"}]}
+    for i in range(5)
+]
 
 
 def test_load_jsonl_parquet_dir_and_errors(tmp_path):

@@ -1,7 +1,7 @@
 """How the trainer consumes packed batches: per-rank reads, sample boundaries, rank-count checks, fake data."""
 
-import torch
 import pytest
+import torch
 
 from asyncrl.config.base import BenchDataConfig
 from asyncrl.trainer.data import FakeSource, RolloutSource, prepare

@@ -72,7 +72,7 @@ def test_grpo_hand_computed():
 
 
 def test_gspo_hand_computed():
-    s0, s1 = math.sqrt(10), 2 ** -0.5
+    s0, s1 = math.sqrt(10), 2**-0.5
     out, grad = run("gspo", make_inputs())  # clip 0.2 / 0.28: both sequences clipped
     assert out.loss.item() == pytest.approx(2 * -1.28 + 2 * 1.6)
     assert grad.abs().sum().item() == 0
@@ -152,9 +152,11 @@ def test_packed_logprobs_equal_samples_alone(tiny_model):
     lengths, temps = [7, 5, 9], [1.0, 0.6, 1.3]
     ids, pos, t = _row(lengths, temps)
     with torch.no_grad():
-        packed = token_logprobs(tiny_model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0], ids, t)
+        packed = token_logprobs(
+            tiny_model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0], ids, t
+        )
         start = 0
-        for n, temp in zip(lengths, temps):
+        for n in lengths:
             sl = slice(start, start + n)
             alone_logits = tiny_model(input_ids=ids[None, sl], use_cache=False).logits[0]
             alone = token_logprobs(alone_logits, ids[sl], t[sl])

@@ -47,8 +47,12 @@ def test_lora_only_adapters_train_and_merge_matches():
     model = nn.Sequential(Block(), Block())
     assert apply_lora(model, rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj"]) == 2
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
-    assert trainable == ["0.q_proj.lora_A.weight", "0.q_proj.lora_B.weight",
-                         "1.q_proj.lora_A.weight", "1.q_proj.lora_B.weight"]
+    assert trainable == [
+        "0.q_proj.lora_A.weight",
+        "0.q_proj.lora_B.weight",
+        "1.q_proj.lora_A.weight",
+        "1.q_proj.lora_B.weight",
+    ]
     for m in model.modules():
         if isinstance(m, LoRALinear):
             nn.init.normal_(m.lora_B.weight)  # a trained adapter

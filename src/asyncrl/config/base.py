@@ -63,7 +63,7 @@ class BenchDataConfig(BaseConfig):
     seq_len: int = Field(128, ge=1, description="tokens per sample")
 
     @model_validator(mode="after")
-    def _divides(self) -> "BenchDataConfig":
+    def _divides(self) -> BenchDataConfig:
         if self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be divisible by micro_batch_size ({self.micro_batch_size})"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import signal
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import tomli_w
 from pydantic import BaseModel
@@ -151,4 +152,4 @@ def run_guarded(fn: Callable[[], Any]) -> None:
         fail(str(e))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        raise SystemExit(130)
+        raise SystemExit(130) from None

@@ -25,7 +25,7 @@ class EnvRunConfig(BaseConfig):
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
 
     @model_validator(mode="after")
-    def _some_env(self) -> "EnvRunConfig":
+    def _some_env(self) -> EnvRunConfig:
         if not self.environment_ids and not self.env:
             raise ValueError("no environment to run: pass --environment-ids a,b or [[env]] tables")
         return self
@@ -42,7 +42,7 @@ class EvalConfig(EnvRunConfig):
     wandb: WandbConfig | None = Field(None, description="W&B logging (off unless set)")
 
     @model_validator(mode="after")
-    def _steps_need_dir(self) -> "EvalConfig":
+    def _steps_need_dir(self) -> EvalConfig:
         if self.steps is not None and self.weights_dir is None:
             raise ValueError("--steps needs --weights-dir")
         return self

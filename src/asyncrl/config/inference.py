@@ -24,7 +24,7 @@ class InferenceModelConfig(ModelConfig):
     )
 
     @model_validator(mode="after")
-    def _tool_parser_needed(self) -> "InferenceModelConfig":
+    def _tool_parser_needed(self) -> InferenceModelConfig:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. --model.tool-call-parser hermes)")
         return self
@@ -54,7 +54,9 @@ class InferenceConfig(BaseConfig):
     prefix_cache_gb: float = Field(
         1.0, ge=0, description="embedded engine: KV of finished sequences kept for prompts that extend them (0: off)"
     )
-    seed: int | None = Field(None, description="seed the engine's random generator once at start (per-request seeds win)")
+    seed: int | None = Field(
+        None, description="seed the engine's random generator once at start (per-request seeds win)"
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: fraction of GPU memory to use")
     data_parallel_size: int = Field(1, ge=1, description="vLLM: data-parallel engines")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: tensor-parallel size")
@@ -68,7 +70,7 @@ class InferenceConfig(BaseConfig):
     cli_aliases: ClassVar[dict[str, str]] = {"max_model_len": "model.max_model_len"}
 
     @model_validator(mode="after")
-    def _passthrough_only_for_vllm(self) -> "InferenceConfig":
+    def _passthrough_only_for_vllm(self) -> InferenceConfig:
         if self.vllm_args and self.backend != "vllm":
             raise ValueError(
                 f"unknown option(s) {' '.join(self.vllm_args)}: extra flags are passed through to vLLM only "

@@ -21,9 +21,10 @@ import os
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -243,7 +244,7 @@ def from_env(model: type[BaseModel], environ: Mapping[str, str], prefix: str = E
     for name in sorted(environ):
         if not name.startswith(prefix):
             continue
-        dotted = ".".join(part.lower() for part in name[len(prefix):].split("__"))
+        dotted = ".".join(part.lower() for part in name[len(prefix) :].split("__"))
         leaf = resolve(model, dotted)
         if leaf is None:
             raise UserError(f"environment variable {name} matches no option{suggest(model, dotted)} (unset it)")

@@ -92,7 +92,7 @@ class OrchestratorConfig(BaseConfig):
     bench: bool = Field(False, description="benchmark rollouts/s and tokens/s against a running server")
 
     @model_validator(mode="after")
-    def _check(self) -> "OrchestratorConfig":
+    def _check(self) -> OrchestratorConfig:
         if self.batch_size % self.rollouts_per_example:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be divisible by rollouts_per_example "

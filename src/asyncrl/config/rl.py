@@ -43,7 +43,7 @@ class RLConfig(BaseConfig):
     bench: bool = Field(False, description="benchmark the whole RL loop")
 
     @model_validator(mode="after")
-    def _check(self) -> "RLConfig":
+    def _check(self) -> RLConfig:
         if self.inference is not None:
             mml = self.inference.model.max_model_len
             if mml is not None and mml < self.orchestrator.seq_len:
@@ -128,7 +128,10 @@ def propagate(raw: dict) -> dict:
         if port is not None and "port" not in client and "base_url" not in client:
             client["port"] = port
         raw["orchestrator"]["client"] = client
-        if loader.get_path(raw, ("seq_len",)) is not None and loader.get_path(raw["inference"], ("model", "max_model_len")) is None:
+        if (
+            loader.get_path(raw, ("seq_len",)) is not None
+            and loader.get_path(raw["inference"], ("model", "max_model_len")) is None
+        ):
             loader.set_path(raw["inference"], ("model", "max_model_len"), raw["seq_len"])
     return raw
 

@@ -12,7 +12,9 @@ from asyncrl.config.trainer import OptimConfig, SchedulerConfig, TokenizerConfig
 
 
 class SFTDataConfig(BaseConfig):
-    type: Literal["dataset", "fake"] = Field("dataset", description="dataset: a file/dir/hub name; fake: benchmark data")
+    type: Literal["dataset", "fake"] = Field(
+        "dataset", description="dataset: a file/dir/hub name; fake: benchmark data"
+    )
     name: str | None = Field(None, description="local .jsonl/.parquet file or dir, or a HF hub dataset name")
     split: str = Field("train", description="dataset split")
     seq_len: int = Field(2048, ge=1, description="max tokens per row (longer samples are truncated)")
@@ -28,7 +30,7 @@ class SFTDataConfig(BaseConfig):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "SFTDataConfig":
+    def _check(self) -> SFTDataConfig:
         if self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"data.batch_size ({self.batch_size}) must be divisible by data.micro_batch_size "

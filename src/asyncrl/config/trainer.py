@@ -77,7 +77,7 @@ class LossConfig(BaseConfig):
     custom: str | None = Field(None, description="custom loss as 'module.path:function' (type = custom)")
 
     @model_validator(mode="after")
-    def _custom_needs_path(self) -> "LossConfig":
+    def _custom_needs_path(self) -> LossConfig:
         if self.type == "custom" and not self.custom:
             raise ValueError("loss.type = 'custom' needs loss.custom = 'module.path:function'")
         if self.token_mask_low >= self.token_mask_high:
@@ -102,7 +102,9 @@ class TrainerConfig(BaseConfig):
     ckpt: CkptConfig | None = Field(None, description="checkpointing (off unless set: --ckpt)")
     wandb: WandbConfig | None = Field(None, description="W&B logging (off unless set: --wandb)")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
-    output_dir: Path = Field(default_factory=default_output_dir, description="run directory shared with the orchestrator")
+    output_dir: Path = Field(
+        default_factory=default_output_dir, description="run directory shared with the orchestrator"
+    )
     max_steps: int | None = Field(None, ge=1, description="stop after this step (None: run until killed)")
     max_async_level: int = Field(2, ge=0, description="async bound k: keep broadcast weights of the last k+1 steps")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda if available, else cpu (gloo)")

@@ -1,4 +1,7 @@
-"""`sft`: Supervised fine-tuning on prompt/completion chat data (FSDP2; `torchrun --nproc-per-node N` for several ranks)."""
+"""`sft`: supervised fine-tuning on prompt/completion chat data.
+
+FSDP2; `torchrun --nproc-per-node N` for several ranks.
+"""
 
 from __future__ import annotations
 

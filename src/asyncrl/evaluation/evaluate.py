@@ -57,8 +57,10 @@ def find_targets(config: EvalConfig) -> list[Target]:
         raise UserError(f"--weights-dir {root} does not exist (sft and rl write {{output_dir}}/weights/step_N)")
     found = {s: d for s, d in step_dirs(root).items() if is_stable(d) or any(d.glob("*.safetensors"))}
     if not found:
-        raise UserError(f"no step_N weight dirs in --weights-dir {root}; sft and rl write them at checkpoint steps "
-                        "and at the end of training")
+        raise UserError(
+            f"no step_N weight dirs in --weights-dir {root}; sft and rl write them at checkpoint steps "
+            "and at the end of training"
+        )
     if config.steps:
         missing = [s for s in config.steps if s not in found]
         if missing:
@@ -76,16 +78,26 @@ async def _load(admin: InferenceClient, target: Target) -> None:
             await admin.update_weights(target.path)
     except RuntimeError as e:
         what = f"weights {target.path}" if target.path else "the base model"
-        raise UserError(f"cannot load {what} into the server at {admin.root}: {e}. --weights-dir needs asyncrl's "
-                        "`inference` server started with the base model these weights were trained from") from e
+        raise UserError(
+            f"cannot load {what} into the server at {admin.root}: {e}. --weights-dir needs asyncrl's "
+            "`inference` server started with the base model these weights were trained from"
+        ) from e
     logger.info(f"server now serves {target.label}" + (f" ({target.path})" if target.path else ""))
 
 
 def rollout_row(target: Target, r: RolloutRecord) -> dict[str, Any]:
     return {
-        "label": target.label, "step": target.step, "env": r.env, "example_id": r.example_id, "rollout": r.rollout,
-        "reward": r.reward, "metrics": r.metrics, "completion_text": completion_text(r.completion),
-        "prompt": r.prompt, "completion": r.completion, "error": r.error,
+        "label": target.label,
+        "step": target.step,
+        "env": r.env,
+        "example_id": r.example_id,
+        "rollout": r.rollout,
+        "reward": r.reward,
+        "metrics": r.metrics,
+        "completion_text": completion_text(r.completion),
+        "prompt": r.prompt,
+        "completion": r.completion,
+        "error": r.error,
     }
 
 
@@ -104,8 +116,9 @@ def _reward(s: dict | None) -> str:
 def format_table(results: dict[str, dict[str, dict]]) -> str:
     """Reward (mean ± std) by step and environment, then each step/env's rollout counts and rubric metrics."""
     envs = list(dict.fromkeys(env for per_env in results.values() for env in per_env))
-    rewards = [["step", *envs]] + [[label, *(_reward(per_env.get(env)) for env in envs)]
-                                   for label, per_env in results.items()]
+    rewards = [["step", *envs]] + [
+        [label, *(_reward(per_env.get(env)) for env in envs)] for label, per_env in results.items()
+    ]
     details = [["step", "env", "reward", "rollouts", "errors", "metrics (mean)"]]
     for label, per_env in results.items():
         for env, s in per_env.items():
@@ -127,31 +140,53 @@ async def _evaluate(config: EvalConfig) -> dict[str, Any]:
     results: dict[str, dict] = {}
     rows: list[dict] = []
     summary: dict[str, Any] = {
-        "model": config.model.name, "base_url": config.client.url, "environments": [s.name for s in slots],
-        "num_examples": config.num_examples, "rollouts_per_example": config.rollouts_per_example,
-        "weights_dir": str(config.weights_dir) if config.weights_dir else None, "results": results,
+        "model": config.model.name,
+        "base_url": config.client.url,
+        "environments": [s.name for s in slots],
+        "num_examples": config.num_examples,
+        "rollouts_per_example": config.rollouts_per_example,
+        "weights_dir": str(config.weights_dir) if config.weights_dir else None,
+        "results": results,
     }
     try:
         for target in targets:
             if admin is not None:
                 await _load(admin, target)
-            jobs = [Job(slot, ex_id, row, config.rollouts_per_example)
-                    for slot in slots for ex_id, row in example_rows(slot, config.num_examples)]
+            jobs = [
+                Job(slot, ex_id, row, config.rollouts_per_example)
+                for slot in slots
+                for ex_id, row in example_rows(slot, config.num_examples)
+            ]
             records = await run_jobs(jobs, run_group, args, config.max_concurrent)
             if all(not r.ok for r in records):
-                raise UserError(f"every rollout of {target.label} failed; first error: {first_error(records)} "
-                                f"(is the server at {config.client.url} still up? {start_hint(config.client.url)})")
+                raise UserError(
+                    f"every rollout of {target.label} failed; first error: {first_error(records)} "
+                    f"(is the server at {config.client.url} still up? {start_hint(config.client.url)})"
+                )
             results[target.label] = summarize(records)
             rows += [rollout_row(target, r) for r in records]
             write_text_atomic(out / "rollouts.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
             write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
             for env, s in results[target.label].items():
-                logger.info(f"{target.label} | {env} | reward {_reward(s)} | {s['rollouts']} rollouts, "
-                            f"{s['errors']} errors")
-            sink.log(target.step or 0, {"label": target.label, **{
-                f"eval/{env}/{k}": v for env, s in results[target.label].items()
-                for k, v in [("reward_mean", s["reward_mean"]), ("reward_std", s["reward_std"]),
-                             ("errors", s["errors"]), *s["metrics"].items()]}})
+                logger.info(
+                    f"{target.label} | {env} | reward {_reward(s)} | {s['rollouts']} rollouts, {s['errors']} errors"
+                )
+            sink.log(
+                target.step or 0,
+                {
+                    "label": target.label,
+                    **{
+                        f"eval/{env}/{k}": v
+                        for env, s in results[target.label].items()
+                        for k, v in [
+                            ("reward_mean", s["reward_mean"]),
+                            ("reward_std", s["reward_std"]),
+                            ("errors", s["errors"]),
+                            *s["metrics"].items(),
+                        ]
+                    },
+                },
+            )
     finally:
         if admin is not None:
             try:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import httpx
 from loguru import logger
@@ -32,8 +33,14 @@ from asyncrl.utils.errors import UserError
 
 PLAIN_CLIENT = "openai_chat_completions"
 # verifiers errors caused by the model's own answer (empty, unparsable, too long): the rollout did run
-MODEL_ERRORS = {"InvalidModelResponseError", "EmptyModelResponseError", "OverlongPromptError", "ToolError",
-                "ToolParseError", "ToolCallError"}
+MODEL_ERRORS = {
+    "InvalidModelResponseError",
+    "EmptyModelResponseError",
+    "OverlongPromptError",
+    "ToolError",
+    "ToolParseError",
+    "ToolCallError",
+}
 DEFAULT_MAX_CONCURRENT = 256  # requests in flight when max_concurrent is unset
 
 
@@ -90,16 +97,21 @@ def example_rows(slot: EnvSlot, num_examples: int) -> list[tuple[int, dict]]:
 def request_args(cfg: SamplingConfig) -> dict:
     """Sampling arguments without the vLLM-only defaults (top_k=-1, min_p=0) hosted APIs would reject."""
     args = sampling_args(cfg, with_seed=True)
-    extra = {k: v for k, v in args.pop("extra_body").items()
-             if not ((k == "top_k" and v == -1) or (k == "min_p" and v == 0.0))}
+    extra = {
+        k: v
+        for k, v in args.pop("extra_body").items()
+        if not ((k == "top_k" and v == -1) or (k == "min_p" and v == 0.0))
+    }
     if extra:
         args["extra_body"] = extra
     return args
 
 
 def start_hint(url: str) -> str:
-    return (f"start one with `inference --model.name <model> --server.port <port>` and pass "
-            f"--client.base-url http://localhost:<port>/v1 (now {url})")
+    return (
+        f"start one with `inference --model.name <model> --server.port <port>` and pass "
+        f"--client.base-url http://localhost:<port>/v1 (now {url})"
+    )
 
 
 async def check_server(cfg: ClientConfig, model: str, wait: float) -> None:
@@ -116,8 +128,10 @@ async def check_server(cfg: ClientConfig, model: str, wait: float) -> None:
             try:
                 response = await http.get(url)
                 if response.status_code in (401, 403):
-                    raise UserError(f"server at {cfg.url} refused the API key ({response.status_code}); set the "
-                                    f"key in ${cfg.api_key_var} or pick the variable with --client.api-key-var")
+                    raise UserError(
+                        f"server at {cfg.url} refused the API key ({response.status_code}); set the "
+                        f"key in ${cfg.api_key_var} or pick the variable with --client.api-key-var"
+                    )
                 if response.status_code == 200:
                     served = [m.get("id") for m in response.json().get("data", []) if isinstance(m, dict)]
                     if served and model not in served:
@@ -152,13 +166,25 @@ def _records(job: Job, outputs: list[dict]) -> list[RolloutRecord]:
         reward = o.get("reward")
         if error is None and reward is None:
             error = "rollout has no reward (scoring failed)"
-        metrics = {k: float(v) for k, v in (o.get("metrics") or {}).items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        out.append(RolloutRecord(
-            env=job.slot.name, example_id=job.example_id, rollout=job.first + i, reward=float(reward or 0.0),
-            metrics=metrics, prompt=plain_messages(o.get("prompt")), completion=plain_messages(o.get("completion")),
-            tools=o.get("tool_defs") or None, error=str(error) if error else None, error_type=error_type,
-        ))
+        metrics = {
+            k: float(v)
+            for k, v in (o.get("metrics") or {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        out.append(
+            RolloutRecord(
+                env=job.slot.name,
+                example_id=job.example_id,
+                rollout=job.first + i,
+                reward=float(reward or 0.0),
+                metrics=metrics,
+                prompt=plain_messages(o.get("prompt")),
+                completion=plain_messages(o.get("completion")),
+                tools=o.get("tool_defs") or None,
+                error=str(error) if error else None,
+                error_type=error_type,
+            )
+        )
     return out
 
 
@@ -187,8 +213,12 @@ async def run_jobs(
                 records = _records(job, list(outputs))
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-                records = [RolloutRecord(job.slot.name, job.example_id, job.first + i, 0.0, error=error,
-                                         error_type=type(e).__name__) for i in range(job.n)]
+                records = [
+                    RolloutRecord(
+                        job.slot.name, job.example_id, job.first + i, 0.0, error=error, error_type=type(e).__name__
+                    )
+                    for i in range(job.n)
+                ]
         if on_group is not None:
             result = on_group(job, records)
             if asyncio.iscoroutine(result):

@@ -95,8 +95,10 @@ def repair_dataset(data: Path, done: dict[Key, int]) -> int:
 
 
 def sft_row(r: RolloutRecord) -> dict:
-    row = {"prompt": normalize_messages(r.prompt or [], "user"),
-           "completion": normalize_messages(r.completion or [], "assistant")}
+    row = {
+        "prompt": normalize_messages(r.prompt or [], "user"),
+        "completion": normalize_messages(r.completion or [], "assistant"),
+    }
     tools = openai_tools(r.tools)
     if tools:
         row["tools"] = tools
@@ -150,11 +152,18 @@ async def _synthesize(config: SynthesizeConfig) -> SynthStats:
         stats.kept += len(kept)
         stats.rewards += [r.reward for r in records]
 
-    await run_jobs(jobs, make_run_group(config.client, config.model.name), request_args(config.sampling),
-                   config.max_concurrent, on_group)
+    await run_jobs(
+        jobs,
+        make_run_group(config.client, config.model.name),
+        request_args(config.sampling),
+        config.max_concurrent,
+        on_group,
+    )
     if stats.failed_groups == stats.groups:
-        raise UserError(f"every rollout group failed; first error: {stats.first_error} "
-                        f"(is the server at {config.client.url} up? {start_hint(config.client.url)})")
+        raise UserError(
+            f"every rollout group failed; first error: {stats.first_error} "
+            f"(is the server at {config.client.url} up? {start_hint(config.client.url)})"
+        )
     mean = statistics.fmean(stats.rewards) if stats.rewards else 0.0
     threshold = f" with reward >= {config.min_reward}" if config.min_reward is not None else ""
     logger.success(

@@ -489,7 +489,7 @@ class _RequestStream:
         self._req = req
         self._remaining = req.params.n
 
-    def __aiter__(self) -> "_RequestStream":
+    def __aiter__(self) -> _RequestStream:
         return self
 
     async def __anext__(self) -> SeqDelta:
@@ -516,4 +516,3 @@ class _RequestStream:
 def _put_all(items: list[tuple[_Request, SeqDelta]]) -> None:
     for req, delta in items:
         req.queue.put_nowait(delta)
-

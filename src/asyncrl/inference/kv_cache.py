@@ -160,7 +160,7 @@ class MaskBuilder:
         if unsupported:
             raise ValueError(
                 f"the embedded engine supports attention layers {sorted(SUPPORTED_LAYER_TYPES)}, "
-                f"this model has {sorted(unsupported)}; serve it with backend = \"vllm\""
+                f'this model has {sorted(unsupported)}; serve it with backend = "vllm"'
             )
         self.window = getattr(config, "sliding_window", None)
         self.additive = getattr(config, "_attn_implementation", "sdpa") == "eager"

@@ -59,7 +59,7 @@ class SamplingFields(_Body):
         return v
 
     @model_validator(mode="after")
-    def _unsupported(self) -> "SamplingFields":
+    def _unsupported(self) -> SamplingFields:
         if self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0:
             raise ValueError("presence/frequency/repetition penalties are not supported; leave them at 0/0/1")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -156,7 +156,7 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
-    def _checks(self) -> "CompletionRequest":
+    def _checks(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo is not supported")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
@@ -184,7 +184,7 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
 
     @model_validator(mode="after")
-    def _one_input(self) -> "TokenizeRequest":
+    def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         return self

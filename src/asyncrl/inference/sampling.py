@@ -43,9 +43,7 @@ def _filter_rows(scaled: torch.Tensor, rows: list[RowSampler]) -> torch.Tensor:
         probs = scaled.softmax(-1)
         threshold = probs.max(-1, keepdim=True).values * min_p[:, None]
         scaled = scaled.masked_fill(probs < threshold, float("-inf"))
-    top_k = torch.tensor(
-        [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=device
-    )
+    top_k = torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows], device=device)
     top_p = torch.tensor([r.params.top_p for r in rows], device=device, dtype=scaled.dtype)
     if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
         sorted_logits, order = scaled.sort(-1, descending=True)

@@ -179,4 +179,3 @@ def run_server(config: InferenceConfig) -> None:
         access_log=config.log.level == "debug",
         timeout_keep_alive=60,
     )
-

@@ -369,8 +369,7 @@ def attach_asyncrl_routes(app, config: InferenceConfig) -> None:
 
     ours = {(r.path, m) for r in router.routes for m in r.methods}
     app.router.routes[:] = [
-        r for r in app.router.routes
-        if not (isinstance(r, APIRoute) and any((r.path, m) in ours for m in r.methods))
+        r for r in app.router.routes if not (isinstance(r, APIRoute) and any((r.path, m) in ours for m in r.methods))
     ]
     app.include_router(router)
 

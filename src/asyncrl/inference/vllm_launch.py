@@ -102,4 +102,3 @@ def start_vllm_server(
 
 def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-

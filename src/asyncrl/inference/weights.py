@@ -66,9 +66,7 @@ def load_matching_weights(path: str | Path, model: torch.nn.Module) -> dict[str,
     by_storage: dict[int, list[str]] = {}
     for name, t in state.items():
         by_storage.setdefault(t.data_ptr(), []).append(name)
-    missing = [
-        name for name, t in state.items() if not any(alias in tensors for alias in by_storage[t.data_ptr()])
-    ]
+    missing = [name for name, t in state.items() if not any(alias in tensors for alias in by_storage[t.data_ptr()])]
     if missing:
         raise InvalidRequest(
             f"weights in '{path}' do not match the served model: missing tensors {missing[:5]}"

@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 AdvantageType = Literal["mean", "mean_std", "rloo", "opo"]
 STD_EPS = 1e-6
@@ -39,6 +40,6 @@ def compute_advantages(
         weight = sum(lengths)
         if weight <= 0:
             return [r - mean for r in rewards]
-        baseline = sum(l * r for l, r in zip(lengths, rewards)) / weight
+        baseline = sum(n * r for n, r in zip(lengths, rewards)) / weight
         return [r - baseline for r in rewards]
     raise ValueError(f"unknown advantage type {kind!r}; use mean, mean_std, rloo or opo")

@@ -56,8 +56,9 @@ def _group_from_dict(d: dict) -> Group:
     for r in d["rollouts"]:
         samples = [TokenSample(**s) for s in r.pop("samples")]
         rollouts.append(Rollout(**r, samples=samples))
-    return Group(env=d["env"], example_id=d["example_id"], policy_step=d["policy_step"], rollouts=rollouts,
-                 verdict=d["verdict"])
+    return Group(
+        env=d["env"], example_id=d["example_id"], policy_step=d["policy_step"], rollouts=rollouts, verdict=d["verdict"]
+    )
 
 
 def load(output_dir: str | Path, step: int) -> tuple[Progress, list[Group]]:
@@ -82,7 +83,9 @@ def resolve_resume_step(output_dir: str | Path, resume_step: int) -> int:
         return resume_step
     steps = saved_steps(output_dir)
     if not steps:
-        raise UserError(f"--ckpt.resume-step -1 (latest) but no orchestrator checkpoint under {checkpoints_root(output_dir)}")
+        raise UserError(
+            f"--ckpt.resume-step -1 (latest) but no orchestrator checkpoint under {checkpoints_root(output_dir)}"
+        )
     return max(steps)
 
 
@@ -91,7 +94,7 @@ def prune(output_dir: str | Path, config: CkptConfig) -> list[int]:
     if config.keep_last is None:
         return []
     steps = sorted(saved_steps(output_dir))
-    keep = set(steps[-config.keep_last:])
+    keep = set(steps[-config.keep_last :])
     if config.keep_interval:
         keep |= {s for s in steps if s % config.keep_interval == 0}
     removed = []

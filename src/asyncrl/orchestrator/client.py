@@ -61,7 +61,9 @@ class InferenceClient:
         while not await self.is_healthy():
             waited = time.monotonic() - start
             if waited > timeout:
-                raise UserError(f"inference server at {self.root} not reachable after {timeout:.0f}s; {start_hint(self.url)}")
+                raise UserError(
+                    f"inference server at {self.root} not reachable after {timeout:.0f}s; {start_hint(self.url)}"
+                )
             if not logged and waited > 2 * poll:
                 logger.info(f"waiting for the inference server at {self.root} ...")
                 logged = True

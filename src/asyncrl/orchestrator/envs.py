@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from loguru import logger
 
@@ -23,8 +24,18 @@ from asyncrl.utils.errors import UserError
 RunGroup = Callable[["EnvSlot", list[dict], dict], Awaitable[list[dict]]]
 TOKEN_CLIENT = "openai_chat_completions_token"
 # Keys the orchestrator sets itself; the same key in sampling.extra_body would be sent twice.
-_OWN_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens",
-                      "seed", "logprobs", "n", "return_token_ids"}
+_OWN_SAMPLING_KEYS = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "seed",
+    "logprobs",
+    "n",
+    "return_token_ids",
+}
 
 
 def env_module(env_id: str) -> str:
@@ -34,10 +45,14 @@ def env_module(env_id: str) -> str:
 def install_hint(env_id: str) -> str:
     if "/" in env_id:
         owner, name = env_id.split("/", 1)
-        return (f"install it with `prime env install {env_id}` or `uv pip install {name} "
-                f"--extra-index-url https://hub.primeintellect.ai/{owner}/simple/`, then use id = \"{name}\"")
-    return (f"install it with `uv pip install -e environments/{env_module(env_id)}` (a local environment) "
-            f"or `pip install {env_id}`")
+        return (
+            f"install it with `prime env install {env_id}` or `uv pip install {name} "
+            f'--extra-index-url https://hub.primeintellect.ai/{owner}/simple/`, then use id = "{name}"'
+        )
+    return (
+        f"install it with `uv pip install -e environments/{env_module(env_id)}` (a local environment) "
+        f"or `pip install {env_id}`"
+    )
 
 
 def load_env(cfg: EnvConfig) -> Any:
@@ -98,7 +113,7 @@ class EnvMixture:
         self.problems = 0  # prompts drawn so far (the next draw's index)
 
     @classmethod
-    def load(cls, configs: list[EnvConfig], seq_len: int | None, seed: int = 0, eval_split: bool = False) -> "EnvMixture":
+    def load(cls, configs: list[EnvConfig], seq_len: int | None, seed: int = 0, eval_split: bool = False) -> EnvMixture:
         slots = []
         for cfg in configs:
             env = load_env(cfg)
@@ -120,8 +135,10 @@ class EnvMixture:
         return slot, slot.next_row(self.seed)
 
     def state(self) -> dict:
-        return {"problems": self.problems,
-                "envs": {s.name: {"epoch": s.epoch, "cursor": s.cursor, "size": len(s.rows)} for s in self.slots}}
+        return {
+            "problems": self.problems,
+            "envs": {s.name: {"epoch": s.epoch, "cursor": s.cursor, "size": len(s.rows)} for s in self.slots},
+        }
 
     def load_state(self, state: dict) -> None:
         self.problems = int(state.get("problems", 0))
@@ -145,10 +162,16 @@ def sampling_args(cfg: SamplingConfig, with_seed: bool = False) -> dict:
     """Request arguments for every model turn (top_p=1/top_k=-1/min_p=0 keep importance ratios exact)."""
     clash = _OWN_SAMPLING_KEYS & set(cfg.extra_body)
     if clash:
-        raise UserError(f"sampling.extra_body sets {sorted(clash)}, which the orchestrator sets itself; "
-                        "use the [orchestrator.sampling] fields instead")
-    args: dict[str, Any] = {"n": 1, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                            "extra_body": {"top_k": cfg.top_k, "min_p": cfg.min_p, **cfg.extra_body}}
+        raise UserError(
+            f"sampling.extra_body sets {sorted(clash)}, which the orchestrator sets itself; "
+            "use the [orchestrator.sampling] fields instead"
+        )
+    args: dict[str, Any] = {
+        "n": 1,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "extra_body": {"top_k": cfg.top_k, "min_p": cfg.min_p, **cfg.extra_body},
+    }
     if cfg.max_tokens is not None:
         args["max_tokens"] = cfg.max_tokens
     if with_seed and cfg.seed is not None:
@@ -164,8 +187,9 @@ def make_vf_client(cfg: ClientConfig, client_type: str = TOKEN_CLIENT) -> Any:
     import verifiers as vf
     from verifiers.clients import resolve_client
 
-    vf_config = vf.ClientConfig(client_type=client_type, api_base_url=cfg.url, api_key_var=cfg.api_key_var,
-                                timeout=cfg.timeout, max_retries=2)
+    vf_config = vf.ClientConfig(
+        client_type=client_type, api_base_url=cfg.url, api_key_var=cfg.api_key_var, timeout=cfg.timeout, max_retries=2
+    )
     return resolve_client(vf_config)
 
 
@@ -173,8 +197,11 @@ def verifiers_run_group(vf_client: Any, model: str) -> RunGroup:
     """The production RunGroup: the slot's environment runs and scores the group via verifiers."""
 
     async def run(slot: EnvSlot, inputs: list[dict], args: dict) -> list[dict]:
-        merged = {**slot.env.sampling_args, **args,
-                  "extra_body": {**(slot.env.sampling_args.get("extra_body") or {}), **args.get("extra_body", {})}}
+        merged = {
+            **slot.env.sampling_args,
+            **args,
+            "extra_body": {**(slot.env.sampling_args.get("extra_body") or {}), **args.get("extra_body", {})},
+        }
         return await slot.env.run_group(inputs, vf_client, model, merged, state_columns=["trajectory"])
 
     return run

@@ -50,7 +50,8 @@ class PolicyGate:
         """The newest policy step `step` may use, or None if it must wait for the trainer."""
         need = step - self.k
         found = {
-            s: p for s, p in step_dirs(self.output_dir / "broadcast").items()
+            s: p
+            for s, p in step_dirs(self.output_dir / "broadcast").items()
             if max(need, 1) <= s <= step and is_stable(p)
         }
         best = Policy(max(found), found[max(found)]) if found else None

@@ -32,7 +32,6 @@ from asyncrl.orchestrator.envs import (
 from asyncrl.orchestrator.evaluation import run_eval
 from asyncrl.orchestrator.gating import Policy, PolicyGate, checkpoint_policy
 from asyncrl.orchestrator.metrics import group_metrics, log_extras, log_step, rollout_metrics
-from asyncrl.utils.monitor import MetricsSink
 from asyncrl.orchestrator.packing import PackItem, PackStats, pack
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts
 from asyncrl.orchestrator.samples import TrajectoryConverter
@@ -40,6 +39,7 @@ from asyncrl.transport.batch import MicroBatch, prune_batches, write_batch
 from asyncrl.transport.weights import step_dirs
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.logging import setup_logger
+from asyncrl.utils.monitor import MetricsSink
 
 
 class Orchestrator:
@@ -65,8 +65,13 @@ class Orchestrator:
             target = max(1, min(target, config.max_concurrent // config.rollouts_per_example))
         self.in_flight = target
         self.collector = GroupCollector(
-            mixture, run_group, self.converter, config.rollouts_per_example, config.buffer,
-            config.advantage.type, fail_limit=max(4, 2 * target),
+            mixture,
+            run_group,
+            self.converter,
+            config.rollouts_per_example,
+            config.buffer,
+            config.advantage.type,
+            fail_limit=max(4, 2 * target),
         )
         self.args = sampling_args(config.sampling)
         self.progress = ckpt.Progress()
@@ -83,8 +88,10 @@ class Orchestrator:
             return None
         self.progress, self.collector.buffer = ckpt.load(cfg.output_dir, step)
         self.mixture.load_state(self.progress.sampler)
-        logger.info(f"resuming at step {step} ({self.progress.total_samples} samples so far, "
-                    f"{len(self.collector.buffer)} buffered groups)")
+        logger.info(
+            f"resuming at step {step} ({self.progress.total_samples} samples so far, "
+            f"{len(self.collector.buffer)} buffered groups)"
+        )
         return checkpoint_policy(cfg.output_dir, step)
 
     def _clear_stale(self, start: int) -> None:
@@ -95,8 +102,10 @@ class Orchestrator:
         for path, _ in stale:
             shutil.rmtree(path, ignore_errors=True)
         if stale:
-            logger.warning(f"removed {len(stale)} rollout/broadcast dirs past step {start} left by an earlier run: "
-                           f"{sorted(str(p.relative_to(out)) for p, _ in stale)}")
+            logger.warning(
+                f"removed {len(stale)} rollout/broadcast dirs past step {start} left by an earlier run: "
+                f"{sorted(str(p.relative_to(out)) for p, _ in stale)}"
+            )
 
     # ---- per step ----------------------------------------------------------------------------
     async def _use_policy(self, policy: Policy) -> float:
@@ -115,12 +124,20 @@ class Orchestrator:
         ev = self.config.eval
         if ev is None or self.eval_mixture is None or step % ev.interval or (step == 0 and not ev.eval_base):
             return
-        metrics = await run_eval(self.eval_mixture, self.run_group, TrajectoryConverter(self.config.trajectory_strategy),
-                                 ev.num_examples, ev.rollouts_per_example, sampling_args(self.config.sampling, True),
-                                 self.in_flight)
+        metrics = await run_eval(
+            self.eval_mixture,
+            self.run_group,
+            TrajectoryConverter(self.config.trajectory_strategy),
+            ev.num_examples,
+            ev.rollouts_per_example,
+            sampling_args(self.config.sampling, True),
+            self.in_flight,
+        )
         record = {"kind": "eval", "step": step, "policy/step": self.loaded_policy, **metrics}
-        logger.info(f"eval step {step} (policy {self.loaded_policy}): reward {metrics.get('eval/reward/mean', 0.0):.3f} "
-                    f"over {int(metrics['eval/rollouts'])} rollouts in {metrics['eval/seconds']:.1f}s")
+        logger.info(
+            f"eval step {step} (policy {self.loaded_policy}): reward {metrics.get('eval/reward/mean', 0.0):.3f} "
+            f"over {int(metrics['eval/rollouts'])} rollouts in {metrics['eval/seconds']:.1f}s"
+        )
         self.sink.log(step, {k: v for k, v in record.items() if k != "step"})
 
     def _pack(self, got: StepRollouts) -> tuple[list[list[MicroBatch]], PackStats]:
@@ -135,13 +152,18 @@ class Orchestrator:
             logger.debug(f"step {step}: waited {waited:.2f}s for trainer weights (policy {policy.step})")
         t_update = await self._use_policy(policy)
         await self._maybe_eval(step)
-        got = await self.collector.collect(step, policy.step, self.config.max_async_level, self.problems,
-                                           self.in_flight, self.args)
+        got = await self.collector.collect(
+            step, policy.step, self.config.max_async_level, self.problems, self.in_flight, self.args
+        )
         min_policy = min(g.policy_step for g in got.groups)
         t_pack = time.perf_counter()
         per_rank, stats = self._pack(got)
-        meta = {"num_samples": stats.num_samples, "num_tokens": stats.num_tokens, "policy_step": policy.step,
-                "min_policy_step": min_policy}
+        meta = {
+            "num_samples": stats.num_samples,
+            "num_tokens": stats.num_tokens,
+            "policy_step": policy.step,
+            "min_policy_step": min_policy,
+        }
         write_batch(self.config.output_dir, step, per_rank, meta)
         if policy.step > 0:
             prune_batches(self.config.output_dir, keep_from_step=policy.step)  # the trainer has consumed those
@@ -157,28 +179,43 @@ class Orchestrator:
         gen_tokens = sum(r.completion_len for g in got.finished for r in g.valid)
         gen_rollouts = sum(len(g.valid) for g in got.finished)
         record: dict[str, Any] = {
-            "kind": "train", "step": step,
+            "kind": "train",
+            "step": step,
             **rollout_metrics(used),
-            **group_metrics(got.groups, got.finished, self.config.buffer.easy_threshold, self.config.buffer.hard_threshold),
+            **group_metrics(
+                got.groups, got.finished, self.config.buffer.easy_threshold, self.config.buffer.hard_threshold
+            ),
             "policy/step": policy.step,
             "off_policy/level": step - min_policy,
-            "batch/samples": stats.num_samples, "batch/tokens": stats.num_tokens,
-            "batch/loss_tokens": stats.num_loss_tokens, "batch/truncated_samples": stats.num_truncated,
-            "batch/micro_batches": len(per_rank[0]), "batch/dummy_micro_batches": stats.num_dummies,
-            "groups/launched": got.launched, "groups/cancelled": got.cancelled, "groups/reused": got.reused,
-            "groups/stale_dropped": got.stale_dropped, "groups/filler": got.filler,
+            "batch/samples": stats.num_samples,
+            "batch/tokens": stats.num_tokens,
+            "batch/loss_tokens": stats.num_loss_tokens,
+            "batch/truncated_samples": stats.num_truncated,
+            "batch/micro_batches": len(per_rank[0]),
+            "batch/dummy_micro_batches": stats.num_dummies,
+            "groups/launched": got.launched,
+            "groups/cancelled": got.cancelled,
+            "groups/reused": got.reused,
+            "groups/stale_dropped": got.stale_dropped,
+            "groups/filler": got.filler,
             "trajectory/prefix_fallbacks_total": self.converter.fallbacks,
             "perf/gen_tokens_per_s": gen_tokens / max(got.seconds, 1e-9),
             "perf/rollouts_per_s": gen_rollouts / max(got.seconds, 1e-9),
-            "time/wait_weights": waited, "time/update_weights": t_update, "time/rollouts": got.seconds,
-            "time/pack_write": t_write, "time/step": time.perf_counter() - t0,
-            "progress/total_tokens": p.total_tokens, "progress/total_samples": p.total_samples,
+            "time/wait_weights": waited,
+            "time/update_weights": t_update,
+            "time/rollouts": got.seconds,
+            "time/pack_write": t_write,
+            "time/step": time.perf_counter() - t0,
+            "progress/total_tokens": p.total_tokens,
+            "progress/total_samples": p.total_samples,
             "progress/total_problems": p.total_problems,
         }
         log_step(self.sink, record)
         if record["rollouts/errors"]:
-            logger.warning(f"step {step}: {int(record['rollouts/errors'])} rollouts failed and were masked out "
-                           f"(last error: {self.collector.last_error})")
+            logger.warning(
+                f"step {step}: {int(record['rollouts/errors'])} rollouts failed and were masked out "
+                f"(last error: {self.collector.last_error})"
+            )
         self._warn_context_full(step, record["context_full/frac"])
         log_extras(self.sink, step, used)
         cfg = self.config.ckpt
@@ -206,10 +243,14 @@ class Orchestrator:
         self._clear_stale(start)
         gate = PolicyGate(self.config.output_dir, self.config.max_async_level, resume_policy)
         if self.config.sampling.seed is not None:
-            logger.info("sampling.seed is used for eval requests only (a shared seed would make a group's rollouts identical)")
+            logger.info(
+                "sampling.seed is used for eval requests only (a shared seed would make a group's rollouts identical)"
+            )
         end = self.config.max_steps
-        logger.info(f"orchestrator: steps {start}..{'' if end is None else end - 1}, {self.problems} prompts x "
-                    f"{self.config.rollouts_per_example} rollouts per step, async level {self.config.max_async_level}")
+        logger.info(
+            f"orchestrator: steps {start}..{'' if end is None else end - 1}, {self.problems} prompts x "
+            f"{self.config.rollouts_per_example} rollouts per step, async level {self.config.max_async_level}"
+        )
         step = start
         try:
             while end is None or step < end:
@@ -217,8 +258,10 @@ class Orchestrator:
                 step += 1
         except RolloutFailure as e:
             if not await self.server.is_healthy():
-                raise UserError(f"rollouts failed because the inference server at {self.server.root} stopped "
-                                f"answering; {start_hint(self.server.url)}") from e
+                raise UserError(
+                    f"rollouts failed because the inference server at {self.server.root} stopped "
+                    f"answering; {start_hint(self.server.url)}"
+                ) from e
             raise
         finally:
             self.sink.close()
@@ -233,9 +276,15 @@ async def run_bench(config: OrchestratorConfig, mixture: EnvMixture, run_group: 
     in_flight = in_flight_target(problems, config.oversampling_factor)
     if config.max_concurrent is not None:
         in_flight = max(1, min(in_flight, config.max_concurrent // config.rollouts_per_example))
-    collector = GroupCollector(mixture, run_group, TrajectoryConverter(config.trajectory_strategy),
-                               config.rollouts_per_example, BufferConfig(), config.advantage.type,
-                               fail_limit=max(4, 2 * in_flight))
+    collector = GroupCollector(
+        mixture,
+        run_group,
+        TrajectoryConverter(config.trajectory_strategy),
+        config.rollouts_per_example,
+        BufferConfig(),
+        config.advantage.type,
+        fail_limit=max(4, 2 * in_flight),
+    )
     args = sampling_args(config.sampling)
     rows = []
     for step in range(config.max_steps or 3):
@@ -244,23 +293,42 @@ async def run_bench(config: OrchestratorConfig, mixture: EnvMixture, run_group: 
         valid = [r for g in got.finished for r in g.valid]
         completion = sum(r.completion_len for r in valid)
         total = sum(r.prompt_len + r.completion_len for r in valid)
-        rows.append({"step": step, "rollouts": len(valid), "seconds": got.seconds,
-                     "rollouts_per_s": len(valid) / got.seconds, "gen_tokens_per_s": completion / got.seconds,
-                     "total_tokens_per_s": total / got.seconds,
-                     "errors": sum(not r.ok for g in got.finished for r in g.rollouts)})
+        rows.append(
+            {
+                "step": step,
+                "rollouts": len(valid),
+                "seconds": got.seconds,
+                "rollouts_per_s": len(valid) / got.seconds,
+                "gen_tokens_per_s": completion / got.seconds,
+                "total_tokens_per_s": total / got.seconds,
+                "errors": sum(not r.ok for g in got.finished for r in g.rollouts),
+            }
+        )
     timed = rows[1:] or rows  # the first step includes connection warm-up
     secs = sum(r["seconds"] for r in timed)
     rollouts = sum(r["rollouts"] for r in timed)
-    summary = {"step": "total", "rollouts": rollouts, "seconds": secs, "errors": sum(r["errors"] for r in timed),
-               "rollouts_per_s": rollouts / secs,
-               "gen_tokens_per_s": sum(r["gen_tokens_per_s"] * r["seconds"] for r in timed) / secs,
-               "total_tokens_per_s": sum(r["total_tokens_per_s"] * r["seconds"] for r in timed) / secs}
-    print(f"orchestrator bench: {problems} prompts x {config.rollouts_per_example} rollouts per step, "
-          f"max_tokens={config.sampling.max_tokens}, server {config.client.url}")
-    print(f"{'step':>5} {'rollouts':>9} {'seconds':>8} {'rollouts/s':>11} {'gen tok/s':>10} {'total tok/s':>12} {'errors':>7}")
+    summary = {
+        "step": "total",
+        "rollouts": rollouts,
+        "seconds": secs,
+        "errors": sum(r["errors"] for r in timed),
+        "rollouts_per_s": rollouts / secs,
+        "gen_tokens_per_s": sum(r["gen_tokens_per_s"] * r["seconds"] for r in timed) / secs,
+        "total_tokens_per_s": sum(r["total_tokens_per_s"] * r["seconds"] for r in timed) / secs,
+    }
+    print(
+        f"orchestrator bench: {problems} prompts x {config.rollouts_per_example} rollouts per step, "
+        f"max_tokens={config.sampling.max_tokens}, server {config.client.url}"
+    )
+    print(
+        f"{'step':>5} {'rollouts':>9} {'seconds':>8} {'rollouts/s':>11} "
+        f"{'gen tok/s':>10} {'total tok/s':>12} {'errors':>7}"
+    )
     for r in rows + [summary]:
-        print(f"{r['step']:>5} {r['rollouts']:>9} {r['seconds']:>8.2f} {r['rollouts_per_s']:>11.2f} "
-              f"{r['gen_tokens_per_s']:>10.1f} {r['total_tokens_per_s']:>12.1f} {r['errors']:>7}")
+        print(
+            f"{r['step']:>5} {r['rollouts']:>9} {r['seconds']:>8.2f} {r['rollouts_per_s']:>11.2f} "
+            f"{r['gen_tokens_per_s']:>10.1f} {r['total_tokens_per_s']:>12.1f} {r['errors']:>7}"
+        )
     if len(rows) > 1:
         print("(total: steps 1 and later; step 0 includes connection warm-up)")
     return rows + [summary]

@@ -77,8 +77,9 @@ class GroupCollector:
             raise
         except Exception as e:  # an environment bug or a broken server must not kill the run
             error = f"{type(e).__name__}: {e}"
-            group.rollouts = [Rollout(env=slot.name, example_id=group.example_id, reward=0.0, error=error)
-                              for _ in range(self.n)]
+            group.rollouts = [
+                Rollout(env=slot.name, example_id=group.example_id, reward=0.0, error=error) for _ in range(self.n)
+            ]
         judge_group(group, self.buffer_config, self.advantage)
         return group
 
@@ -90,18 +91,21 @@ class GroupCollector:
             self.consecutive_failures += 1
             if self.consecutive_failures >= self.fail_limit:
                 raise RolloutFailure(
-                    f"{self.consecutive_failures} rollout groups in a row failed completely; last error: {self.last_error}",
+                    f"{self.consecutive_failures} rollout groups in a row failed completely; "
+                    f"last error: {self.last_error}",
                     self.last_error,
                 )
         else:
             self.consecutive_failures = 0
 
-    async def collect(self, step: int, policy_step: int, max_async_level: int, problems: int,
-                      in_flight: int, args: dict) -> StepRollouts:
+    async def collect(
+        self, step: int, policy_step: int, max_async_level: int, problems: int, in_flight: int, args: dict
+    ) -> StepRollouts:
         start = time.perf_counter()
         usable = [g for g in self.buffer if step - g.policy_step <= max_async_level]
-        result = StepRollouts(groups=usable[:problems], reused=min(len(usable), problems),
-                              stale_dropped=len(self.buffer) - len(usable))
+        result = StepRollouts(
+            groups=usable[:problems], reused=min(len(usable), problems), stale_dropped=len(self.buffer) - len(usable)
+        )
         self.buffer = usable[problems:]
         filtered: list[Group] = []
         tasks: set[asyncio.Task] = set()
@@ -132,11 +136,14 @@ class GroupCollector:
             result.filler = min(problems - len(result.groups), len(filtered))
             result.groups += filtered[: result.filler]
             logger.warning(
-                f"step {step}: only {len(result.groups) - result.filler}/{problems} groups passed after {result.launched} "
+                f"step {step}: only {len(result.groups) - result.filler}/{problems} groups passed "
+                f"after {result.launched} "
                 f"draws; filled with {result.filler} filtered (zero-advantage) groups"
             )
         if not result.groups:
-            raise RolloutFailure(f"step {step}: no usable rollout group after {result.launched} tries; "
-                                 f"last error: {self.last_error}", self.last_error)
+            raise RolloutFailure(
+                f"step {step}: no usable rollout group after {result.launched} tries; last error: {self.last_error}",
+                self.last_error,
+            )
         result.seconds = time.perf_counter() - start
         return result

@@ -13,8 +13,9 @@ the server saw and produced them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from loguru import logger
 
@@ -50,7 +51,6 @@ class Rollout:
     error: str | None = None
     advantage: float = 0.0
     text: str = ""  # the completion's messages as text (for W&B sample tables), clipped
-
 
     @property
     def ok(self) -> bool:
@@ -145,8 +145,9 @@ def _step_tokens(step: Mapping[str, Any]) -> dict:
             "the server returned no token ids/logprobs for a turn; the inference server must answer "
             "chat completions with `return_token_ids` (asyncrl's `inference` server or vLLM do)"
         )
-    out = {k: list(tokens.get(k) or []) for k in ("prompt_ids", "completion_ids", "completion_mask",
-                                                   "completion_logprobs")}
+    out = {
+        k: list(tokens.get(k) or []) for k in ("prompt_ids", "completion_ids", "completion_mask", "completion_logprobs")
+    }
     if not out["completion_mask"]:
         out["completion_mask"] = [1] * len(out["completion_ids"])
     n = len(out["completion_ids"])
@@ -174,7 +175,9 @@ def _completion_text(completion: Any, limit: int = 2000) -> str:
     parts = []
     for message in completion or []:
         get = message.get if isinstance(message, Mapping) else lambda k, m=message: getattr(m, k, None)
-        parts.append(f"[{get('role')}] {get('content') or ''}{' ' + str(get('tool_calls')) if get('tool_calls') else ''}")
+        parts.append(
+            f"[{get('role')}] {get('content') or ''}{' ' + str(get('tool_calls')) if get('tool_calls') else ''}"
+        )
     return "\n".join(parts)[:limit]
 
 

@@ -1,1 +1,4 @@
-"""FSDP2 trainers. `asyncrl.trainer.rl.train(config)` is the RL loop; model/optim/ckpt/weights/perf are shared with SFT."""
+"""FSDP2 trainers. `asyncrl.trainer.rl.train(config)` is the RL loop.
+
+model/optim/ckpt/weights/perf are shared with SFT.
+"""

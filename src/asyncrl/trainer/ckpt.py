@@ -157,8 +157,10 @@ class CheckpointManager:
             extra = json.loads((path / PROGRESS).read_text())
         except CheckpointException as e:  # per-rank failures; name the first underlying error
             rank, (inner, _) = next(iter(e.failures.items()))
-            raise UserError(f"checkpoint {path} is corrupted and cannot be loaded (rank {rank}: "
-                            f"{type(inner).__name__}: {inner}); resume from another step") from None
+            raise UserError(
+                f"checkpoint {path} is corrupted and cannot be loaded (rank {rank}: "
+                f"{type(inner).__name__}: {inner}); resume from another step"
+            ) from None
         except (OSError, ValueError, RuntimeError) as e:
             raise UserError(f"checkpoint {path} is corrupted and cannot be loaded ({type(e).__name__}: {e})") from e
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

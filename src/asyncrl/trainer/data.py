@@ -91,14 +91,15 @@ class FakeSource:
             positions = torch.arange(s).repeat(n)
             loss_mask = positions >= s // 2  # second half of each sample is "completion"
             adv = torch.randn(n, generator=g).repeat_interleave(s)
-            rows.append({
-                "input_ids": torch.randint(0, self.vocab, (length,), generator=g),
-                "position_ids": positions,
-                "loss_mask": loss_mask,
-                "advantages": adv * loss_mask,
-                # about what a random-init model assigns (ratios near 1, so tokens are not masked)
-                "inference_logprobs": (-math.log(self.vocab) + 0.1 * torch.randn(length, generator=g)) * loss_mask,
-                "temperatures": torch.ones(length),
-            })
+            rows.append(
+                {
+                    "input_ids": torch.randint(0, self.vocab, (length,), generator=g),
+                    "position_ids": positions,
+                    "loss_mask": loss_mask,
+                    "advantages": adv * loss_mask,
+                    # about what a random-init model assigns (ratios near 1, so tokens are not masked)
+                    "inference_logprobs": (-math.log(self.vocab) + 0.1 * torch.randn(length, generator=g)) * loss_mask,
+                    "temperatures": torch.ones(length),
+                }
+            )
         return rows
-

@@ -21,8 +21,8 @@ All built-ins drop whole samples whose geometric-mean ratio leaves [sequence_mas
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

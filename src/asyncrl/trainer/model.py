@@ -52,7 +52,9 @@ def _load_hf(name: str, attn: str, trust_remote_code: bool):
             name, dtype=torch.float32, attn_implementation=attn, trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError, ImportError) as e:
-        raise UserError(f"cannot load model '{name}' with attn_implementation='{attn}': {str(e).splitlines()[0]}") from e
+        raise UserError(
+            f"cannot load model '{name}' with attn_implementation='{attn}': {str(e).splitlines()[0]}"
+        ) from e
     return model, export_dtype
 
 
@@ -132,8 +134,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerModelConfig) -> 
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # the last layer's params are needed again right away by backward: don't reshard them
-        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=i < len(layers) - 1)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
 
 

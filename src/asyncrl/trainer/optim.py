@@ -47,16 +47,19 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, base_lr, max_steps))
 
 
-def apply_gradients(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
-                    max_norm: float, step: int) -> tuple[float, float]:
+def apply_gradients(
+    params: list[torch.Tensor], optimizer: torch.optim.Optimizer, scheduler: LambdaLR, max_norm: float, step: int
+) -> tuple[float, float]:
     """Clip, step the optimizer and the schedule, zero the grads; returns (grad_norm, lr used).
 
     A non-finite gradient norm stops the run before the optimizer step, so no bad weights are written.
     """
     grad_norm = clip_grad_norm(params, max_norm)
     if not math.isfinite(grad_norm):
-        raise UserError(f"gradient norm is {grad_norm} at step {step}; stopped before the optimizer step, no weights "
-                        "written for it (lower optim.lr, or lower optim.max_norm)")
+        raise UserError(
+            f"gradient norm is {grad_norm} at step {step}; stopped before the optimizer step, no weights "
+            "written for it (lower optim.lr, or lower optim.max_norm)"
+        )
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()

@@ -45,7 +45,7 @@ class FlopModel:
     head_dim: int
 
     @classmethod
-    def from_hf_config(cls, hf_config, matmul_params: int) -> "FlopModel":
+    def from_hf_config(cls, hf_config, matmul_params: int) -> FlopModel:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         return cls(matmul_params, hf_config.num_hidden_layers, heads, head_dim)

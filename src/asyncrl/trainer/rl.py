@@ -29,7 +29,6 @@ from asyncrl.trainer.data import FakeSource, PackedRow, RolloutSource, prepare
 from asyncrl.trainer.dist import DistContext, init_distributed
 from asyncrl.trainer.loss import LossInputs, get_loss_fn, mismatch_kl_sum, token_entropy, token_logprobs
 from asyncrl.trainer.model import LoadedModel, load_model
-from asyncrl.utils.monitor import MetricsSink
 from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler
 from asyncrl.trainer.perf import (
     FlopModel,
@@ -44,6 +43,7 @@ from asyncrl.trainer.weights import export_weights
 from asyncrl.transport.batch import prune_batches
 from asyncrl.transport.weights import broadcast_dir, prune_broadcast, weights_dir
 from asyncrl.utils.errors import UserError
+from asyncrl.utils.monitor import MetricsSink
 
 BENCH_STEPS = 5  # --bench without --max-steps: one warmup step + four timed ones
 
@@ -81,8 +81,9 @@ class _Trainer:
         self.progress = {"step": 0, "tokens": 0, "samples": 0}
         if config.bench or config.data.fake is not None:
             shape = config.data.fake or BenchDataConfig()
-            self.source = FakeSource(shape, self.model.get_input_embeddings().weight.shape[0], ctx.rank,
-                                     ctx.world_size, config.seed)
+            self.source = FakeSource(
+                shape, self.model.get_input_embeddings().weight.shape[0], ctx.rank, ctx.world_size, config.seed
+            )
         else:
             self.source = RolloutSource(self.out, ctx.rank, ctx.world_size, config.recv_timeout)
         self.sink = MetricsSink(self.out, "trainer", config.wandb, config.model_dump(mode="json"), ctx.is_main)
@@ -97,7 +98,9 @@ class _Trainer:
         self.scheduler.load_state_dict(extra["scheduler"])
         self.progress = extra["progress"]
         if extra.get("world_size") != self.ctx.world_size:
-            logger.warning(f"checkpoint was written by {extra.get('world_size')} ranks, resuming on {self.ctx.world_size}")
+            logger.warning(
+                f"checkpoint was written by {extra.get('world_size')} ranks, resuming on {self.ctx.world_size}"
+            )
         logger.info(f"resumed from checkpoint step_{step} ({self.progress['tokens']:,} tokens so far)")
         # the orchestrator resuming at this step waits for these weights; re-publish them if pruned
         if not (broadcast_dir(self.out, step) / "STABLE").exists():
@@ -114,8 +117,9 @@ class _Trainer:
                 input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False
             ).logits[0]
             logprobs = token_logprobs(logits, row.input_ids, row.temperatures)
-            inputs = LossInputs(logprobs, row.inference_logprobs, row.advantages, row.loss_mask,
-                                row.sample_ids, row.num_samples)
+            inputs = LossInputs(
+                logprobs, row.inference_logprobs, row.advantages, row.loss_mask, row.sample_ids, row.num_samples
+            )
             out = self.loss_fn(inputs, self.config.loss)
             (out.loss * scale).backward()
             sums["loss"] += out.loss.detach().float()
@@ -133,12 +137,15 @@ class _Trainer:
         rows = [prepare(mb, ctx.device) for mb in self.source.get(step)]
         wait_s = time.perf_counter() - start
 
-        counts = torch.tensor([
-            sum(int(r.loss_mask.sum()) for r in rows),
-            sum(r.input_ids.numel() for r in rows),
-            sum(int(torch.bincount(r.sample_ids[r.loss_mask], minlength=r.num_samples).gt(0).sum()) for r in rows),
-            sum(self.flops.row_flops(r.sample_lengths) for r in rows),
-        ], dtype=torch.float64)
+        counts = torch.tensor(
+            [
+                sum(int(r.loss_mask.sum()) for r in rows),
+                sum(r.input_ids.numel() for r in rows),
+                sum(int(torch.bincount(r.sample_ids[r.loss_mask], minlength=r.num_samples).gt(0).sum()) for r in rows),
+                sum(self.flops.row_flops(r.sample_lengths) for r in rows),
+            ],
+            dtype=torch.float64,
+        )
         loss_tokens, tokens, samples, flops = ctx.all_reduce_sum(counts).tolist()
         denom = max(loss_tokens, 1.0)
 
@@ -162,9 +169,16 @@ class _Trainer:
             "samples": self.progress["samples"] + int(samples),
         }
         metrics.update(
-            grad_norm=grad_norm, lr=lr, tokens=int(tokens), loss_tokens=int(loss_tokens), samples=int(samples),
-            step_time_s=compute_s, wait_s=wait_s, tokens_per_s=tokens / compute_s,
-            mfu=mfu(flops, compute_s, self.peak, ctx.world_size), peak_mem_gib=peak_memory_gib(ctx.device),
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=int(tokens),
+            loss_tokens=int(loss_tokens),
+            samples=int(samples),
+            step_time_s=compute_s,
+            wait_s=wait_s,
+            tokens_per_s=tokens / compute_s,
+            mfu=mfu(flops, compute_s, self.peak, ctx.world_size),
+            peak_mem_gib=peak_memory_gib(ctx.device),
         )
         return metrics
 
@@ -172,8 +186,16 @@ class _Trainer:
 
     def _publish(self, step: int, keep_weights: bool) -> None:
         dests = [broadcast_dir(self.out, step)] + ([weights_dir(self.out, step)] if keep_weights else [])
-        export_weights(self.model, dests, self.lm.hf_config, self.lm.tokenizer, self.lm.export_dtype,
-                       self.lm.lora_scale, self.ctx.is_main, getattr(self.model, "generation_config", None))
+        export_weights(
+            self.model,
+            dests,
+            self.lm.hf_config,
+            self.lm.tokenizer,
+            self.lm.export_dtype,
+            self.lm.lora_scale,
+            self.ctx.is_main,
+            getattr(self.model, "generation_config", None),
+        )
 
     def _prune(self, step: int) -> None:
         """Rank 0: drop broadcast dirs outside the async window (except around kept checkpoints), consumed batches."""
@@ -188,7 +210,8 @@ class _Trainer:
         logger.info(
             f"step {step} | loss {m['loss']:.4f} | entropy {m['entropy']:.3f} | mismatch_kl {m['mismatch_kl']:.2e} | "
             f"masked {m.get('masked_frac', 0):.1%} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-            f"{m['step_time_s']:.2f}s {m['tokens_per_s']:,.0f} tok/s | mfu {format_mfu(m['mfu'])} | mem {m['peak_mem_gib']:.2f} GiB | wait {m['wait_s']:.2f}s"
+            f"{m['step_time_s']:.2f}s {m['tokens_per_s']:,.0f} tok/s | mfu {format_mfu(m['mfu'])} | "
+            f"mem {m['peak_mem_gib']:.2f} GiB | wait {m['wait_s']:.2f}s"
         )
         self.sink.log(step, m)
 
@@ -204,10 +227,16 @@ class _Trainer:
                 publish_start = time.perf_counter()
                 self._publish(step, keep_weights=ckpt_due or final)
                 if ckpt_due:
-                    self.ckpt.save(step, self.model, self.optimizer, {
-                        "progress": self.progress, "scheduler": self.scheduler.state_dict(),
-                        "world_size": self.ctx.world_size,
-                    })
+                    self.ckpt.save(
+                        step,
+                        self.model,
+                        self.optimizer,
+                        {
+                            "progress": self.progress,
+                            "scheduler": self.scheduler.state_dict(),
+                            "world_size": self.ctx.world_size,
+                        },
+                    )
                 if self.ctx.is_main:
                     self._prune(step)
                 metrics["publish_s"] = time.perf_counter() - publish_start

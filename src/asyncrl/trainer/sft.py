@@ -130,7 +130,11 @@ class _SFTTrainer:
         max_epochs = None if self.config.max_steps else self.config.epochs
         logger.info(
             f"dataset {d.name}: {len(ds):,} rows, "
-            + (f"repeating as needed for {self.config.max_steps} steps" if max_epochs is None else f"{max_epochs} epoch(s)")
+            + (
+                f"repeating as needed for {self.config.max_steps} steps"
+                if max_epochs is None
+                else f"{max_epochs} epoch(s)"
+            )
         )
         return SampleStream(len(ds), get, shuffle=d.shuffle, seed=d.seed, max_epochs=max_epochs)
 
@@ -200,22 +204,42 @@ class _SFTTrainer:
         grad_norm, lr = apply_gradients(self.params, self.optimizer, self.scheduler, self.config.optim.max_norm, step)
         compute_s = time.perf_counter() - compute_start
 
-        self.progress = {"step": step + 1, "tokens": self.progress["tokens"] + tokens,
-                         "samples": self.progress["samples"] + len(samples)}
+        self.progress = {
+            "step": step + 1,
+            "tokens": self.progress["tokens"] + tokens,
+            "samples": self.progress["samples"] + len(samples),
+        }
         return {
-            "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "loss_tokens": loss_tokens,
-            "samples": len(samples), "rows": len(rows), "epoch": self.stream.epoch, "data_index": self.stream.index,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": tokens,
+            "loss_tokens": loss_tokens,
+            "samples": len(samples),
+            "rows": len(rows),
+            "epoch": self.stream.epoch,
+            "data_index": self.stream.index,
             "pack_efficiency": tokens / (len(rows) * d.seq_len) if d.pack else None,
-            "step_time_s": compute_s, "data_s": data_s, "tokens_per_s": tokens / compute_s,
-            "mfu": mfu(flops, compute_s, self.peak, ctx.world_size), "peak_mem_gib": peak_memory_gib(ctx.device),
+            "step_time_s": compute_s,
+            "data_s": data_s,
+            "tokens_per_s": tokens / compute_s,
+            "mfu": mfu(flops, compute_s, self.peak, ctx.world_size),
+            "peak_mem_gib": peak_memory_gib(ctx.device),
         }
 
     # ---- outputs -----------------------------------------------------------------------------------
 
     def _export(self, step: int) -> None:
-        export_weights(self.model, [weights_dir(self.out, step)], self.lm.hf_config, self.lm.tokenizer,
-                       self.lm.export_dtype, self.lm.lora_scale, self.ctx.is_main,
-                       getattr(self.model, "generation_config", None))
+        export_weights(
+            self.model,
+            [weights_dir(self.out, step)],
+            self.lm.hf_config,
+            self.lm.tokenizer,
+            self.lm.export_dtype,
+            self.lm.lora_scale,
+            self.ctx.is_main,
+            getattr(self.model, "generation_config", None),
+        )
         if self.ctx.is_main:
             logger.info(f"wrote weights {weights_dir(self.out, step)}")
 
@@ -244,10 +268,17 @@ class _SFTTrainer:
                 self._export(step)
                 exported = step
             if ckpt_due:
-                self.ckpt.save(step, self.model, self.optimizer, {
-                    "progress": self.progress, "data": self.stream.state(),
-                    "scheduler": self.scheduler.state_dict(), "world_size": self.ctx.world_size,
-                })
+                self.ckpt.save(
+                    step,
+                    self.model,
+                    self.optimizer,
+                    {
+                        "progress": self.progress,
+                        "data": self.stream.state(),
+                        "scheduler": self.scheduler.state_dict(),
+                        "world_size": self.ctx.world_size,
+                    },
+                )
             self._log(step - 1, metrics)  # 0-based like the RL trainer: step n yields weights step_{n+1}
             history.append(metrics)
             if final:
@@ -255,8 +286,10 @@ class _SFTTrainer:
         if not history:
             raise UserError("no training step ran: the dataset has no sample left to train on")
         if self.conv is not None and self.conv.truncated and self.ctx.is_main:
-            logger.warning(f"{self.conv.truncated} samples were longer than data.seq_len ({self.data.seq_len}) "
-                           "and were truncated; raise --data.seq-len to keep them whole")
+            logger.warning(
+                f"{self.conv.truncated} samples were longer than data.seq_len ({self.data.seq_len}) "
+                "and were truncated; raise --data.seq-len to keep them whole"
+            )
         if self.ckpt is not None:
             self.ckpt.close()
         self.sink.close()
@@ -271,6 +304,8 @@ class _SFTTrainer:
 def print_bench(config: SFTConfig, world_size: int, history: list[dict]) -> None:
     d = config.data
     data = "fake (variable length)" if d.type == "fake" else d.name
-    print(f"bench | sft | {config.model.name} | {world_size} rank(s) | data {data} | seq {d.seq_len} x "
-          f"mbs {d.micro_batch_size} x bs {d.batch_size} | pack {d.pack} | {config.model.optimization_dtype}")
+    print(
+        f"bench | sft | {config.model.name} | {world_size} rank(s) | data {data} | seq {d.seq_len} x "
+        f"mbs {d.micro_batch_size} x bs {d.batch_size} | pack {d.pack} | {config.model.optimization_dtype}"
+    )
     print(bench_summary(history))

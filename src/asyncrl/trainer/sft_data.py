@@ -14,7 +14,8 @@ an error naming the message.
 
 Rows: a step takes samples from a `SampleStream` in (shuffled) order; without packing a row is one
 sample, with packing consecutive samples share a row of at most `seq_len` tokens (position ids
-restart per sample, which the model turns into a block-diagonal mask). A micro-batch stacks rows. A sample that does not fit
+restart per sample, which the model turns into a block-diagonal mask). A micro-batch stacks rows.
+A sample that does not fit
 starts the next row, or stays unconsumed for the next step, so the stream position after a step is
 exactly the first unseen sample.
 """
@@ -23,9 +24,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from loguru import logger
@@ -183,8 +185,9 @@ class ConversationTokenizer:
         )
         return list(ids)
 
-    def tokenize(self, prompt: list[dict], completion: list[dict], tools: list[dict] | None = None,
-                 where: str = "") -> SFTSample:
+    def tokenize(
+        self, prompt: list[dict], completion: list[dict], tools: list[dict] | None = None, where: str = ""
+    ) -> SFTSample:
         """Input ids + loss mask of one conversation; raises UserError when the prefix property fails."""
         messages = prompt + completion
         ids = self._ids(prompt, tools)
@@ -248,8 +251,9 @@ class SampleStream:
     `max_epochs` None repeats the data forever.
     """
 
-    def __init__(self, size: int, get: Callable[[int], SFTSample | None], shuffle: bool, seed: int,
-                 max_epochs: int | None):
+    def __init__(
+        self, size: int, get: Callable[[int], SFTSample | None], shuffle: bool, seed: int, max_epochs: int | None
+    ):
         self.size, self.get, self.shuffle, self.seed, self.max_epochs = size, get, shuffle, seed, max_epochs
         self.epoch, self.index = 0, 0
         self.skipped = 0
@@ -346,9 +350,14 @@ class MicroBatch:
     sample_lengths: torch.Tensor  # CPU, real samples only, for FLOP counting
     num_samples: int
 
-    def to(self, device: torch.device) -> "MicroBatch":
-        return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.loss_mask.to(device),
-                          self.sample_lengths, self.num_samples)
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            self.loss_mask.to(device),
+            self.sample_lengths,
+            self.num_samples,
+        )
 
 
 def make_micro_batch(rows: list[list[SFTSample]], pad_id: int) -> MicroBatch:
@@ -375,8 +384,9 @@ def make_micro_batch(rows: list[list[SFTSample]], pad_id: int) -> MicroBatch:
     return MicroBatch(ids, pos, mask, lengths, len(lengths))
 
 
-def split_for_rank(rows: list[list[SFTSample]], batch_size: int, micro_batch_size: int, rank: int,
-                   world_size: int) -> list[list[list[SFTSample]]]:
+def split_for_rank(
+    rows: list[list[SFTSample]], batch_size: int, micro_batch_size: int, rank: int, world_size: int
+) -> list[list[list[SFTSample]]]:
     """This rank's micro-batches (lists of rows): rows round-robin over ranks, every rank gets the same count."""
     mine = rows[rank::world_size]
     per_rank = batch_size // world_size

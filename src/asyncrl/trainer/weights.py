@@ -53,8 +53,10 @@ def write_hf_dir(path: Path, state: dict[str, torch.Tensor], hf_config, tokenize
     for filename, keys in split.filename_to_tensors.items():
         save_file({k: state[k] for k in keys}, str(path / filename), metadata={"format": "pt"})
     if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": split.tensor_to_filename}
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+            "weight_map": split.tensor_to_filename,
+        }
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config = copy.deepcopy(hf_config)
     config.dtype = dtype
@@ -74,8 +76,14 @@ def link_dir(src: Path, dst: Path) -> None:
 
 
 def export_weights(
-    model: nn.Module, dests: list[Path], hf_config, tokenizer, dtype: torch.dtype, lora_scale: float | None,
-    is_main: bool, generation_config=None,
+    model: nn.Module,
+    dests: list[Path],
+    hf_config,
+    tokenizer,
+    dtype: torch.dtype,
+    lora_scale: float | None,
+    is_main: bool,
+    generation_config=None,
 ) -> None:
     """Collective: gather the weights and (rank 0) publish them to every dir in `dests`, marker last."""
     state = gather_full_state_dict(model)

@@ -6,8 +6,8 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 STABLE = "STABLE"
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from asyncrl.transport.files import STABLE, wait_for
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

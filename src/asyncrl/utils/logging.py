@@ -11,8 +11,9 @@ from loguru import logger
 _FORMAT = "<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> <cyan>[{extra[component]}]</cyan> {message}"
 
 
-def setup_logger(component: str, output_dir: str | Path | None, level: str = "info", to_file: bool = True,
-                 console: bool = True):
+def setup_logger(
+    component: str, output_dir: str | Path | None, level: str = "info", to_file: bool = True, console: bool = True
+):
     """Route loguru to stderr and to `{output_dir}/logs/{component}.log`; returns the log file path."""
     logger.remove()
     logger.configure(extra={"component": component})

@@ -39,9 +39,13 @@ class MetricsSink:
             except ImportError:
                 raise UserError("W&B logging is on but wandb is not installed: pip install 'asyncrl[wandb]'") from None
             self.run = wandb.init(
-                project=wandb_cfg.project, name=wandb_cfg.name, id=wandb_cfg.id,
-                resume="allow" if wandb_cfg.id else None, mode="offline" if wandb_cfg.offline else None,
-                config=run_config, dir=str(output_dir),
+                project=wandb_cfg.project,
+                name=wandb_cfg.name,
+                id=wandb_cfg.id,
+                resume="allow" if wandb_cfg.id else None,
+                mode="offline" if wandb_cfg.offline else None,
+                config=run_config,
+                dir=str(output_dir),
             )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

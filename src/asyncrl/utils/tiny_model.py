@@ -20,7 +20,7 @@ CHAT_TEMPLATE = (
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
     "# Tools\n\nYou may call one or more functions. Function signatures are in <tools></tools>:\n<tools>"
     "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
-    "To call a function, answer with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n"
+    'To call a function, answer with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>\n'
     "{% elif messages[0].role == 'system' %}"
     "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
     "{% endif %}"
@@ -35,7 +35,7 @@ CHAT_TEMPLATE = (
     "{% if message.tool_calls %}"
     "{% for call in message.tool_calls %}"
     "{% set fn = call.function if call.function is defined else call %}"
-    "\n<tool_call>\n{\"name\": \"{{ fn.name }}\", \"arguments\": "
+    '\n<tool_call>\n{"name": "{{ fn.name }}", "arguments": '
     "{% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}"
     "}\n</tool_call>"
     "{% endfor %}"
@@ -77,8 +77,8 @@ def build_tokenizer(out_dir: Path):
 
 def _byte_of(ch: str) -> int:
     # GPT-2's byte<->unicode map: printable latin-1 bytes map to themselves, the rest to 256+n.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     code = ord(ch)
     if code in printable:
