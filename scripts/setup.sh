@@ -15,10 +15,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 envs=$(ls -d environments/*/ 2>/dev/null | sed 's#/$##' | while read -r d; do [ -f "$d/pyproject.toml" ] && echo "$d"; done)
 stamp=.venv/.asyncrl-setup
-want=$(cat pyproject.toml $(for d in $envs; do echo "$d/pyproject.toml"; done) | sha1sum | cut -d' ' -f1)
+want=$(cat pyproject.toml requirements/cpu.lock $(for d in $envs; do echo "$d/pyproject.toml"; done) | sha1sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing asyncrl and environments: $envs"
-  args=(-e ".[dev]")
+  # requirements/cpu.lock pins every dependency (scripts/lock.sh re-writes it); torch is installed above
+  args=(-r requirements/cpu.lock -e ".[dev]")
   for d in $envs; do args+=(-e "$d"); done
   .venv/bin/pip install -q --disable-pip-version-check "${args[@]}"
   echo "$want" > "$stamp"
