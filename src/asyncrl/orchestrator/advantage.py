@@ -1,6 +1,6 @@
 """Per-group advantages: each prompt's rollouts are compared with each other, never across prompts.
 
-- mean:     A_i = r_i - mean(r)                              (the seeds' default)
+- mean:     A_i = r_i - mean(r)                              (PRIME-RL's default)
 - mean_std: A_i = (r_i - mean(r)) / (std(r) + eps)           (GRPO-style normalisation)
 - rloo:     A_i = r_i - mean(r_j for j != i)                 (leave-one-out baseline)
 - opo:      A_i = r_i - sum(l_j r_j) / sum(l_j)              (length-weighted baseline, l = completion tokens)
