@@ -44,7 +44,7 @@ class WandbConfig(BaseConfig):
 
 
 class CkptConfig(BaseConfig):
-    """Checkpointing; absent (None) means off, as in the seeds."""
+    """Checkpointing; absent (None) means off, as in PRIME-RL."""
 
     interval: int = Field(50, ge=1, description="save every N steps")
     save_async: bool = Field(False, description="save in a background thread")

@@ -1,4 +1,9 @@
-"""What every entrypoint does with its command line: --help, --dry-run, one-line errors, exit codes."""
+"""What every entrypoint does with its command line: --help, --dry-run, one-line errors, exit codes.
+
+Invariants: a user mistake (`UserError`) prints one `error: ...` line on stderr and exits 2, never a
+traceback; `--help` lists every option of the schema with its default; `--dry-run` prints TOML that
+loads back into the same config (None is dropped: a None field always means its default).
+"""
 
 from __future__ import annotations
 
@@ -19,22 +24,20 @@ from asyncrl.utils.errors import UserError
 T = TypeVar("T", bound=BaseModel)
 
 
-def _type_name(annotation: Any) -> str:
-    inner, optional = loader._unwrap(annotation)
-    if inner is bool:
-        return "BOOL"
+def _type_name(leaf: loader.Leaf) -> str:
+    inner = leaf.annotation
     origin = typing.get_origin(inner)
-    if origin is typing.Literal:
+    if inner is bool:
+        name = "BOOL"
+    elif origin is typing.Literal:
         name = "|".join(str(a) for a in typing.get_args(inner))
-    elif origin is list:
-        name = "LIST"
-    elif origin is dict:
-        name = "DICT"
+    elif origin in (list, dict):
+        name = origin.__name__.upper()
     elif isinstance(inner, type):
         name = {int: "INT", float: "FLOAT", str: "STR", Path: "PATH"}.get(inner, inner.__name__.upper())
     else:
         name = str(inner)
-    return name + ("?" if optional else "")
+    return name + ("?" if leaf.optional else "")
 
 
 def _default(field) -> str:
@@ -49,7 +52,15 @@ def _default(field) -> str:
     return repr(value) if not isinstance(value, Path) else str(value)
 
 
+def _help_line(leaf: loader.Leaf) -> str:
+    flag, desc = "--" + leaf.dotted.replace("_", "-"), leaf.info.description or ""
+    if leaf.is_section:
+        return f"  {flag:<44} [{'off unless set' if leaf.optional else 'section'}] {desc}"
+    return f"  {flag + ' ' + _type_name(leaf):<44} {desc} (default: {_default(leaf.info)})"
+
+
 def render_help(model: type[BaseModel], prog: str, summary: str) -> str:
+    """Usage, the precedence of sources, then one line per option (sections included) with its default."""
     lines = [
         f"usage: {prog} [@ config.toml ...] [--key.subkey VALUE ...] [--dry-run]",
         "",
@@ -63,21 +74,7 @@ def render_help(model: type[BaseModel], prog: str, summary: str) -> str:
         f"  {'--help':<44} show this message and exit",
         f"  {'--dry-run':<44} print the resolved config as TOML and exit",
     ]
-
-    def walk(m: type[BaseModel], prefix: str) -> None:
-        for name, f in m.model_fields.items():
-            inner, optional = loader._unwrap(f.annotation)
-            flag = "--" + (prefix + name).replace("_", "-")
-            desc = f.description or ""
-            if loader._is_model(inner):
-                state = "off unless set" if optional else "section"
-                lines.append(f"  {flag:<44} [{state}] {desc}")
-                walk(inner, prefix + name + ".")
-            else:
-                lines.append(f"  {flag + ' ' + _type_name(f.annotation):<44} {desc} (default: {_default(f)})")
-
-    walk(model, "")
-    return "\n".join(lines)
+    return "\n".join(lines + [_help_line(leaf) for leaf in loader.schema(model).values()])
 
 
 def _plain(value: Any) -> Any:
@@ -126,14 +123,7 @@ def parse_or_exit(
         raise SystemExit(0)
     try:
         raw, args = loader.collect_raw(model, argv, passthrough=passthrough)
-        if args.passthrough and raw.get("backend") != "vllm":
-            flag = args.passthrough[0].removeprefix("--").split("=", 1)[0]
-            raise UserError(
-                f"unknown option --{flag}{loader.suggest(model, flag.replace('-', '_'))} "
-                "(unknown flags are passed through to vLLM only, with --backend vllm)"
-            )
-        if args.passthrough:
-            raw = loader.deep_merge(raw, {"vllm_args": raw.get("vllm_args", []) + args.passthrough})
+        raw = _pass_through(model, raw, args.passthrough)
         config = resolve(raw, args) if resolve else loader.validate(model, raw)
     except UserError as e:
         fail(str(e))
@@ -142,6 +132,18 @@ def parse_or_exit(
         sys.stdout.write(to_toml(config))
         raise SystemExit(0)
     return config
+
+
+def _pass_through(model: type[BaseModel], raw: dict, unknown: list[str]) -> dict:
+    """Append unknown flags to `vllm_args` when the backend is vLLM; otherwise the first is an error."""
+    if not unknown:
+        return raw
+    if raw.get("backend") != "vllm":
+        flag = unknown[0].removeprefix("--").split("=", 1)[0]
+        raise UserError(
+            f"{loader.unknown_option(model, flag)} (unknown flags are passed through to vLLM only, with --backend vllm)"
+        )
+    return loader.deep_merge(raw, {"vllm_args": raw.get("vllm_args", []) + unknown})
 
 
 def run_guarded(fn: Callable[[], Any]) -> None:

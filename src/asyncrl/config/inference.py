@@ -66,7 +66,7 @@ class InferenceConfig(BaseConfig):
     output_dir: Path = Field(default_factory=default_output_dir, description="where logs/ go")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
 
-    # `inference --max-model-len N` (the seeds' eval example) means `--model.max-model-len N`.
+    # `inference --max-model-len N` (as in PRIME-RL's eval example) means `--model.max-model-len N`.
     cli_aliases: ClassVar[dict[str, str]] = {"max_model_len": "model.max_model_len"}
 
     @model_validator(mode="after")

@@ -1,4 +1,4 @@
-"""Resolve a config from the seeds' four sources: CLI > later @file > earlier @file > PRIME_ env > default.
+"""Resolve a config model from four sources: CLI > later @file > earlier @file > PRIME_ env > default.
 
 Command-line grammar (what every entrypoint accepts):
 
@@ -9,56 +9,68 @@ Command-line grammar (what every entrypoint accepts):
     --section / --no-section            enable an optional section with defaults / disable it
     PRIME_A__B=value                    environment variable (`__` nests)
 
-Files are applied in the order given, then CLI values on top, whatever their position on the line.
+Invariants:
+- Every source becomes a nested dict with snake_case keys checked against the schema; the dicts are
+  deep-merged env < files (in the order given) < CLI values, whatever their position on the line, and
+  pydantic validates the result once.
+- A key that matches no option is a `UserError` naming the source and the closest valid key; no user
+  mistake escapes as another exception.
+- The schema (`schema()`) is walked once per model and shared by lookups, suggestions and `--help`.
+
+Why not pydantic-settings' `CliSettingsSource`: it has precedence and `__` env nesting, but no `@ file`
+grammar (let alone per-section files), and it rejects `--snake_case` flags in kebab mode, `--flag false`,
+`--no-section` and Python-literal dicts; an unknown flag gets argparse's whole usage block and no
+suggestion. PRIME-RL also moved off it, to its own parser with `@` files and deep merge.
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import json
 import os
 import tomllib
 import types
 import typing
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from asyncrl.utils.errors import UserError
 
 ENV_PREFIX = "PRIME_"
 
 
-# ---------------------------------------------------------------- schema walking
+# ---------------------------------------------------------------- schema
 
 
 def _unwrap(annotation: Any) -> tuple[Any, bool]:
     """(inner type, is_optional) for `X | None` / `Optional[X]`."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(annotation))
-        if len(args) == 1:
-            return args[0], optional
-        return annotation, optional
-    return annotation, False
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return annotation, False
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    optional = len(args) < len(typing.get_args(annotation))
+    return (args[0] if len(args) == 1 else annotation), optional
 
 
 def _is_model(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, BaseModel)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Leaf:
-    """What a dotted key resolves to."""
+    """One option of a model: its path from the root, unwrapped type, optionality and pydantic field."""
 
     path: tuple[str, ...]
-    annotation: Any  # unwrapped type
+    annotation: Any
     optional: bool
+    info: FieldInfo
 
     @property
     def dotted(self) -> str:
@@ -73,95 +85,98 @@ class Leaf:
         return self.annotation is bool
 
 
-def _field_names(model: type[BaseModel]) -> dict[str, Any]:
-    return {name: f.annotation for name, f in model.model_fields.items()}
+@functools.cache
+def fields(model: type[BaseModel]) -> dict[str, Leaf]:
+    """The model's own fields, by snake_case name."""
+    return {name: Leaf((name,), *_unwrap(f.annotation), f) for name, f in model.model_fields.items()}
 
 
-def all_keys(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[str]:
+@functools.cache
+def schema(model: type[BaseModel]) -> dict[str, Leaf]:
+    """Every option of the model by dotted key, sections included, depth-first in declaration order."""
+    out = {}
+    for name, leaf in fields(model).items():
+        out[name] = leaf
+        if leaf.is_section:
+            for key, sub in schema(leaf.annotation).items():
+                out[f"{name}.{key}"] = replace(sub, path=(name, *sub.path))
+    return out
+
+
+def all_keys(model: type[BaseModel]) -> list[str]:
     """Every dotted key the model accepts (sections included), for suggestions and --help."""
-    keys = []
-    for name, ann in _field_names(model).items():
-        inner, _ = _unwrap(ann)
-        keys.append(".".join(prefix + (name,)))
-        if _is_model(inner):
-            keys.extend(all_keys(inner, prefix + (name,)))
-    return keys
+    return list(schema(model))
 
 
 def suggest(model: type[BaseModel], wrong: str) -> str:
+    """The `; did you mean 'x.y'?` hint: the closest key, else the same leaf name under another section."""
     keys = all_keys(model)
     close = difflib.get_close_matches(wrong, keys, n=1, cutoff=0.6)
-    if not close:  # a right leaf name under a wrong section: match on the last part
+    if not close:
         tail = wrong.rsplit(".", 1)[-1]
         close = [k for k in keys if k.rsplit(".", 1)[-1] == tail][:1]
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def unknown_option(model: type[BaseModel], flag: str) -> str:
+    """The message for `--flag` that names no option (CLI parsing and vLLM pass-through share it)."""
+    return f"unknown option --{flag}{suggest(model, flag.replace('-', '_'))}"
+
+
 def resolve(model: type[BaseModel], dotted: str) -> Leaf | None:
-    """Resolve 'a.b-c' against the schema (dashes and underscores both accepted); None if unknown."""
-    aliases = getattr(model, "cli_aliases", {})
-    dotted = aliases.get(dotted.replace("-", "_"), dotted)
-    current: Any = model
-    path: list[str] = []
-    parts = dotted.split(".")
-    for i, raw in enumerate(parts):
-        name = raw.replace("-", "_")
-        fields = _field_names(current)
-        if name not in fields:
-            return None
-        inner, optional = _unwrap(fields[name])
-        path.append(name)
-        if i == len(parts) - 1:
-            return Leaf(tuple(path), inner, optional)
-        if not _is_model(inner):
-            return None
-        current = inner
-    return None
+    """The option 'a.b-c' names (dashes or underscores, or a model's `cli_aliases`); None if unknown."""
+    key = dotted.replace("-", "_")
+    return schema(model).get(getattr(model, "cli_aliases", {}).get(key, key))
+
+
+# ---------------------------------------------------------------- dicts from files
 
 
 def normalize_keys(
-    model: type[BaseModel], data: Any, source: str, prefix: tuple[str, ...] = (), root: type[BaseModel] | None = None
+    model: type[BaseModel], data: Any, source: str, prefix: tuple[str, ...], root: type[BaseModel]
 ) -> dict:
-    """Check a nested dict's keys against the schema (kebab-case accepted) and return it snake_cased.
+    """Check a nested dict's keys against `model` (kebab-case accepted) and return it snake_cased.
 
-    Keys inside free-form dict fields (e.g. env `args`) are left alone. `root` (the model `prefix` starts
-    from) is used to suggest the closest valid key.
+    Keys inside free-form dict fields (e.g. env `args`) are left alone. `prefix` is where `data` sits
+    under `root`, the model used to suggest the closest valid key.
     """
-    root = root or model
     if not isinstance(data, dict):
-        where = ".".join(prefix) or "the top level"
-        raise UserError(f"{source}: '{where}' must be a table, got {type(data).__name__}")
-    fields = _field_names(model)
+        raise UserError(f"{source}: '{'.'.join(prefix) or 'the top level'}' must be a table, got {type(data).__name__}")
     out: dict[str, Any] = {}
     for key, value in data.items():
-        name = key.replace("-", "_")
-        dotted = ".".join(prefix + (name,))
-        if name not in fields:
+        name, own = key.replace("-", "_"), fields(model)
+        if name not in own:
+            dotted = ".".join(prefix + (name,))
             raise UserError(f"{source}: unknown key '{dotted}'{suggest(root, dotted)}")
-        inner, _ = _unwrap(fields[name])
-        if _is_model(inner) and isinstance(value, dict):
-            value = normalize_keys(inner, value, source, prefix + (name,), root)
-        elif _is_model(inner) and value is not None:
-            raise UserError(
-                f"{source}: '{dotted}' is a section; write it as a table [{dotted}] with its own keys, "
-                f"not a single value ({value!r})"
-            )
-        elif typing.get_origin(inner) is list and _list_item_model(inner) and isinstance(value, list):
-            item = _list_item_model(inner)
-            value = [
-                normalize_keys(item, v, source, (f"{dotted}[{i}]",), item) if isinstance(v, dict) else v
-                for i, v in enumerate(value)
-            ]
-        out[name] = value
+        out[name] = _normalize_value(own[name].annotation, value, source, prefix + (name,), root)
     return out
+
+
+def _normalize_value(tp: Any, value: Any, source: str, path: tuple[str, ...], root: type[BaseModel]) -> Any:
+    """Recurse into sections and lists of sections; a section given a single value is an error."""
+    dotted = ".".join(path)
+    if _is_model(tp) and isinstance(value, dict):
+        return normalize_keys(tp, value, source, path, root)
+    if _is_model(tp) and value is not None:
+        raise UserError(
+            f"{source}: '{dotted}' is a section; write it as a table [{dotted}] with its own keys, "
+            f"not a single value ({value!r})"
+        )
+    item = _list_item_model(tp)
+    if item is not None and isinstance(value, list):
+        return [
+            normalize_keys(item, v, source, (f"{dotted}[{i}]",), item) if isinstance(v, dict) else v
+            for i, v in enumerate(value)
+        ]
+    return value
 
 
 def _list_item_model(tp: Any) -> type[BaseModel] | None:
     args = typing.get_args(tp)
-    return args[0] if args and _is_model(args[0]) else None
+    return args[0] if typing.get_origin(tp) is list and args and _is_model(args[0]) else None
 
 
-# ---------------------------------------------------------------- values
+# ---------------------------------------------------------------- values and trees
 
 
 def parse_value(leaf: Leaf, raw: str) -> Any:
@@ -184,6 +199,7 @@ def parse_value(leaf: Leaf, raw: str) -> Any:
 
 
 def _literal(raw: str) -> Any:
+    """JSON, else a Python literal, else the string itself."""
     for parse in (json.loads, ast.literal_eval):
         try:
             return parse(raw)
@@ -192,13 +208,19 @@ def _literal(raw: str) -> Any:
     return raw
 
 
+def get_path(tree: dict, path: tuple[str, ...]) -> Any:
+    for part in path:
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
 def set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
     for part in path[:-1]:
-        node = tree.get(part)
-        if not isinstance(node, dict):
-            node = {}
-            tree[part] = node
-        tree = node
+        if not isinstance(tree.get(part), dict):
+            tree[part] = {}
+        tree = tree[part]
     tree[path[-1]] = value
 
 
@@ -213,46 +235,46 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- sources
+# ---------------------------------------------------------------- sources: files and environment
 
 
-def load_file(model: type[BaseModel], path: str | Path, scope: tuple[str, ...] = ()) -> dict:
-    """Read a TOML (or .json) config file into a dict nested under `scope`, keys checked."""
+def _read(path: str | Path) -> Any:
+    """Parse a TOML (or .json) file; a missing or malformed file is a UserError naming it."""
     p = Path(path)
     if not p.is_file():
-        hint = " (it is a directory)" if p.is_dir() else ""
-        raise UserError(f"config file not found: {path}{hint}")
+        raise UserError(f"config file not found: {path}{' (it is a directory)' if p.is_dir() else ''}")
     text = p.read_text()
     try:
-        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        return json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"invalid TOML in {path}: {e}") from None
     except json.JSONDecodeError as e:
         raise UserError(f"invalid JSON in {path}: {e}") from None
-    target: Any = model
-    for part in scope:
-        target = _unwrap(_field_names(target)[part])[0]
-    checked = normalize_keys(target, data, str(path), scope, model)
+
+
+def load_file(model: type[BaseModel], path: str | Path, scope: tuple[str, ...] = ()) -> dict:
+    """Read a config file into a dict nested under `scope` (a section's path), keys checked."""
+    target = schema(model)[".".join(scope)].annotation if scope else model
+    checked = normalize_keys(target, _read(path), str(path), scope, model)
     for part in reversed(scope):
         checked = {part: checked}
     return checked
 
 
 def from_env(model: type[BaseModel], environ: Mapping[str, str], prefix: str = ENV_PREFIX) -> dict:
-    """PRIME_A__B=v -> {'a': {'b': v}}; names that match no option are errors."""
+    """PRIME_A__B=v -> {'a': {'b': v}}; names that match no option are errors, an empty section enables it."""
     out: dict = {}
-    for name in sorted(environ):
-        if not name.startswith(prefix):
-            continue
+    for name in sorted(n for n in environ if n.startswith(prefix)):
         dotted = ".".join(part.lower() for part in name[len(prefix) :].split("__"))
         leaf = resolve(model, dotted)
         if leaf is None:
             raise UserError(f"environment variable {name} matches no option{suggest(model, dotted)} (unset it)")
-        if leaf.is_section:
-            set_path(out, leaf.path, parse_value(leaf, environ[name]) if environ[name].strip() else {})
-        else:
-            set_path(out, leaf.path, parse_value(leaf, environ[name]))
+        raw = environ[name]
+        set_path(out, leaf.path, {} if leaf.is_section and not raw.strip() else parse_value(leaf, raw))
     return out
+
+
+# ---------------------------------------------------------------- source: command line
 
 
 @dataclass
@@ -260,111 +282,109 @@ class ParsedArgs:
     files: list[tuple[tuple[str, ...], str]] = field(default_factory=list)  # (scope, path) in order
     cli: dict = field(default_factory=dict)
     passthrough: list[str] = field(default_factory=list)
-    help: bool = False
     dry_run: bool = False
+
+
+def _value(tokens: deque[str], flag: str) -> str:
+    if not tokens:
+        raise UserError(f"{flag} needs a value")
+    return tokens.popleft()
 
 
 def parse_argv(model: type[BaseModel], argv: list[str], passthrough: bool = False) -> ParsedArgs:
     """Split argv into config files, CLI values and (optionally) unknown flags to pass through."""
-    out = ParsedArgs()
-    i = 0
-
-    def next_value(flag: str) -> str:
-        nonlocal i
-        if i + 1 >= len(argv):
-            raise UserError(f"{flag} needs a value")
-        i += 1
-        return argv[i]
-
-    while i < len(argv):
-        tok = argv[i]
+    out, tokens = ParsedArgs(), deque(argv)
+    while tokens:
+        tok = tokens.popleft()
         if tok in ("-h", "--help"):
-            out.help = True
-        elif tok == "--dry-run":
+            continue  # answered before parsing, by cli.parse_or_exit
+        if tok == "--dry-run":
             out.dry_run = True
-        elif tok == "@":
-            out.files.append(((), next_value("@")))
         elif tok.startswith("@"):
-            out.files.append(((), tok[1:]))
+            out.files.append(((), tok[1:] or _value(tokens, "@")))
         elif tok.startswith("--"):
-            key, eq, inline = tok[2:].partition("=")
-            leaf = resolve(model, key)
-            negated = False
-            if leaf is None and key.startswith("no-"):
-                leaf = resolve(model, key[3:])
-                negated = leaf is not None
-                if negated and not (leaf.is_bool or (leaf.is_section and leaf.optional)):
-                    raise UserError(f"--{key}: --no- only applies to on/off options, and {key[3:]} is not one")
-            if leaf is None:
-                if passthrough:
-                    out.passthrough.append(tok)
-                    if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                        i += 1
-                        out.passthrough.append(argv[i])
-                    i += 1
-                    continue
-                raise UserError(f"unknown option --{key}{suggest(model, key.replace('-', '_'))}")
-            if negated:
-                set_path(out.cli, leaf.path, None if leaf.is_section else False)
-            elif leaf.is_section:
-                follows = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-                if follows is not None and follows.startswith("@"):
-                    path = follows[1:] or (argv[i + 2] if not eq and i + 2 < len(argv) else "")
-                    if not path:
-                        raise UserError(f"--{key} @ needs a file path after '@'")
-                    i += 0 if eq else (1 if follows != "@" else 2)
-                    out.files.append((leaf.path, path))
-                elif eq:
-                    set_path(out.cli, leaf.path, parse_value(leaf, inline))
-                elif follows is not None and follows.lstrip().startswith("{"):  # --data.fake "{'seq_len': 8}"
-                    i += 1
-                    set_path(out.cli, leaf.path, parse_value(leaf, follows))
-                else:  # bare section flag: enable with defaults (merges with values set elsewhere)
-                    set_path(out.cli, leaf.path, get_path(out.cli, leaf.path) or {})
-            elif leaf.is_bool:
-                if eq:
-                    set_path(out.cli, leaf.path, inline)
-                elif i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
-                    i += 1
-                    set_path(out.cli, leaf.path, argv[i].lower() == "true")
-                else:
-                    set_path(out.cli, leaf.path, True)
-            else:
-                set_path(out.cli, leaf.path, parse_value(leaf, inline if eq else next_value(f"--{key}")))
+            _option(model, tok, tokens, out, passthrough)
         else:
             raise UserError(f"unexpected argument {tok!r}: options start with --, config files with '@ '")
-        i += 1
     return out
 
 
-def get_path(tree: dict, path: tuple[str, ...]) -> Any:
-    for part in path:
-        if not isinstance(tree, dict) or part not in tree:
-            return None
-        tree = tree[part]
-    return tree
+def _flag(model: type[BaseModel], key: str) -> tuple[Leaf | None, bool]:
+    """(option, negated) for `--key`: `--no-x` negates a boolean or an optional section x."""
+    leaf = resolve(model, key)
+    if leaf is not None or not key.startswith("no-"):
+        return leaf, False
+    leaf = resolve(model, key[3:])
+    if leaf is not None and not (leaf.is_bool or (leaf.is_section and leaf.optional)):
+        raise UserError(f"--{key}: --no- only applies to on/off options, and {key[3:]} is not one")
+    return leaf, leaf is not None
 
 
-# ---------------------------------------------------------------- validation
+def _option(model: type[BaseModel], tok: str, tokens: deque[str], out: ParsedArgs, passthrough: bool) -> None:
+    """Consume one `--key[=value]` (and its value, if it takes one) into `out`."""
+    key, eq, inline = tok[2:].partition("=")
+    value = inline if eq else None
+    leaf, negated = _flag(model, key)
+    if leaf is None and not passthrough:
+        raise UserError(unknown_option(model, key))
+    if leaf is None:  # kept for vLLM, with its value if one follows
+        out.passthrough.append(tok)
+        if value is None and tokens and not tokens[0].startswith("--"):
+            out.passthrough.append(tokens.popleft())
+    elif negated:
+        set_path(out.cli, leaf.path, None if leaf.is_section else False)
+    elif leaf.is_section:
+        _section(leaf, key, value, tokens, out)
+    elif leaf.is_bool:
+        set_path(out.cli, leaf.path, value if value is not None else _bool_word(tokens))
+    else:
+        set_path(out.cli, leaf.path, parse_value(leaf, value if value is not None else _value(tokens, f"--{key}")))
 
 
-def format_validation_error(err: ValidationError, data: dict) -> str:
+def _bool_word(tokens: deque[str]) -> bool:
+    """A following 'true'/'false' is the flag's value (consumed); a bare flag means True."""
+    if tokens and tokens[0].lower() in ("true", "false"):
+        return tokens.popleft().lower() == "true"
+    return True
+
+
+def _section(leaf: Leaf, key: str, value: str | None, tokens: deque[str], out: ParsedArgs) -> None:
+    """`--s @ f.toml` (file for the section), `--s=DICT` / `--s '{...}'`, or bare `--s` (enable, defaults)."""
+    follows = value if value is not None else (tokens[0] if tokens else None)
+    if follows is not None and follows.startswith("@"):
+        if value is None:
+            tokens.popleft()
+        path = follows[1:] or (tokens.popleft() if value is None and tokens else None)
+        if not path:
+            raise UserError(f"--{key} @ needs a file path after '@'")
+        out.files.append((leaf.path, path))
+    elif value is not None:
+        set_path(out.cli, leaf.path, parse_value(leaf, value))
+    elif follows is not None and follows.lstrip().startswith("{"):  # --data.fake "{'seq_len': 8}"
+        set_path(out.cli, leaf.path, parse_value(leaf, tokens.popleft()))
+    else:  # merges with values set elsewhere on the line
+        set_path(out.cli, leaf.path, get_path(out.cli, leaf.path) or {})
+
+
+# ---------------------------------------------------------------- merge and validate
+
+
+def format_validation_error(err: ValidationError) -> str:
     """One line for the first problem: which key, what was wrong, what was given."""
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-"))
     msg = first["msg"].removeprefix("Value error, ")
+    if not loc:
+        return msg
     given = first.get("input")
-    if loc:
-        shown = "" if isinstance(given, dict) else f" (got {given!r})"
-        return f"invalid value for '{loc}': {msg}{shown}"
-    return msg
+    return f"invalid value for '{loc}': {msg}" + ("" if isinstance(given, dict) else f" (got {given!r})")
 
 
 def validate(model: type[BaseModel], data: dict):
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        raise UserError(format_validation_error(err, data)) from None
+        raise UserError(format_validation_error(err)) from None
 
 
 def collect_raw(
@@ -378,8 +398,7 @@ def collect_raw(
     raw = from_env(model, os.environ if environ is None else environ)
     for scope, path in args.files:
         raw = deep_merge(raw, load_file(model, path, scope))
-    raw = deep_merge(raw, args.cli)
-    return raw, args
+    return deep_merge(raw, args.cli), args
 
 
 def load_config(model: type[BaseModel], argv: list[str], environ: Mapping[str, str] | None = None):

@@ -114,7 +114,7 @@ def propagate(raw: dict) -> dict:
                 merged["name"] = f"{top['name']}-{comp}"
             raw[comp][section] = merged
 
-    # a trainer resume implies the orchestrator resumes at the same step (the seeds' `--trainer.ckpt.resume-step`)
+    # a trainer resume implies the orchestrator resumes at the same step (PRIME-RL's `--trainer.ckpt.resume-step`)
     t_ckpt, o_ckpt = raw["trainer"].get("ckpt"), raw["orchestrator"].get("ckpt")
     if isinstance(t_ckpt, dict) and t_ckpt.get("resume_step") is not None:
         o_ckpt = dict(o_ckpt or {})

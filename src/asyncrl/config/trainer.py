@@ -65,7 +65,7 @@ class SchedulerConfig(BaseConfig):
 
 
 class LossConfig(BaseConfig):
-    """Policy-gradient loss. `aipo` is the seeds' default: token IS weights with ratio masking."""
+    """Policy-gradient loss. `aipo` is PRIME-RL's default: token IS weights with ratio masking."""
 
     type: Literal["aipo", "grpo", "gspo", "cispo", "custom"] = Field("aipo", description="loss objective")
     token_mask_low: float = Field(0.125, gt=0, description="aipo: mask tokens whose ratio is below this")
