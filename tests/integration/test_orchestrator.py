@@ -26,7 +26,7 @@ import torch
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.transport.batch import read_batch, read_meta, wait_for_batch
 from asyncrl.transport.files import publish_dir
-from asyncrl.transport.weights import broadcast_dir
+from asyncrl.transport.layout import RunLayout
 
 pytestmark = pytest.mark.slow
 
@@ -141,7 +141,7 @@ class WeightTrainer(threading.Thread):
                     for p in model.parameters():
                         p.add_(torch.randn(p.shape, generator=gen) * 0.05)
                 self.policies[n + 1] = copy.deepcopy(model.state_dict())
-                publish_dir(broadcast_dir(self.out, n + 1), model.save_pretrained)
+                publish_dir(RunLayout(self.out).broadcast_dir(n + 1), model.save_pretrained)
         except BaseException as e:  # surfaced by the test
             self.error = e
 
