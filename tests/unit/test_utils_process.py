@@ -5,17 +5,22 @@ import time
 
 import pytest
 
-from asyncrl.utils.process import ChildExited, free_port, spawn, stop_group, stop_groups, tail, wait_for_http
+from asyncrl.utils.process import ChildExited, free_port, serve, spawn, stop_group, stop_groups, tail, wait_for_http
 
 
 def test_wait_for_a_server_that_comes_up(tmp_path):
     port = free_port()
-    proc = spawn([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], tmp_path / "srv.log")
-    try:
-        assert wait_for_http(f"http://127.0.0.1:{port}/", timeout=30, proc=proc, poll=0.05) < 30
-    finally:
-        stop_group(proc)
+    cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    proc = serve(cmd, f"http://127.0.0.1:{port}/", tmp_path / "srv.log", timeout=30, poll=0.05)
+    assert proc.poll() is None
+    stop_group(proc)
     assert proc.returncode is not None
+
+
+def test_serve_stops_a_server_that_never_answers(tmp_path):
+    cmd = [sys.executable, "-c", "import time; print('starting', flush=True); time.sleep(60)"]
+    with pytest.raises(TimeoutError, match=r"(?s)did not answer 200 within 2s.*starting"):
+        serve(cmd, f"http://127.0.0.1:{free_port()}/health", tmp_path / "s.log", timeout=2, poll=0.05)
 
 
 def test_a_dead_child_fails_early_with_its_log(tmp_path):

@@ -25,8 +25,7 @@ class ChildExited(RuntimeError):
 
     def __init__(self, proc: subprocess.Popen, log: Path | None):
         self.returncode = proc.returncode
-        where = f"; last lines of {log}:\n{tail(log)}" if log is not None else ""
-        super().__init__(f"{_name(proc)} exited with code {proc.returncode}{where}")
+        super().__init__(f"{_name(proc)} exited with code {proc.returncode}{_log_note(log)}")
 
 
 def free_port() -> int:
@@ -94,9 +93,22 @@ def wait_for_http(
         if proc is not None and proc.poll() is not None:
             raise ChildExited(proc, log)
         if time.monotonic() - start > timeout:
-            raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f}s" + (f"; see {log}" if log else ""))
+            raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f}s{_log_note(log)}")
         time.sleep(poll)
     return time.monotonic() - start
+
+
+def serve(
+    cmd: Sequence[str], url: str, log: Path, timeout: float, env: dict[str, str] | None = None, poll: float = 0.5
+) -> subprocess.Popen:
+    """`spawn` a server and `wait_for_http` its `url`; if it does not come up, its group is stopped first."""
+    proc = spawn(cmd, log, env)
+    try:
+        wait_for_http(url, timeout, proc, log, poll)
+    except BaseException:
+        stop_group(proc)
+        raise
+    return proc
 
 
 def tail(path: Path, lines: int = 20, prefix: str = "") -> str:
@@ -113,6 +125,10 @@ def _exits_by(proc: subprocess.Popen, deadline: float) -> bool:
         return True
     except subprocess.TimeoutExpired:
         return False
+
+
+def _log_note(log: Path | None) -> str:
+    return f"; last lines of {log}:\n{tail(log, 40)}" if log is not None else ""
 
 
 def _name(proc: subprocess.Popen) -> str:
