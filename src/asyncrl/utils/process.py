@@ -4,7 +4,8 @@ Every child is spawned in its own session, so it leads its own process group: st
 reaches whatever the child started (torchrun workers, vLLM engine cores) even after the child itself
 has exited. A child's stdout and stderr are appended to its log file (or inherited when it has none),
 and its stdin is closed. Waiting for a server fails early, with the end of its log, when the process
-dies, and names the URL it waited for when it times out.
+dies, and names the URL it waited for when it times out; `serve` does both and never leaves a server
+that did not come up running.
 """
 
 from __future__ import annotations
