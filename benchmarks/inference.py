@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from asyncrl.inference.vllm_launch import free_port
+from asyncrl.utils.process import free_port, serve, stop_group
 
 
 class EmbeddedServer:
@@ -40,35 +39,16 @@ class EmbeddedServer:
     ):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_dir / "embedded.log", "wb")
         cmd = [sys.executable, "-m", "asyncrl.entrypoints.inference", "--model.name", str(model_dir),
                "--server.host", "127.0.0.1", "--server.port", str(self.port), "--output-dir", str(log_dir),
                "--no-log.file", "--max-batch-size", str(max_batch_size)]  # fmt: skip
         if num_threads is not None:
             cmd += ["--num-threads", str(num_threads)]
         cmd += list(extra_args)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"embedded server exited; see {log_dir / 'embedded.log'}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("embedded server did not come up in 120 s")
+        self.proc = serve(cmd, self.base_url + "/health", log_dir / "embedded.log", 120)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
+        stop_group(self.proc, 30)
 
 
 def start(backend: str, model_dir: Path, log_dir: Path, max_batch_size: int, num_threads: int | None):

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from asyncrl.utils.process import free_port, serve, stop_group
 
 
 class ServerProcess:
@@ -27,7 +18,6 @@ class ServerProcess:
         self.model = str(model_dir)
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log = out / "server.out"
-        out.mkdir(parents=True, exist_ok=True)
         cmd = [
             sys.executable,
             "-m",
@@ -48,31 +38,10 @@ class ServerProcess:
             "--model.tool-call-parser",
             "hermes",
         ]
-        self._file = self.log.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not start in {timeout}s: {self.log.read_text()[-2000:]}")
-            time.sleep(0.3)
+        self.proc = serve(cmd, f"http://127.0.0.1:{self.port}/health", self.log, timeout, poll=0.3)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._file.close()
+        stop_group(self.proc, 20)
 
     def chat(self, content: str, max_tokens: int = 16) -> httpx.Response:
         return httpx.post(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import torch
 pytestmark = pytest.mark.slow
 
 from asyncrl.inference.vllm_launch import INSTALL_HINT, start_vllm_server, vllm_python  # noqa: E402
+from asyncrl.utils.process import free_port  # noqa: E402
 
 BACKENDS = [
     pytest.param("embedded", id="embedded"),
@@ -51,12 +51,6 @@ class RunningServer:
     engine: object | None = None  # the in-process engine, when there is one (lets tests look inside)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
     """Start `backend` serving `model_dir` with the contract's options; returns when it answers."""
     model = {
@@ -78,7 +72,7 @@ def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
         )
         engine = build_backend(config)
         app = create_app(engine, config)
-        port = _free_port()
+        port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()

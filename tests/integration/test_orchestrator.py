@@ -15,7 +15,6 @@ import asyncio
 import copy
 import json
 import random
-import socket
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,8 @@ import torch
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.transport.batch import read_batch, read_meta, wait_for_batch
 from asyncrl.transport.files import publish_dir
-from asyncrl.transport.weights import broadcast_dir
+from asyncrl.transport.layout import RunLayout
+from asyncrl.utils.process import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,6 @@ ENVS = {
     "echo-twice": ({"num_train_examples": 50, "num_eval_examples": 4}, 256),
     "tool-calc": ({"num_train_examples": 50, "num_eval_examples": 4}, 1024),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +97,7 @@ def server(chat_model_dir):
         seed=0,
     )
     app = create_app(build_backend(config), config)
-    port = _free_port()
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -141,7 +135,7 @@ class WeightTrainer(threading.Thread):
                     for p in model.parameters():
                         p.add_(torch.randn(p.shape, generator=gen) * 0.05)
                 self.policies[n + 1] = copy.deepcopy(model.state_dict())
-                publish_dir(broadcast_dir(self.out, n + 1), model.save_pretrained)
+                publish_dir(RunLayout(self.out).broadcast_dir(n + 1), model.save_pretrained)
         except BaseException as e:  # surfaced by the test
             self.error = e
 

@@ -12,17 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.utils.process import free_port
+
 pytestmark = pytest.mark.slow
 
 RL = [sys.executable, "-m", "asyncrl.entrypoints.rl"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +129,7 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     out = tmp_path / "run"
     steps = 40  # the demo's settings; fewer steps leave the rise inside the step-to-step noise (~0.03)
     first = run_rl(
-        rl_args(warm_model, out, steps, _free_port())
+        rl_args(warm_model, out, steps, free_port())
         + ["--ckpt", "--ckpt.interval", "20", "--wandb.offline", "--wandb.project", "t", "--wandb.name", "demo"]
     )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -155,7 +149,7 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     assert len(list((out / "wandb").glob("offline-run-*"))) == 2  # W&B offline: a trainer and an orchestrator run
     assert_no_processes_left(str(out))
 
-    resumed = run_rl(rl_args(warm_model, out, steps + 2, _free_port()) + ["--ckpt.resume-step", str(steps)])
+    resumed = run_rl(rl_args(warm_model, out, steps + 2, free_port()) + ["--ckpt.resume-step", str(steps)])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = orchestrator_rows(out)
     # numbering continues, nothing recomputed
@@ -183,7 +177,7 @@ def start_rl_until(args: list[str], marker: Path, timeout: float = 300) -> subpr
 
 def test_rl_stops_everything_when_the_trainer_dies(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    proc = start_rl_until(rl_args(tiny_model_dir, out, 50, _free_port()), out / "metrics" / "trainer.jsonl")
+    proc = start_rl_until(rl_args(tiny_model_dir, out, 50, free_port()), out / "metrics" / "trainer.jsonl")
     try:
         trainers = [line.split()[0] for line in own_processes(str(out)) if "entrypoints.trainer" in line]
         assert trainers
@@ -199,7 +193,7 @@ def test_rl_stops_everything_when_the_trainer_dies(tiny_model_dir, tmp_path):
 
 def test_rl_ctrl_c_stops_cleanly(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    proc = start_rl_until(rl_args(tiny_model_dir, out, 50, _free_port()), out / "rollouts")
+    proc = start_rl_until(rl_args(tiny_model_dir, out, 50, free_port()), out / "rollouts")
     try:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
@@ -211,7 +205,7 @@ def test_rl_ctrl_c_stops_cleanly(tiny_model_dir, tmp_path):
 
 
 def test_rl_without_server_says_how_to_start_one(tiny_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     result = run_rl(rl_args(tiny_model_dir, tmp_path / "run", 2, port, server=False), timeout=60)
     assert result.returncode == 2
     assert "no inference server answers" in result.stderr and "Traceback" not in result.stderr

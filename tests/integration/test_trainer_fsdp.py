@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.trainer.loss import token_logprobs
 from asyncrl.transport.batch import write_batch
-from asyncrl.transport.weights import broadcast_dir, step_dirs, weights_dir
+from asyncrl.transport.layout import RunLayout, step_dirs
 from asyncrl.utils.errors import UserError
 
 pytestmark = pytest.mark.slow
@@ -102,8 +102,8 @@ def test_single_process_trains_publishes_and_prunes(tiny_model_dir, tmp_path):
     # async window k=1: only steps 2 and 3 remain; the final step also lands in weights/
     assert sorted(step_dirs(tmp_path / "broadcast")) == [2, 3]
     assert all((d / "STABLE").exists() for d in step_dirs(tmp_path / "broadcast").values())
-    assert (weights_dir(tmp_path, 3) / "model.safetensors").exists()
-    model = load_exported(broadcast_dir(tmp_path, 3))
+    assert (RunLayout(tmp_path).weights_dir(3) / "model.safetensors").exists()
+    model = load_exported(RunLayout(tmp_path).broadcast_dir(3))
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     new = model.state_dict()
     assert any(not torch.equal(base[k], new[k]) for k in base)
@@ -149,7 +149,7 @@ def test_nan_loss_stops_without_weights(tiny_model_dir, tmp_path):
     write_batch(tmp_path, 0, [rows])
     with pytest.raises(UserError, match="loss is nan at step 0"):
         run_train(config(tiny_model_dir, tmp_path))
-    assert not broadcast_dir(tmp_path, 1).exists()
+    assert not RunLayout(tmp_path).broadcast_dir(1).exists()
 
 
 def test_lora_ac_bf16_export_merges(tiny_model_dir, tmp_path):
@@ -169,7 +169,7 @@ def test_lora_ac_bf16_export_merges(tiny_model_dir, tmp_path):
     history = run_train(cfg)
     assert history[0]["grad_norm"] > 0
     # a zero-initialised B makes step 0's update touch only B; merged weights equal base until then
-    new = load_exported(broadcast_dir(tmp_path, 1)).state_dict()
+    new = load_exported(RunLayout(tmp_path).broadcast_dir(1)).state_dict()
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     assert set(new) - {"lm_head.weight"} == set(base)
     changed = {k for k in base if not torch.equal(base[k], new[k])}
@@ -188,13 +188,13 @@ def test_single_process_resume_retention_and_bad_checkpoints(tiny_model_dir, tmp
     )
     ckpts = sorted(step_dirs(tmp_path / "checkpoints"))
     assert ckpts == [2, 3, 4]  # last two plus multiples of 2
-    final = load_file(str(broadcast_dir(tmp_path, 4) / "model.safetensors"))
+    final = load_file(str(RunLayout(tmp_path).broadcast_dir(4) / "model.safetensors"))
     write_steps(tiny_model_dir, tmp_path, range(2, 4), 1, [[9, 7], [12]])  # the orchestrator re-sends them
     resumed = run_train(config(tiny_model_dir, tmp_path, max_steps=4, ckpt={"interval": 10, "resume_step": 2}))
     assert len(resumed) == 2
     assert resumed[0]["loss"] == first[2]["loss"] and resumed[0]["grad_norm"] == first[2]["grad_norm"]
     assert resumed[1]["loss"] == first[3]["loss"]
-    again = load_file(str(broadcast_dir(tmp_path, 4) / "model.safetensors"))
+    again = load_file(str(RunLayout(tmp_path).broadcast_dir(4) / "model.safetensors"))
     assert all(torch.equal(final[k], again[k]) for k in final)
 
     with pytest.raises(UserError, match=r"available steps: \[2, 3, 4\]"):
@@ -261,8 +261,8 @@ def test_two_process_fsdp_trains_checkpoints_resumes_exactly(tiny_model_dir, tmp
     first = read_metrics(out)
     assert first[0]["mismatch_kl"] < 1e-10 and first[0]["loss_tokens"] == 2 * (6 + 4 + 9)
     assert sorted(step_dirs(out / "checkpoints")) == [2, 3]
-    final = load_file(str(broadcast_dir(out, 3) / "model.safetensors"))
-    load_exported(weights_dir(out, 2))
+    final = load_file(str(RunLayout(out).broadcast_dir(3) / "model.safetensors"))
+    load_exported(RunLayout(out).weights_dir(2))
 
     # the same step-0 samples on one rank give the same loss and gradient (normalisation across ranks)
     one = tmp_path / "one"
@@ -275,7 +275,7 @@ def test_two_process_fsdp_trains_checkpoints_resumes_exactly(tiny_model_dir, tmp
     torchrun(out, common + ["--ckpt.resume-step", "2"])
     resumed = read_metrics(out)
     assert resumed[2]["loss"] == first[2]["loss"] and resumed[2]["grad_norm"] == first[2]["grad_norm"]
-    again = load_file(str(broadcast_dir(out, 3) / "model.safetensors"))
+    again = load_file(str(RunLayout(out).broadcast_dir(3) / "model.safetensors"))
     assert all(torch.equal(final[k], again[k]) for k in final)
-    model = load_exported(broadcast_dir(out, 3))
+    model = load_exported(RunLayout(out).broadcast_dir(3))
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()

@@ -14,11 +14,11 @@ from asyncrl.orchestrator.gating import Policy, PolicyGate
 from asyncrl.orchestrator.loop import Orchestrator
 from asyncrl.transport.batch import read_meta, wait_for_batch
 from asyncrl.transport.files import publish_dir
-from asyncrl.transport.weights import broadcast_dir, weights_dir
+from asyncrl.transport.layout import RunLayout
 
 
 def publish(out, step):
-    publish_dir(broadcast_dir(out, step), lambda d: (d / "config.json").write_text("{}"))
+    publish_dir(RunLayout(out).broadcast_dir(step), lambda d: (d / "config.json").write_text("{}"))
 
 
 class FakeTrainer(threading.Thread):
@@ -108,7 +108,7 @@ def test_gate_picks_newest_policy_in_window(tmp_path):
     assert gate.newest(0) == Policy(0, None) and gate.newest(2) == Policy(0, None)
     assert gate.newest(3) is None  # needs policy >= 1
     publish(tmp_path, 1)
-    (broadcast_dir(tmp_path, 2)).mkdir(parents=True)  # not STABLE yet: ignored
+    (RunLayout(tmp_path).broadcast_dir(2)).mkdir(parents=True)  # not STABLE yet: ignored
     assert gate.newest(3).step == 1
     publish(tmp_path, 2)
     assert gate.newest(3).step == 2 and gate.newest(4).step == 2
@@ -121,10 +121,10 @@ def test_gate_picks_newest_policy_in_window(tmp_path):
 def test_gate_uses_checkpoint_weights_only_for_the_resume_step(tmp_path):
     from asyncrl.orchestrator.gating import checkpoint_policy
 
-    d = weights_dir(tmp_path, 10)
+    d = RunLayout(tmp_path).weights_dir(10)
     d.mkdir(parents=True)
     (d / "config.json").write_text("{}")
-    stale = weights_dir(tmp_path, 20)
+    stale = RunLayout(tmp_path).weights_dir(20)
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{}")
     resume = checkpoint_policy(tmp_path, 10)

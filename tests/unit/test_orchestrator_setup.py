@@ -12,9 +12,8 @@ from asyncrl.orchestrator import ckpt
 from asyncrl.orchestrator.client import InferenceClient, server_root
 from asyncrl.orchestrator.envs import load_env, sampling_args
 from asyncrl.orchestrator.loop import Orchestrator
-from asyncrl.transport.batch import batch_dir
 from asyncrl.transport.files import publish_dir
-from asyncrl.transport.weights import broadcast_dir, weights_dir
+from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.errors import UserError
 
 
@@ -58,7 +57,7 @@ def _config(tmp_path, k=1, **kw):
 
 
 def _publish(out, step):
-    publish_dir(broadcast_dir(out, step), lambda d: (d / "config.json").write_text("{}"))
+    publish_dir(RunLayout(out).broadcast_dir(step), lambda d: (d / "config.json").write_text("{}"))
 
 
 def test_checkpoint_and_resume_continue_where_the_run_stopped(tmp_path):
@@ -71,23 +70,23 @@ def test_checkpoint_and_resume_continue_where_the_run_stopped(tmp_path):
     assert progress.sampler["problems"] == orch.mixture.problems
 
     # Resume from step 4: weights/step_4 is the trainer's checkpoint, newer than any broadcast dir.
-    stale_batch = batch_dir(tmp_path, 5)
+    stale_batch = RunLayout(tmp_path).batch_dir(5)
     stale_batch.mkdir(parents=True)
     _publish(tmp_path, 6)  # left from an earlier attempt beyond the resume point
-    w = weights_dir(tmp_path, 4)
+    w = RunLayout(tmp_path).weights_dir(4)
     w.mkdir(parents=True)
     (w / "config.json").write_text("{}")
     server = FakeServer()
     cfg2 = _config(tmp_path, max_steps=5, ckpt=CkptConfig(interval=2, resume_step=-1))
     orch2 = Orchestrator(cfg2, fake_mixture(), FakeRunner(), server)
     asyncio.run(orch2.run())
-    assert not broadcast_dir(tmp_path, 6).exists()
+    assert not RunLayout(tmp_path).broadcast_dir(6).exists()
     assert server.calls[0][:2] == ("update", str(w))  # the server is pointed at the checkpoint weights itself
     assert orch2.mixture.problems == progress.sampler["problems"] + 2
     records = [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert records[-1]["progress/total_samples"] == 40 and records[-1]["policy/step"] == 4
-    assert (batch_dir(tmp_path, 4) / "meta.json").exists() and not stale_batch.exists()
+    assert (RunLayout(tmp_path).batch_dir(4) / "meta.json").exists() and not stale_batch.exists()
     assert ckpt.saved_steps(tmp_path) == [4, 5]  # final step always saved
 
 

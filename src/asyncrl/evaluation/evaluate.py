@@ -36,7 +36,7 @@ from asyncrl.evaluation.runner import (
     write_text_atomic,
 )
 from asyncrl.orchestrator.client import InferenceClient
-from asyncrl.transport.weights import is_stable, step_dirs
+from asyncrl.transport.layout import is_stable, step_dirs
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.monitor import MetricsSink
 

@@ -3,32 +3,36 @@
 vLLM lives in its own virtualenv (`.venv-vllm`, made by scripts/install_vllm.sh; see that script
 for why), so anything running in the main environment (tests, benchmarks, the `rl` launcher) starts
 the server through that env's interpreter and talks to it over HTTP only. Never imports vllm.
+The env is found from the environment variables or beside the running env, never from this file's
+location (an installed wheel has no repo around it).
 """
 
 import os
-import signal
-import socket
 import subprocess
-import time
+import sys
 from pathlib import Path
 
-import httpx
+from asyncrl.utils.process import free_port, serve, stop_group
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-INSTALL_HINT = "run scripts/install_vllm.sh (or set ASYNCRL_VLLM_PYTHON to a python that has vllm)"
+INSTALL_HINT = (
+    "run scripts/install_vllm.sh (or set ASYNCRL_VLLM_PYTHON to a python that has vllm, "
+    "or ASYNCRL_VLLM_VENV to its virtualenv)"
+)
 
 
 def vllm_python() -> Path | None:
-    """The interpreter of the vLLM env: $ASYNCRL_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python."""
+    """The vLLM env's interpreter: $ASYNCRL_VLLM_PYTHON, else $ASYNCRL_VLLM_VENV/bin/python, else
+    `.venv-vllm/bin/python` beside the running env (sys.prefix), else in the current directory."""
     configured = os.environ.get("ASYNCRL_VLLM_PYTHON")
-    candidate = Path(configured) if configured else REPO_ROOT / ".venv-vllm" / "bin" / "python"
-    return candidate if candidate.is_file() and os.access(candidate, os.X_OK) else None
+    if configured:
+        return _executable(Path(configured))
+    venvs = [os.environ.get("ASYNCRL_VLLM_VENV"), Path(sys.prefix).parent / ".venv-vllm", Path.cwd() / ".venv-vllm"]
+    found = (_executable(Path(v) / "bin" / "python") for v in venvs if v)
+    return next((p for p in found if p is not None), None)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _executable(path: Path) -> Path | None:
+    return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
 class VLLMServer:
@@ -40,14 +44,7 @@ class VLLMServer:
         self.log_path = log_path
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: reaches EngineCore and workers
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_group(self.proc, timeout)  # its own process group: reaches EngineCore and workers
 
     def __enter__(self) -> "VLLMServer":
         return self
@@ -76,29 +73,15 @@ def start_vllm_server(
         raise RuntimeError(f"no vLLM environment: {INSTALL_HINT}")
     port = port or free_port()
     log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [
         str(python), "-m", "asyncrl.entrypoints.inference", "--backend", "vllm",
         "--model.name", str(model_dir), "--server.host", "127.0.0.1", "--server.port", str(port),
         "--output-dir", str(log_path.parent), "--no-log.file", *args,
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = VLLMServer(proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {proc.returncode}:\n{_tail(log_path)}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    server.stop()
-    raise RuntimeError(f"vLLM server not healthy after {startup_timeout:.0f}s:\n{_tail(log_path)}")
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc = serve(cmd, f"{url}/health", log_path, startup_timeout, env, poll=1.0)
+    except TimeoutError as e:
+        raise RuntimeError(f"vLLM server not healthy: {e}") from None
+    return VLLMServer(proc, url, log_path)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.transport.weights import is_stable, step_dirs, weights_dir
+from asyncrl.transport.layout import RunLayout, is_stable, step_dirs
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Policy:
 
 def checkpoint_policy(output_dir: str | Path, step: int) -> Policy | None:
     """`weights/step_{step}` as a policy if it is complete (renamed into place whole)."""
-    path = weights_dir(output_dir, step)
+    path = RunLayout(output_dir).weights_dir(step)
     if step >= 1 and path.is_dir() and (is_stable(path) or (path / "config.json").exists()):
         return Policy(step, path)
     return None
@@ -42,7 +42,7 @@ class PolicyGate:
     """Chooses (and waits for) the policy each step generates with."""
 
     def __init__(self, output_dir: str | Path, max_async_level: int, resume_policy: Policy | None = None):
-        self.output_dir = Path(output_dir)
+        self.layout = RunLayout(output_dir)
         self.k = max_async_level
         self.resume_policy = resume_policy
 
@@ -50,9 +50,7 @@ class PolicyGate:
         """The newest policy step `step` may use, or None if it must wait for the trainer."""
         need = step - self.k
         found = {
-            s: p
-            for s, p in step_dirs(self.output_dir / "broadcast").items()
-            if max(need, 1) <= s <= step and is_stable(p)
+            s: p for s, p in step_dirs(self.layout.broadcast).items() if max(need, 1) <= s <= step and is_stable(p)
         }
         best = Policy(max(found), found[max(found)]) if found else None
         r = self.resume_policy
@@ -72,6 +70,6 @@ class PolicyGate:
             if timeout is not None and time.monotonic() - start > timeout:
                 raise TimeoutError(
                     f"step {step} needs trainer weights of step >= {step - self.k} in "
-                    f"{self.output_dir / 'broadcast'}; none after {timeout:.0f}s (is the trainer running?)"
+                    f"{self.layout.broadcast}; none after {timeout:.0f}s (is the trainer running?)"
                 )
             await asyncio.sleep(poll)

@@ -11,7 +11,6 @@ while the trainer trains on step n, so generation and training overlap within th
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from typing import Any
 
@@ -35,8 +34,8 @@ from asyncrl.orchestrator.metrics import group_metrics, log_extras, log_step, ro
 from asyncrl.orchestrator.packing import PackItem, PackStats, pack
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts
 from asyncrl.orchestrator.samples import TrajectoryConverter
-from asyncrl.transport.batch import MicroBatch, prune_batches, write_batch
-from asyncrl.transport.weights import step_dirs
+from asyncrl.transport.batch import MicroBatch, write_batch
+from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.logging import setup_logger
 from asyncrl.utils.monitor import MetricsSink
@@ -53,6 +52,7 @@ class Orchestrator:
         sink: MetricsSink | None = None,
     ):
         self.config = config
+        self.layout = RunLayout(config.output_dir)
         self.mixture = mixture
         self.eval_mixture = eval_mixture
         self.run_group = run_group
@@ -93,19 +93,6 @@ class Orchestrator:
             f"{len(self.collector.buffer)} buffered groups)"
         )
         return checkpoint_policy(cfg.output_dir, step)
-
-    def _clear_stale(self, start: int) -> None:
-        """Remove batches >= start and broadcast weights > start left by an earlier attempt of this run."""
-        out = self.config.output_dir
-        stale = [(p, "batch") for s, p in step_dirs(out / "rollouts").items() if s >= start]
-        stale += [(p, "weights") for s, p in step_dirs(out / "broadcast").items() if s > start]
-        for path, _ in stale:
-            shutil.rmtree(path, ignore_errors=True)
-        if stale:
-            logger.warning(
-                f"removed {len(stale)} rollout/broadcast dirs past step {start} left by an earlier run: "
-                f"{sorted(str(p.relative_to(out)) for p, _ in stale)}"
-            )
 
     # ---- per step ----------------------------------------------------------------------------
     async def _use_policy(self, policy: Policy) -> float:
@@ -166,7 +153,7 @@ class Orchestrator:
         }
         write_batch(self.config.output_dir, step, per_rank, meta)
         if policy.step > 0:
-            prune_batches(self.config.output_dir, keep_from_step=policy.step)  # the trainer has consumed those
+            self.layout.prune_batches(keep_from_step=policy.step)  # the trainer has consumed those
         t_write = time.perf_counter() - t_pack
 
         p = self.progress
@@ -240,7 +227,7 @@ class Orchestrator:
     async def run(self) -> None:
         resume_policy = self._resume()
         start = self.progress.step
-        self._clear_stale(start)
+        self.layout.clear_stale(start)
         gate = PolicyGate(self.config.output_dir, self.config.max_async_level, resume_policy)
         if self.config.sampling.seed is not None:
             logger.info(

@@ -1,11 +1,13 @@
-"""Trainer checkpoints: DCP shards of model + optimizer, JSON progress, a STABLE marker, retention rules.
+"""Trainer checkpoints: DCP shards of model + optimizer, JSON progress, a STABLE marker; resume-step rules.
 
-Layout (one per checkpoint step; `step_N` = the state after N optimizer steps, resume runs step N)::
+Contents of `checkpoints/step_N/trainer` (`transport.layout` places it; `step_N` = the state after N
+optimizer steps, resume runs step N)::
 
-    checkpoints/step_N/trainer/.metadata, __*_*.distcp     torch.distributed.checkpoint (sharded)
-    checkpoints/step_N/trainer/progress.json               step, tokens, samples, scheduler, world size
-    checkpoints/step_N/trainer/STABLE                      written last: the checkpoint is complete
+    .metadata, __*_*.distcp     torch.distributed.checkpoint (sharded)
+    progress.json               step, tokens, samples, scheduler, world size
+    STABLE                      written last: the checkpoint is complete
 
+Retention (keep_last / keep_interval) is the layout's, shared with the orchestrator's checkpoints.
 A dir without the marker is partial (a save that died) and is never loaded. Async saves stage a CPU
 copy of the state synchronously and write it in a background thread on a separate gloo group, so the
 next optimizer step cannot race them; the marker and retention happen once the write has finished.
@@ -14,7 +16,6 @@ next optimizer step cannot race them; the marker and retention happen once the w
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from concurrent.futures import Future
 from pathlib import Path
@@ -29,31 +30,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from asyncrl.config.base import CkptConfig
-from asyncrl.transport.weights import STABLE, step_dirs
+from asyncrl.transport.files import mark_stable
+from asyncrl.transport.layout import STABLE, RunLayout
 from asyncrl.utils.errors import UserError
 
 PROGRESS = "progress.json"
-
-
-def checkpoints_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
+COMPONENT = "trainer"
 
 
 def trainer_ckpt_dir(output_dir: str | Path, step: int) -> Path:
-    return checkpoints_root(output_dir) / f"step_{step}" / "trainer"
+    return RunLayout(output_dir).checkpoint_dir(step, COMPONENT)
 
 
 def complete_steps(output_dir: str | Path) -> list[int]:
     """Steps with a complete (STABLE) trainer checkpoint, ascending."""
-    return [s for s, d in step_dirs(checkpoints_root(output_dir)).items() if (d / "trainer" / STABLE).exists()]
-
-
-def steps_to_delete(steps: list[int], keep_last: int | None, keep_interval: int | None) -> list[int]:
-    """Retention: keep the newest `keep_last` (all if None) plus multiples of `keep_interval`."""
-    if keep_last is None:
-        return []
-    newest = set(sorted(steps)[-keep_last:])
-    return [s for s in sorted(steps) if s not in newest and not (keep_interval and s % keep_interval == 0)]
+    return RunLayout(output_dir).complete_checkpoints(COMPONENT)
 
 
 def resolve_resume_step(output_dir: str | Path, requested: int, max_steps: int | None = None) -> int:
@@ -66,9 +57,8 @@ def resolve_resume_step(output_dir: str | Path, requested: int, max_steps: int |
 
 
 def _find_resume_step(output_dir: str | Path, requested: int) -> int:
-    root = checkpoints_root(output_dir)
-    complete = complete_steps(output_dir)
-    all_dirs = {s: d / "trainer" for s, d in step_dirs(root).items() if (d / "trainer").exists()}
+    layout = RunLayout(output_dir)
+    root, complete, all_dirs = layout.checkpoints, complete_steps(output_dir), layout.checkpoints_of(COMPONENT)
     if requested == -1:
         if not complete:
             raise UserError(f"ckpt.resume_step = -1 but there is no complete trainer checkpoint under {root}")
@@ -130,22 +120,15 @@ class CheckpointManager:
         if self.rank == 0:
             path = trainer_ckpt_dir(self.output_dir, step)
             (path / PROGRESS).write_text(json.dumps(extra, indent=1))
-            tmp = path / f".{STABLE}.tmp"
-            tmp.write_text("")
-            os.replace(tmp, path / STABLE)
+            mark_stable(path)
             logger.info(f"saved checkpoint {path}")
             self._apply_retention()
         dist.barrier(group=self._group)
 
     def _apply_retention(self) -> None:
-        for step in steps_to_delete(complete_steps(self.output_dir), self.cfg.keep_last, self.cfg.keep_interval):
-            path = trainer_ckpt_dir(self.output_dir, step)
-            shutil.rmtree(path, ignore_errors=True)
-            try:
-                path.parent.rmdir()  # only when the orchestrator has nothing there either
-            except OSError:
-                pass
-            logger.debug(f"deleted checkpoint {path} (retention)")
+        deleted = RunLayout(self.output_dir).prune_checkpoints(COMPONENT, self.cfg.keep_last, self.cfg.keep_interval)
+        if deleted:
+            logger.debug(f"deleted trainer checkpoints {deleted} (retention)")
 
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model + optimizer in place from step `step`; returns its progress.json."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from asyncrl.utils.errors import UserError
+from asyncrl.utils.process import free_port
 
 
 @dataclass
@@ -42,12 +42,6 @@ class DistContext:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def resolve_device(device: str) -> str:
     """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; asking for cuda without one is a user error."""
     if device == "auto":
@@ -71,9 +65,7 @@ def init_distributed(device: str = "auto") -> DistContext:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend)
         else:
-            dist.init_process_group(
-                backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-            )
+            dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         owns = True
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))

@@ -40,8 +40,7 @@ from asyncrl.trainer.perf import (
     reset_peak_memory,
 )
 from asyncrl.trainer.weights import export_weights
-from asyncrl.transport.batch import prune_batches
-from asyncrl.transport.weights import broadcast_dir, prune_broadcast, weights_dir
+from asyncrl.transport.layout import RunLayout, is_stable
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.monitor import MetricsSink
 
@@ -103,7 +102,7 @@ class _Trainer:
             )
         logger.info(f"resumed from checkpoint step_{step} ({self.progress['tokens']:,} tokens so far)")
         # the orchestrator resuming at this step waits for these weights; re-publish them if pruned
-        if not (broadcast_dir(self.out, step) / "STABLE").exists():
+        if not is_stable(RunLayout(self.out).broadcast_dir(step)):
             self._publish(step, keep_weights=False)
         return step
 
@@ -185,7 +184,8 @@ class _Trainer:
     # ---- outputs -----------------------------------------------------------------------------------
 
     def _publish(self, step: int, keep_weights: bool) -> None:
-        dests = [broadcast_dir(self.out, step)] + ([weights_dir(self.out, step)] if keep_weights else [])
+        layout = RunLayout(self.out)
+        dests = [layout.broadcast_dir(step)] + ([layout.weights_dir(step)] if keep_weights else [])
         export_weights(
             self.model,
             dests,
@@ -201,8 +201,8 @@ class _Trainer:
         """Rank 0: drop broadcast dirs outside the async window (except around kept checkpoints), consumed batches."""
         k = self.config.max_async_level
         keep = {s for c in complete_steps(self.out) for s in range(c - k, c + 1)} if self.ckpt else set()
-        prune_broadcast(self.out, keep_from_step=step - k, keep=keep)
-        prune_batches(self.out, keep_from_step=step - 1)
+        RunLayout(self.out).prune_broadcast(keep_from_step=step - k, keep=keep)
+        RunLayout(self.out).prune_batches(keep_from_step=step - 1)
 
     def _log(self, step: int, m: dict) -> None:
         if not self.ctx.is_main:

@@ -52,7 +52,7 @@ from asyncrl.trainer.sft_data import (
     take_rows,
 )
 from asyncrl.trainer.weights import export_weights
-from asyncrl.transport.weights import weights_dir
+from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.monitor import MetricsSink
 
@@ -232,7 +232,7 @@ class _SFTTrainer:
     def _export(self, step: int) -> None:
         export_weights(
             self.model,
-            [weights_dir(self.out, step)],
+            [RunLayout(self.out).weights_dir(step)],
             self.lm.hf_config,
             self.lm.tokenizer,
             self.lm.export_dtype,
@@ -241,7 +241,7 @@ class _SFTTrainer:
             getattr(self.model, "generation_config", None),
         )
         if self.ctx.is_main:
-            logger.info(f"wrote weights {weights_dir(self.out, step)}")
+            logger.info(f"wrote weights {RunLayout(self.out).weights_dir(step)}")
 
     def _log(self, step: int, m: dict) -> None:
         if not self.ctx.is_main:
@@ -297,7 +297,8 @@ class _SFTTrainer:
             if self.config.bench:
                 print_bench(self.config, self.ctx.world_size, history)
             elif exported is not None:
-                logger.success(f"SFT done after {step} steps; final weights in {weights_dir(self.out, exported)}")
+                final = RunLayout(self.out).weights_dir(exported)
+                logger.success(f"SFT done after {step} steps; final weights in {final}")
         return history
 
 

@@ -1,1 +1,2 @@
-"""Wire formats between processes: rollout batches (orchestrator -> trainer), weight dirs (trainer -> server)."""
+"""Wire formats between processes: the run directory (`layout`), rollout batches (orchestrator -> trainer),
+atomically published dirs (`files`; weights, trainer -> server)."""

@@ -21,24 +21,16 @@ partial batch: its existence means it is complete.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from asyncrl.transport.files import publish_dir, wait_for
+from asyncrl.transport.layout import RunLayout
 
 MicroBatch = dict[str, torch.Tensor]
 FIELDS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")
-
-
-def rollouts_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "rollouts"
-
-
-def batch_dir(output_dir: str | Path, step: int) -> Path:
-    return rollouts_dir(output_dir) / f"step_{step}"
 
 
 def check_micro_batch(mb: MicroBatch) -> None:
@@ -66,7 +58,7 @@ def write_batch(output_dir: str | Path, step: int, per_rank: list[list[MicroBatc
         (tmp / "meta.json").write_text(json.dumps(info))
 
     # a re-run of the same step (e.g. after resume) replaces it
-    return publish_dir(batch_dir(output_dir, step), write, marker=False)
+    return publish_dir(RunLayout(output_dir).batch_dir(step), write, marker=False)
 
 
 def wait_for_batch(
@@ -77,32 +69,18 @@ def wait_for_batch(
     should_stop: Callable[[], bool] | None = None,
 ) -> Path:
     """Block until step `step`'s batch exists; TimeoutError after `timeout` seconds."""
-    path = batch_dir(output_dir, step)
+    path = RunLayout(output_dir).batch_dir(step)
     wait_for(path.exists, f"rollout batch for step {step} at {path}", timeout, poll, should_stop)
     return path
 
 
 def read_batch(output_dir: str | Path, step: int, rank: int) -> list[MicroBatch]:
     """Rank `rank`'s micro-batches of step `step` (the batch must exist: see `wait_for_batch`)."""
-    data = torch.load(batch_dir(output_dir, step) / f"rank_{rank}.pt", weights_only=True)
+    data = torch.load(RunLayout(output_dir).batch_dir(step) / f"rank_{rank}.pt", weights_only=True)
     if data.get("step") != step:
         raise ValueError(f"batch file for step {step} says step {data.get('step')}")
     return data["micro_batches"]
 
 
 def read_meta(output_dir: str | Path, step: int) -> dict:
-    return json.loads((batch_dir(output_dir, step) / "meta.json").read_text())
-
-
-def prune_batches(output_dir: str | Path, keep_from_step: int) -> None:
-    """Delete batches of steps < keep_from_step (the trainer has consumed them)."""
-    root = rollouts_dir(output_dir)
-    if not root.exists():
-        return
-    for d in root.glob("step_*"):
-        try:
-            step = int(d.name.split("_", 1)[1])
-        except ValueError:
-            continue
-        if step < keep_from_step:
-            shutil.rmtree(d, ignore_errors=True)
+    return json.loads((RunLayout(output_dir).batch_dir(step) / "meta.json").read_text())

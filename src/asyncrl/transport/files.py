@@ -1,4 +1,8 @@
-"""The two file primitives every wire relies on: publish a directory atomically, wait for one to appear."""
+"""The file primitives every wire relies on: publish a directory atomically, mark one complete, wait for one.
+
+`publish_dir` and `mark_stable` are the only writers of the STABLE marker (`transport.layout` names it and
+is its only reader): the marker goes in last, via a temporary name, so a reader that sees it sees whole files.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-STABLE = "STABLE"
+from asyncrl.transport.layout import STABLE
 
 
 def publish_dir(final: Path, write: Callable[[Path], None], marker: bool = True) -> Path:
@@ -29,10 +33,15 @@ def publish_dir(final: Path, write: Callable[[Path], None], marker: bool = True)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if marker:
-        tmp_marker = final / f".{STABLE}.tmp"
-        tmp_marker.write_text("")
-        os.replace(tmp_marker, final / STABLE)
+        mark_stable(final)
     return final
+
+
+def mark_stable(path: Path) -> None:
+    """Declare the dir `path` complete: its STABLE marker appears at once (written under a temp name)."""
+    tmp = path / f".{STABLE}.tmp"
+    tmp.write_text("")
+    os.replace(tmp, path / STABLE)
 
 
 def wait_for(

@@ -1,0 +1,61 @@
+"""Follow a run's `metrics/orchestrator.jsonl` while it grows: one console line per training step, then a summary.
+
+Only whole lines are read (a row still being written waits for the next poll); eval rows, rows without
+a reward and lines that are not JSON are skipped. Each row is read exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class StepTailer:
+    def __init__(self, path: Path):
+        self.path = path
+        self.pos = 0
+        self.rewards: list[tuple[int, float]] = []
+
+    def poll(self) -> None:
+        """Print a line for every training step logged since the last poll."""
+        for row in self._new_rows():
+            if row.get("kind", "train") == "train" and "reward/mean" in row and "step" in row:
+                self.rewards.append((row["step"], row["reward/mean"]))
+                print(step_line(row), flush=True)
+
+    def summary(self, elapsed: float, weights: Path) -> str:
+        if not self.rewards:
+            return f"[rl] done in {elapsed:.0f}s (no reward logged)"
+        fifth = max(1, len(self.rewards) // 5)
+        return (
+            f"[rl] done: {len(self.rewards)} steps in {elapsed:.0f}s; reward {_mean(self.rewards[:fifth]):.3f} "
+            f"(first steps) -> {_mean(self.rewards[-fifth:]):.3f} (last steps); weights in {weights}"
+        )
+
+    def _new_rows(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        rows = []
+        with open(self.path) as f:
+            f.seek(self.pos)
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                self.pos += len(line.encode())
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return rows
+
+
+def step_line(row: dict) -> str:
+    """`[rl] step N  reward R  <env> exact_match ...  off-policy L` for one training row."""
+    matches = [(k, v) for k, v in row.items() if k.startswith("metrics/") and k.endswith("exact_match")]
+    extras = "".join(f"  {k.rsplit('/', 1)[-1]} {v:.3f}" for k, v in matches)
+    level = row.get("off_policy/level", "?")
+    return f"[rl] step {row['step']:>4}  reward {row['reward/mean']:.3f}{extras}  off-policy {level}"
+
+
+def _mean(rewards: list[tuple[int, float]]) -> float:
+    return sum(r for _, r in rewards) / len(rewards)

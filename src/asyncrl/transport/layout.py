@@ -1,0 +1,141 @@
+"""The run directory: every path, `step_N` dir and marker under one run's output dir, and their clean-up.
+
+On disk (under `output_dir`)::
+
+    rollouts/step_{n}/rank_{r}.pt, meta.json    step n's batch, orchestrator -> trainer (see transport.batch)
+    broadcast/step_{n}/                         HF dir (safetensors, config, tokenizer), trainer -> server
+    broadcast/step_{n}/STABLE                   empty marker: the dir is complete
+    weights/step_{n}/ (+ STABLE)                same HF format, kept at checkpoint steps and at the end
+    checkpoints/step_{n}/trainer/               DCP shards, progress.json, STABLE (written last)
+    checkpoints/step_{n}/orchestrator/          progress.json, buffer.json
+    logs/<component>.log, <component>.stdout    each process's log; what the launcher caught of its output
+    metrics/<component>.jsonl                   one JSON row per step
+    configs/<component>.toml                    the resolved config the launcher gave each process
+
+Steps are 0-based: `step_{n}` holds the policy after n updates ("ckpt n"; step 0 is the base model and
+is never written). Trainer step n consumes `rollouts/step_{n}` and publishes `broadcast/step_{n+1}`;
+rollouts of step n come from a policy >= n-k (k = max_async_level). A run with max_steps = N runs steps
+0..N-1 and ends with `weights/step_{N}`; checkpoint `step_{N}` resumes at step N.
+
+Invariants: a name matches `step_{n}` exactly or is not a step dir (temporary dirs are `.tmp_*`).
+`STABLE` is written only by `transport.files.mark_stable` (after the rename of an atomic publish, or once
+every rank's checkpoint shards are written) and read only by `is_stable`; a dir without it may be partial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from loguru import logger
+
+STABLE = "STABLE"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_of(name: str) -> int | None:
+    """n for a `step_{n}` name, else None."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def step_dirs(root: str | Path) -> dict[int, Path]:
+    """`step_N` subdirs of `root` by step, ascending (temp dirs and other names are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return {}
+    found = {step_of(d.name): d for d in root.iterdir() if d.is_dir()}
+    return {s: found[s] for s in sorted(s for s in found if s is not None)}
+
+
+def is_stable(path: str | Path) -> bool:
+    """Whether `path` carries the STABLE marker, i.e. was completely written."""
+    return (Path(path) / STABLE).exists()
+
+
+def steps_to_delete(steps: Iterable[int], keep_last: int | None, keep_interval: int | None) -> list[int]:
+    """Retention: keep the newest `keep_last` (all if None) plus multiples of `keep_interval`."""
+    if keep_last is None:
+        return []
+    steps = sorted(steps)
+    newest = set(steps[-keep_last:])
+    return [s for s in steps if s not in newest and not (keep_interval and s % keep_interval == 0)]
+
+
+class RunLayout:
+    """The paths of one run; every method that deletes only ever touches `step_N` dirs."""
+
+    def __init__(self, output_dir: str | Path):
+        self.root = Path(output_dir)
+        self.rollouts = self.root / "rollouts"
+        self.broadcast = self.root / "broadcast"
+        self.weights = self.root / "weights"
+        self.checkpoints = self.root / "checkpoints"
+        self.logs = self.root / "logs"
+        self.metrics = self.root / "metrics"
+        self.configs = self.root / "configs"
+
+    def batch_dir(self, step: int) -> Path:
+        return self.rollouts / f"step_{step}"
+
+    def broadcast_dir(self, step: int) -> Path:
+        return self.broadcast / f"step_{step}"
+
+    def weights_dir(self, step: int) -> Path:
+        return self.weights / f"step_{step}"
+
+    def checkpoint_dir(self, step: int, component: str) -> Path:
+        return self.checkpoints / f"step_{step}" / component
+
+    def checkpoints_of(self, component: str) -> dict[int, Path]:
+        """`component`'s checkpoint dirs by step, complete or not."""
+        return {s: d / component for s, d in step_dirs(self.checkpoints).items() if (d / component).is_dir()}
+
+    def complete_checkpoints(self, component: str, complete: Callable[[Path], bool] = is_stable) -> list[int]:
+        """Steps whose `component` checkpoint is complete by `complete(dir)`, ascending."""
+        return [s for s, d in self.checkpoints_of(component).items() if complete(d)]
+
+    def prune_checkpoints(
+        self,
+        component: str,
+        keep_last: int | None,
+        keep_interval: int | None,
+        complete: Callable[[Path], bool] = is_stable,
+    ) -> list[int]:
+        """Apply retention to `component`'s complete checkpoints; `step_N` itself goes with its last part."""
+        doomed = steps_to_delete(self.complete_checkpoints(component, complete), keep_last, keep_interval)
+        for step in doomed:
+            path = self.checkpoint_dir(step, component)
+            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()  # only once the other component has nothing there either
+        return doomed
+
+    def prune_batches(self, keep_from_step: int) -> list[Path]:
+        """Delete batches of steps < keep_from_step (the trainer has consumed them)."""
+        return _remove_steps(self.rollouts, lambda s: s < keep_from_step)
+
+    def prune_broadcast(self, keep_from_step: int, keep: set[int] = frozenset()) -> list[Path]:
+        """Delete broadcast dirs of steps < keep_from_step except those in `keep`."""
+        return _remove_steps(self.broadcast, lambda s: s < keep_from_step and s not in keep)
+
+    def clear_stale(self, start: int) -> list[Path]:
+        """Before a run (re)starts at step `start`: delete batches >= start and broadcast weights > start
+        that an earlier attempt left, so neither process can mistake them for this attempt's."""
+        stale = _remove_steps(self.rollouts, lambda s: s >= start) + _remove_steps(self.broadcast, lambda s: s > start)
+        if stale:
+            logger.warning(
+                f"removed {len(stale)} rollout/broadcast dirs past step {start} left by an earlier run: "
+                f"{sorted(str(p.relative_to(self.root)) for p in stale)}"
+            )
+        return stale
+
+
+def _remove_steps(root: Path, doomed: Callable[[int], bool]) -> list[Path]:
+    removed = [path for step, path in step_dirs(root).items() if doomed(step)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed

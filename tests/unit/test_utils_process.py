@@ -1,0 +1,82 @@
+"""Child processes: spawn with a log, wait for HTTP (up, died, timed out), stop a whole process group."""
+
+import sys
+import time
+
+import pytest
+
+from asyncrl.utils.process import ChildExited, free_port, serve, spawn, stop_group, stop_groups, tail, wait_for_http
+
+
+def test_wait_for_a_server_that_comes_up(tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    proc = serve(cmd, f"http://127.0.0.1:{port}/", tmp_path / "srv.log", timeout=30, poll=0.05)
+    assert proc.poll() is None
+    stop_group(proc)
+    assert proc.returncode is not None
+
+
+def test_serve_stops_a_server_that_never_answers(tmp_path):
+    cmd = [sys.executable, "-c", "import time; print('starting', flush=True); time.sleep(60)"]
+    with pytest.raises(TimeoutError, match=r"(?s)did not answer 200 within 2s.*starting"):
+        serve(cmd, f"http://127.0.0.1:{free_port()}/health", tmp_path / "s.log", timeout=2, poll=0.05)
+
+
+def test_a_dead_child_fails_early_with_its_log(tmp_path):
+    log = tmp_path / "logs" / "child.log"
+    proc = spawn([sys.executable, "-c", "import sys; print('boom here'); sys.exit(3)"], log)
+    start = time.monotonic()
+    with pytest.raises(ChildExited, match=r"(?s)exited with code 3.*boom here") as err:
+        wait_for_http(f"http://127.0.0.1:{free_port()}/health", timeout=60, proc=proc, log=log, poll=0.05)
+    assert err.value.returncode == 3 and time.monotonic() - start < 30
+
+
+def test_timeout_names_the_url():
+    url = f"http://127.0.0.1:{free_port()}/health"
+    with pytest.raises(TimeoutError, match=url):
+        wait_for_http(url, timeout=0.2, poll=0.05)
+
+
+def test_stop_reaches_grandchildren_and_kills_what_ignores_sigterm(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    parent = (
+        f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {stubborn!r}]); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    proc = spawn([sys.executable, "-c", parent], tmp_path / "p.log")
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.02)
+    grandchild = int(pid_file.read_text())
+    assert stop_groups([proc], grace=0.5) == []  # the parent obeys SIGTERM; its child is killed with the group
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    ready = tmp_path / "ready"
+    ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)"
+    code = f"{ignore}; open({str(ready)!r}, 'w'); time.sleep(60)"
+    proc = spawn([sys.executable, "-c", code], None)
+    while not ready.exists():
+        time.sleep(0.02)
+    assert stop_groups([proc], grace=0.3) == [proc] and proc.returncode == -9
+
+
+def test_tail(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text("".join(f"line {i}\n" for i in range(30)))
+    assert tail(log, 2, prefix="  ") == "  line 28\n  line 29"
+    assert "no log" in tail(tmp_path / "missing.log")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie awaiting its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
