@@ -70,7 +70,7 @@ def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
         import uvicorn
 
         from asyncrl.config.inference import InferenceConfig
-        from asyncrl.inference.server import build_backend, create_app
+        from asyncrl.inference.api.app import build_backend, create_app
 
         # num_threads: keep this test process's torch thread count as it is (the engine is in-process)
         config = InferenceConfig(

@@ -89,7 +89,7 @@ def server(chat_model_dir):
     import uvicorn
 
     from asyncrl.config.inference import InferenceConfig
-    from asyncrl.inference.server import build_backend, create_app
+    from asyncrl.inference.api.app import build_backend, create_app
 
     torch.set_num_threads(1)
     config = InferenceConfig(

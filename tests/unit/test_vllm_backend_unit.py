@@ -7,14 +7,14 @@ import torch
 from safetensors.torch import save_file
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.backend import InvalidRequest
-from asyncrl.inference.vllm_backend import (
+from asyncrl.inference.api.backend import InvalidRequest
+from asyncrl.inference.vllm.server import (
     WORKER_EXTENSION,
     _drop_null_assistant_fields,
     _with_token_strings,
     build_vllm_argv,
-    check_weight_dir,
 )
+from asyncrl.inference.weight_dir import check_weight_dir
 
 
 def flag(argv: list[str], name: str) -> str | None:

@@ -11,11 +11,11 @@ SUMMARY = "OpenAI-compatible inference server with token ids, logprobs and /upda
 
 def run(config: InferenceConfig) -> None:
     if config.backend == "vllm":
-        from asyncrl.inference.vllm_backend import run_vllm_server
+        from asyncrl.inference.vllm.server import run_vllm_server
 
         run_vllm_server(config)
     else:
-        from asyncrl.inference.server import run_server
+        from asyncrl.inference.api.app import run_server
 
         run_server(config)
 

@@ -5,6 +5,6 @@ The embedded torch+transformers engine is the default backend; importing this pa
 torch nor vllm.
 """
 
-from asyncrl.inference.server import create_app, run_server
+from asyncrl.inference.api.app import create_app, run_server
 
 __all__ = ["create_app", "run_server"]

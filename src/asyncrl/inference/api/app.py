@@ -20,8 +20,8 @@ from loguru import logger
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.backend import Backend, InvalidRequest
-from asyncrl.inference.chat import TemplateError
+from asyncrl.inference.api.backend import Backend, InvalidRequest
+from asyncrl.inference.api.chat import TemplateError
 
 _STATUS_TYPES = {
     400: "BadRequestError",
@@ -96,7 +96,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def create_app(backend: Backend, config: InferenceConfig) -> FastAPI:
     """The FastAPI app serving `backend`; starting/stopping the app starts/stops the backend."""
-    from asyncrl.inference import routes_extra, routes_openai
+    from asyncrl.inference.api import completions, tokens
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -148,8 +148,8 @@ def create_app(backend: Backend, config: InferenceConfig) -> FastAPI:
         data += [dict(id=n, root=n, parent=state.served_name, **card) for n in backend.lora_names()]
         return {"object": "list", "data": data}
 
-    app.include_router(routes_openai.router(state), dependencies=auth)
-    app.include_router(routes_extra.router(state), dependencies=auth)
+    app.include_router(completions.router(state), dependencies=auth)
+    app.include_router(tokens.router(state), dependencies=auth)
     return app
 
 
@@ -162,7 +162,7 @@ def build_backend(config: InferenceConfig) -> Backend:
 def run_server(config: InferenceConfig) -> None:
     """Serve `config.model` until interrupted (blocking). backend = "vllm" hands over to vllm_backend."""
     if config.backend == "vllm":
-        from asyncrl.inference.vllm_backend import run_vllm_server  # imports vllm; only on request
+        from asyncrl.inference.vllm.server import run_vllm_server  # imports vllm; only on request
 
         run_vllm_server(config)
         return

@@ -25,15 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from loguru import logger
-from safetensors import safe_open
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.backend import InvalidRequest
-from asyncrl.inference.weights import safetensors_files
+from asyncrl.inference.api.backend import InvalidRequest
+from asyncrl.inference.weight_dir import check_weight_dir, checkpoint_shapes
 from asyncrl.utils.errors import UserError
 
 UNGUARDED_PATHS = ("/health",)
-WORKER_EXTENSION = "asyncrl.inference.vllm_worker.WeightReloadExtension"
+WORKER_EXTENSION = "asyncrl.inference.vllm.worker.WeightReloadExtension"
 
 
 # --- config -> vLLM flags -------------------------------------------------------------------------
@@ -108,36 +107,6 @@ def check_cpu_head_dim(model: str, trust_remote_code: bool) -> None:
 
 
 # --- weight dirs ----------------------------------------------------------------------------------
-
-
-def checkpoint_shapes(path: str | Path, param: str = "weight_dir") -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of a HF safetensors dir, read from the file headers (no tensor data)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in safetensors_files(path, param=param):
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for key in fh.keys():
-                    shapes[key] = tuple(fh.get_slice(key).get_shape())
-        except Exception as e:  # truncated or not safetensors: the caller's mistake
-            raise InvalidRequest(f"cannot read {f}: {e}", param=param) from e
-    return shapes
-
-
-def check_weight_dir(weight_dir: str | Path, expected: dict[str, tuple[int, ...]] | None) -> None:
-    """Raise InvalidRequest unless `weight_dir` holds exactly the tensors (names, shapes) of `expected`."""
-    shapes = checkpoint_shapes(weight_dir)
-    if expected is None:  # base checkpoint not on local disk: only readability was checked
-        return
-    unexpected = sorted(set(shapes) - set(expected))
-    missing = sorted(set(expected) - set(shapes))
-    wrong = [f"{k}: {shapes[k]} vs {expected[k]}" for k in sorted(shapes) if k in expected and shapes[k] != expected[k]]
-    for what, items in (("unexpected tensors", unexpected), ("missing tensors", missing), ("shape mismatch", wrong)):
-        if items:
-            more = " ..." if len(items) > 3 else ""
-            raise InvalidRequest(
-                f"weights in '{weight_dir}' do not match the served model: {what} {items[:3]}{more}",
-                param="weight_dir",
-            )
 
 
 def local_checkpoint_dir(name: str) -> Path | None:

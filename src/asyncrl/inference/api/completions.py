@@ -19,16 +19,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from loguru import logger
 
-from asyncrl.inference.backend import InvalidRequest, SamplingParams, SeqDelta
-from asyncrl.inference.chat import ChatOutputParser, render_chat
-from asyncrl.inference.protocol import (
+from asyncrl.inference.api.app import ServerState
+from asyncrl.inference.api.backend import InvalidRequest, SamplingParams, SeqDelta
+from asyncrl.inference.api.chat import ChatOutputParser, render_chat
+from asyncrl.inference.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     check_token_ids,
     finite_logprob,
     resolve_max_tokens,
 )
-from asyncrl.inference.server import ServerState
 
 _DISCONNECT_POLL_S = 0.5
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from asyncrl.inference.backend import InvalidRequest, SamplingParams
+from asyncrl.inference.api.backend import InvalidRequest, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 Finite = dict(allow_inf_nan=False)

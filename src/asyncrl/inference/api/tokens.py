@@ -15,9 +15,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from asyncrl.inference.backend import InvalidRequest
-from asyncrl.inference.chat import render_chat
-from asyncrl.inference.protocol import (
+from asyncrl.inference.api.app import ServerState
+from asyncrl.inference.api.backend import InvalidRequest
+from asyncrl.inference.api.chat import render_chat
+from asyncrl.inference.api.completions import TokenText, chat_logprobs, collect, serve_chat, usage
+from asyncrl.inference.api.schemas import (
     ChatCompletionTokensRequest,
     DetokenizeRequest,
     GenerateRequest,
@@ -27,8 +29,6 @@ from asyncrl.inference.protocol import (
     check_token_ids,
     resolve_max_tokens,
 )
-from asyncrl.inference.routes_openai import TokenText, chat_logprobs, collect, serve_chat, usage
-from asyncrl.inference.server import ServerState
 
 
 def router(state: ServerState) -> APIRouter:
