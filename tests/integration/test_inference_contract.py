@@ -70,13 +70,14 @@ def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
         import uvicorn
 
         from asyncrl.config.inference import InferenceConfig
-        from asyncrl.inference.api.app import build_backend, create_app
+        from asyncrl.inference.api.app import create_app
+        from asyncrl.inference.engine import EmbeddedEngine
 
         # num_threads: keep this test process's torch thread count as it is (the engine is in-process)
         config = InferenceConfig(
             model=model, api_key=API_KEY, max_batch_size=16, num_threads=torch.get_num_threads(), **overrides
         )
-        engine = build_backend(config)
+        engine = EmbeddedEngine(config)
         app = create_app(engine, config)
         port = _free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.api.backend import InvalidRequest, SamplingParams
+from asyncrl.inference.api.backend import SamplingParams
+from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.engine import EmbeddedEngine
 from asyncrl.inference.engine.kv_cache import MaskBuilder, SlotKVCache
 

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from asyncrl.inference.api.backend import InvalidRequest
+from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,

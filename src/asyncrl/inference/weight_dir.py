@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from asyncrl.inference.api.backend import InvalidRequest
+from asyncrl.inference.api.errors import InvalidRequest
 
 
 def safetensors_files(path: str | Path, param: str = "weight_dir") -> list[Path]:

@@ -1,181 +1,67 @@
-"""The OpenAI-compatible HTTP server: app factory, auth, OpenAI-style errors, `run_server`.
+"""The app factory of the embedded server, and `install_api`, which mounts asyncrl's API on any app.
 
-Backend-agnostic: it serves any `Backend` (the embedded engine by default). The routes live in
-routes_openai.py (chat/completions) and routes_extra.py (tokenize, token routes, weights, LoRA);
-this module wires them with auth and the error handlers. It never imports vllm or verifiers.
+`install_api(app, engine, config, routers)` is the one way the API gets onto an app, ours or vLLM's:
+per-app state (deps.py), the one error body (errors.py), bearer auth (auth.py), then the routers.
+`create_app` builds the embedded server's app with every router; starting and stopping the app
+starts and stops its engine. Never imports torch or vllm.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
+from collections.abc import Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from loguru import logger
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import APIRouter, FastAPI
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.api.backend import Backend, InvalidRequest
-from asyncrl.inference.api.chat import TemplateError
+from asyncrl.inference.api import completions, tokens, training
+from asyncrl.inference.api.auth import install_auth
+from asyncrl.inference.api.backend import Backend, TrainingEngine
+from asyncrl.inference.api.deps import BackendDep, install_state
+from asyncrl.inference.api.errors import error_response, install_error_handlers
 
-_STATUS_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "BadRequestError",
-    409: "ConflictError",
-    413: "BadRequestError",
-    422: "BadRequestError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
+router = APIRouter()
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    if status == 401:
-        kind = "authentication_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code or _STATUS_TYPES.get(status)}}
-    return JSONResponse(body, status_code=status)
+@router.get("/health")
+async def health(backend: BackendDep):
+    if not backend.is_healthy():
+        return error_response(503, "engine is not running")
+    return {"status": "ok"}
 
 
-@dataclass
-class ServerState:
-    """What every route needs: the backend and the serving options of the config."""
-
-    backend: Backend
-    config: InferenceConfig
-
-    @property
-    def served_name(self) -> str:
-        return self.backend.model_name
-
-    def resolve_model(self, name: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names (None: the base model); unknown names are 404."""
-        if name is None or name == self.served_name:
-            return None
-        if name in self.backend.lora_names():
-            return name
-        raise InvalidRequest(
-            f"The model `{name}` does not exist. Served: {[self.served_name, *self.backend.lora_names()]}",
-            param="model",
-            status=404,
-            code="model_not_found",
-        )
+@router.get("/v1/models")
+async def models(backend: BackendDep):
+    card = dict(object="model", created=int(time.time()), owned_by="asyncrl", max_model_len=backend.max_model_len)
+    base = backend.model_name
+    data: list[dict[str, Any]] = [dict(id=base, root=base, parent=None, **card)]
+    data += [dict(id=n, root=n, parent=base, **card) for n in backend.lora_names()]
+    return {"object": "list", "data": data}
 
 
-def _auth_dependency(api_key: str | None):
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
-            raise InvalidRequest("Invalid or missing API key (send 'Authorization: Bearer <key>')", status=401)
-
-    return check
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    where = ".".join(loc)
-    msg = first.get("msg", "invalid value")
-    if first.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
-    return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
+def install_api(app: FastAPI, engine: TrainingEngine, config: InferenceConfig, routers: Iterable[APIRouter]) -> None:
+    """Serve `routers` on `app` against `engine`, with the one error body and bearer auth."""
+    install_state(app, engine, config)
+    install_error_handlers(app)
+    install_auth(app, config.api_key)
+    for r in routers:
+        app.include_router(r)
 
 
 def create_app(backend: Backend, config: InferenceConfig) -> FastAPI:
-    """The FastAPI app serving `backend`; starting/stopping the app starts/stops the backend."""
-    from asyncrl.inference.api import completions, tokens
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await backend.start()
-        try:
-            yield
-        finally:
-            await backend.shutdown()
-
-    app = FastAPI(title="asyncrl inference", lifespan=lifespan)
-    state = ServerState(backend, config)
-    app.state.server = state
-
-    @app.exception_handler(InvalidRequest)
-    async def _invalid(_: Request, exc: InvalidRequest):
-        return error_response(exc.status, exc.message, exc.param, exc.code)
-
-    @app.exception_handler(TemplateError)
-    async def _template(_: Request, exc: TemplateError):
-        return error_response(400, str(exc), "messages")
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return error_response(400, message, param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception):
-        logger.exception("unhandled error in a request")
-        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
-
-    @app.get("/health")
-    async def health():
-        if not backend.is_healthy():
-            return error_response(503, "engine is not running")
-        return {"status": "ok"}
-
-    auth = [Depends(_auth_dependency(config.api_key))]
-
-    @app.get("/v1/models", dependencies=auth)
-    async def models():
-        created = int(time.time())
-        card = dict(object="model", created=created, owned_by="asyncrl", max_model_len=backend.max_model_len)
-        data: list[dict[str, Any]] = [dict(id=state.served_name, root=state.served_name, parent=None, **card)]
-        data += [dict(id=n, root=n, parent=state.served_name, **card) for n in backend.lora_names()]
-        return {"object": "list", "data": data}
-
-    app.include_router(completions.router(state), dependencies=auth)
-    app.include_router(tokens.router(state), dependencies=auth)
+    """The embedded server's app serving `backend`."""
+    app = FastAPI(title="asyncrl inference", lifespan=_lifespan)
+    install_api(app, backend, config, [router, completions.router, tokens.router, training.router])
     return app
 
 
-def build_backend(config: InferenceConfig) -> Backend:
-    from asyncrl.inference.engine import EmbeddedEngine
-
-    return EmbeddedEngine(config)
-
-
-def run_server(config: InferenceConfig) -> None:
-    """Serve `config.model` until interrupted (blocking). backend = "vllm" hands over to vllm_backend."""
-    if config.backend == "vllm":
-        from asyncrl.inference.vllm.server import run_vllm_server  # imports vllm; only on request
-
-        run_vllm_server(config)
-        return
-    import uvicorn
-
-    app = create_app(build_backend(config), config)
-    level = "debug" if config.log.level == "debug" else "warning"
-    logger.info(f"serving {config.model.name} on http://{config.server.host}:{config.server.port}")
-    uvicorn.run(
-        app,
-        host=config.server.host,
-        port=config.server.port,
-        log_level=level,
-        access_log=config.log.level == "debug",
-        timeout_keep_alive=60,
-    )
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    backend: Backend = app.state.asyncrl_engine
+    await backend.start()
+    try:
+        yield
+    finally:
+        await backend.shutdown()

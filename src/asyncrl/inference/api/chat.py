@@ -14,13 +14,18 @@ import re
 import uuid
 from typing import Any
 
+from asyncrl.inference.api.errors import InvalidRequest
+
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)$", re.DOTALL)
 
 
-class TemplateError(ValueError):
-    """The messages cannot be rendered (bad roles/content for this template)."""
+class TemplateError(InvalidRequest):
+    """The messages cannot be rendered (bad roles/content for this template): a 400 on `messages`."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="messages")
 
 
 def _text_content(content: Any) -> Any:

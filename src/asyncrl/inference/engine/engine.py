@@ -25,7 +25,8 @@ import torch
 from loguru import logger
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.api.backend import Backend, InvalidRequest, SamplingParams, SeqDelta
+from asyncrl.inference.api.backend import Backend, SamplingParams, SeqDelta
+from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.engine.kv_cache import MaskBuilder, SlotKVCache
 from asyncrl.inference.engine.lora import LoraAdapter, LoraManager, read_adapter
 from asyncrl.inference.engine.prefix_cache import PrefixCache

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.inference.api.backend import InvalidRequest
+from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.engine.weight_loading import read_state_dict
 
 _PREFIX = "base_model.model."

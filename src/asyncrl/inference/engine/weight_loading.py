@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from asyncrl.inference.api.backend import InvalidRequest
+from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.weight_dir import safetensors_files
 
 
