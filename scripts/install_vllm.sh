@@ -33,6 +33,8 @@ pip install -q --no-deps -e "$root"
 "$venv/bin/python" - <<'EOF'
 import importlib.util, sys
 import vllm, torch
+import asyncrl.inference.vllm.adapter  # noqa: F401
+import asyncrl.inference.vllm.routes  # noqa: F401
 import asyncrl.inference.vllm.server  # noqa: F401
 for name in ("torchvision", "torchaudio", "torchcodec", "verifiers"):
     if importlib.util.find_spec(name):
