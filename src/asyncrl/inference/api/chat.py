@@ -5,6 +5,8 @@
 - `parse_hermes_tool_calls`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
 - `split_reasoning`: `<think>...</think>` into (reasoning, content), qwen3 or deepseek_r1 rules.
 - `StreamingChatParser`: the same two parses incrementally, for SSE deltas.
+
+Messages that cannot be rendered raise `TemplateError`, an `InvalidRequest` (400) on `messages`.
 """
 
 from __future__ import annotations
