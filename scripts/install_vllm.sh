@@ -33,7 +33,9 @@ pip install -q --no-deps -e "$root"
 "$venv/bin/python" - <<'EOF'
 import importlib.util, sys
 import vllm, torch
-import asyncrl.inference.vllm_backend  # noqa: F401
+import asyncrl.inference.vllm.adapter  # noqa: F401
+import asyncrl.inference.vllm.routes  # noqa: F401
+import asyncrl.inference.vllm.server  # noqa: F401
 for name in ("torchvision", "torchaudio", "torchcodec", "verifiers"):
     if importlib.util.find_spec(name):
         sys.exit(f"{name} is installed in the vLLM env; it must not be")

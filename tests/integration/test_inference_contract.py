@@ -40,6 +40,9 @@ REPLY = '<think>ok</think>hi<tool_call>{"name": "f", "arguments": {"x": 1}}</too
 TOOLS = [{"type": "function", "function": {"name": "f", "description": "f", "parameters": {"type": "object"}}}]
 LOGPROB_TOL = {"embedded": 2e-5, "vllm": 1e-4}
 EOS_IDS = [256, 258]  # <|endoftext|>, <|im_end|>: the tiny model's generation_config eos ids
+# The error body's `type` for each status (vLLM's names), on every backend
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               422: "UnprocessableEntityError"}  # fmt: skip
 
 
 @dataclass
@@ -64,13 +67,14 @@ def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
         import uvicorn
 
         from asyncrl.config.inference import InferenceConfig
-        from asyncrl.inference.server import build_backend, create_app
+        from asyncrl.inference.api.app import create_app
+        from asyncrl.inference.engine import EmbeddedEngine
 
         # num_threads: keep this test process's torch thread count as it is (the engine is in-process)
         config = InferenceConfig(
             model=model, api_key=API_KEY, max_batch_size=16, num_threads=torch.get_num_threads(), **overrides
         )
-        engine = build_backend(config)
+        engine = EmbeddedEngine(config)
         app = create_app(engine, config)
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -246,6 +250,7 @@ def assert_error(r: httpx.Response, status: int | tuple[int, ...] = 400) -> None
     err = r.json()["error"]
     assert isinstance(err["message"], str) and err["message"]
     assert {"type", "param", "code"} <= set(err)
+    assert err["code"] == r.status_code and err["type"] == ERROR_TYPES[r.status_code], err  # vLLM's shape
 
 
 def assert_alive(http, server) -> None:
@@ -656,6 +661,61 @@ def test_bad_requests_are_4xx(server, http):
     for r in cases:
         assert_error(r, (400, 404, 422))
     assert_alive(http, server)
+
+
+def _error(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES[status], "param": param, "code": status}}
+
+
+def _same_error_cases(server, tmp_path) -> list[tuple[str, str, dict, dict]]:
+    """(method, path, request kwargs, expected body): the whole JSON, the same on every backend.
+
+    Left out because the backends cannot answer alike: bad sampling values, empty or role-less messages
+    and an over-long max_tokens on /v1/chat/completions (vLLM validates these with its own schema and
+    wording); a weight dir of another architecture (the embedded engine checks it against the live
+    model's parameters, tied aliases included, vLLM against the base checkpoint's headers); body
+    errors of /tokenize (vLLM's own route); an unknown `model` (both say "The model `x` does not exist.
+    Valid aliases: <served name>.", but vLLM replaces file paths in its messages with `<path>`, and the
+    served name here is the model's dir).
+    """
+    json_ct = {"content": b"{not json", "headers": {**AUTH, "content-type": "application/json"}}
+    missing, adapter = str(tmp_path / "missing"), tmp_path / "adapter_dir"
+    adapter.mkdir()
+    bad_json = _error(400, "request body is not valid JSON: Expecting property name enclosed in double quotes")
+    too_long = (
+        "This model's maximum context length is 512 tokens. However, you requested 1000001 tokens (1 in the "
+        "input, 1000000 in the completion). Please reduce the length of the input or of max_tokens."
+    )
+    no_key = _error(401, "Invalid or missing API key (send 'Authorization: Bearer <key>')")
+    return [
+        ("POST", "/update_weights", {"json": {}}, _error(400, "weight_dir: Field required", "weight_dir")),
+        ("POST", "/update_weights", {"json": {"weight_dir": missing}},
+         _error(400, f"weight_dir '{missing}' does not exist or is not a directory", "weight_dir")),
+        ("POST", "/update_weights", json_ct, bad_json),
+        ("POST", "/v1/chat/completions", json_ct, bad_json),
+        ("POST", "/load_lora_adapter", {"json": {"lora_name": "x"}},
+         _error(400, "lora_path: Field required", "lora_path")),
+        ("POST", "/load_lora_adapter", {"json": {"lora_name": "x", "lora_path": missing}},
+         _error(400, f"lora_path '{missing}' is not a directory", "lora_path")),
+        ("POST", "/load_lora_adapter", {"json": {"lora_name": server.model, "lora_path": str(adapter)}},
+         _error(400, "lora_name must differ from the served model's name", "lora_name")),
+        ("POST", "/inference/v1/generate",
+         {"json": {"model": server.model, "token_ids": [1], "sampling_params": {"max_tokens": 10**6}}},
+         _error(400, too_long, "max_tokens")),
+        ("GET", "/no-such-route", {}, _error(404, "Not Found")),
+        ("GET", "/update_weights", {}, _error(405, "Method Not Allowed")),
+        ("POST", "/update_weights", {"json": {"weight_dir": missing}, "headers": {}}, no_key),
+        ("POST", "/v1/chat/completions", {**json_ct, "headers": {"Authorization": "Bearer wrong"}}, no_key),
+        ("GET", "/v1/models", {"headers": {"Authorization": API_KEY}}, no_key),
+    ]  # fmt: skip
+
+
+def test_error_bodies_are_the_same_on_every_backend(server, tmp_path):
+    """Our routes and vLLM's native ones answer the same bad request with the same whole body."""
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        for method, path, kwargs, expected in _same_error_cases(server, tmp_path):
+            r = client.request(method, path, **{"headers": AUTH, **kwargs})
+            assert (r.status_code, r.json()) == (expected["error"]["code"], expected), (method, path, kwargs)
 
 
 # ---- verifiers' token client end to end -----------------------------------------------------------

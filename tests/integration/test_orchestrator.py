@@ -83,7 +83,8 @@ def server(chat_model_dir):
     import uvicorn
 
     from asyncrl.config.inference import InferenceConfig
-    from asyncrl.inference.server import build_backend, create_app
+    from asyncrl.inference.api.app import create_app
+    from asyncrl.inference.engine import EmbeddedEngine
 
     torch.set_num_threads(1)
     config = InferenceConfig(
@@ -96,7 +97,7 @@ def server(chat_model_dir):
         max_batch_size=16,
         seed=0,
     )
-    app = create_app(build_backend(config), config)
+    app = create_app(EmbeddedEngine(config), config)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)

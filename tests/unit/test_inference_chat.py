@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from asyncrl.inference.chat import (
+from asyncrl.inference.api.chat import (
     ChatOutputParser,
     TemplateError,
     parse_hermes_tool_calls,

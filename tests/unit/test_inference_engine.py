@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.backend import InvalidRequest, SamplingParams
+from asyncrl.inference.api.backend import SamplingParams
+from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.engine import EmbeddedEngine
-from asyncrl.inference.kv_cache import MaskBuilder, SlotKVCache
+from asyncrl.inference.engine.kv_cache import MaskBuilder, SlotKVCache
 
 
 def make_engine(model_dir, **kw) -> EmbeddedEngine:

@@ -3,8 +3,8 @@
 import pytest
 from pydantic import ValidationError
 
-from asyncrl.inference.backend import InvalidRequest
-from asyncrl.inference.protocol import (
+from asyncrl.inference.api.errors import InvalidRequest
+from asyncrl.inference.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,

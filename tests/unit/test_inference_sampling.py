@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from asyncrl.inference.backend import SamplingParams
-from asyncrl.inference.sampling import RowSampler, sample
+from asyncrl.inference.api.backend import SamplingParams
+from asyncrl.inference.engine.sampling import RowSampler, sample
 
 CPU = torch.device("cpu")
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from asyncrl.inference.backend import SamplingParams
-from asyncrl.inference.sequence import Sequence
+from asyncrl.inference.api.backend import SamplingParams
+from asyncrl.inference.engine.sequence import Sequence
 
 EOS = 258  # <|im_end|>
 

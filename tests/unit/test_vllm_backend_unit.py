@@ -7,14 +7,10 @@ import torch
 from safetensors.torch import save_file
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.backend import InvalidRequest
-from asyncrl.inference.vllm_backend import (
-    WORKER_EXTENSION,
-    _drop_null_assistant_fields,
-    _with_token_strings,
-    build_vllm_argv,
-    check_weight_dir,
-)
+from asyncrl.inference.api.errors import InvalidRequest
+from asyncrl.inference.vllm.server import WORKER_EXTENSION, build_vllm_argv
+from asyncrl.inference.vllm.shims import drop_null_assistant_fields, with_token_strings
+from asyncrl.inference.weight_dir import check_weight_dir
 
 
 def flag(argv: list[str], name: str) -> str | None:
@@ -95,7 +91,7 @@ def test_generate_logprobs_get_token_id_strings():
         {"token_id": 5, "logprob": -1.0, "top_logprobs": [{"token_id": 5, "logprob": -1.0}]},
         {"token_id": 7, "logprob": -2.0, "top_logprobs": []},
     ]}}, {"token_ids": [], "logprobs": None}]}  # fmt: skip
-    out = _with_token_strings(body)["choices"][0]["logprobs"]["content"]
+    out = with_token_strings(body)["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in out] == ["token_id:5", "token_id:7"]
     assert out[0]["top_logprobs"][0]["token"] == "token_id:5" and out[0]["token_id"] == 5
 
@@ -105,7 +101,7 @@ def test_null_fields_of_assistant_turns_are_dropped():
         {"role": "user", "content": "hi", "name": None},
         {"role": "assistant", "content": None, "tool_calls": None, "reasoning_content": "r"},
     ]}  # fmt: skip
-    out = json.loads(_drop_null_assistant_fields(json.dumps(body).encode()))
+    out = json.loads(drop_null_assistant_fields(json.dumps(body).encode()))
     assert out["messages"][1] == {"role": "assistant", "content": None, "reasoning_content": "r"}
     assert out["messages"][0] == body["messages"][0] and out["tools"] is None  # only assistant turns
-    assert _drop_null_assistant_fields(b"{not json") == b"{not json"
+    assert drop_null_assistant_fields(b"{not json") == b"{not json"

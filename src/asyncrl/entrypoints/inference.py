@@ -10,14 +10,9 @@ SUMMARY = "OpenAI-compatible inference server with token ids, logprobs and /upda
 
 
 def run(config: InferenceConfig) -> None:
-    if config.backend == "vllm":
-        from asyncrl.inference.vllm_backend import run_vllm_server
+    from asyncrl.inference import serve
 
-        run_vllm_server(config)
-    else:
-        from asyncrl.inference.server import run_server
-
-        run_server(config)
+    serve(config)
 
 
 def main(argv: list[str] | None = None) -> None:

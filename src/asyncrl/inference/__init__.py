@@ -1,10 +1,11 @@
-"""The `inference` component: an OpenAI-compatible server (token ids + logprobs) over a pluggable engine.
+"""The `inference` component: an OpenAI-compatible server (token ids + logprobs) with RL training routes.
 
-`run_server(config)` serves until interrupted; `create_app(backend, config)` builds the ASGI app.
-The embedded torch+transformers engine is the default backend; importing this package loads neither
-torch nor vllm.
+`serve(config)` picks the engine (embedded torch engine or vLLM) and serves until interrupted.
+Packages: `api` (the HTTP API, engine-agnostic), `engine` (the embedded engine), `vllm` (vLLM's server
+with the API mounted on it). Importing this package loads neither torch nor vllm, and nothing in it
+imports the orchestrator or the trainer.
 """
 
-from asyncrl.inference.server import create_app, run_server
+from asyncrl.inference.serving import serve
 
-__all__ = ["create_app", "run_server"]
+__all__ = ["serve"]

@@ -1,40 +1,19 @@
-"""Read and validate a HF safetensors weight dir against a live model, before anything is swapped.
+"""Load a HF safetensors weight dir into the embedded engine's live model, validated before anything is swapped.
 
 Everything that can be wrong with a weight dir (missing, empty, other architecture, other shapes) is
-found here and raised as `InvalidRequest`, so the model keeps serving its current weights.
+found before the copy and raised as `InvalidRequest`, so the model keeps serving its current weights.
+Tied parameters count as present when any of their aliases is.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from asyncrl.inference.backend import InvalidRequest
-
-
-def safetensors_files(path: str | Path, param: str = "weight_dir") -> list[Path]:
-    """The safetensors files of a HF weight dir (the shards of its index if it has one)."""
-    root = Path(path)
-    if not root.is_dir():
-        raise InvalidRequest(f"{param} '{path}' does not exist or is not a directory", param=param)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as e:
-            raise InvalidRequest(f"{index} is not a valid safetensors index ({e})", param=param) from e
-        files = [root / s for s in shards]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise InvalidRequest(f"{param} '{path}' lacks shards listed in its index: {missing[:3]}", param=param)
-        return files
-    files = sorted(p for p in root.glob("*.safetensors") if not p.name.startswith("adapter_"))
-    if not files:
-        raise InvalidRequest(f"{param} '{path}' contains no *.safetensors files", param=param)
-    return files
+from asyncrl.inference.api.errors import InvalidRequest
+from asyncrl.inference.weight_dir import safetensors_files
 
 
 def read_state_dict(files: list[Path], param: str = "weight_dir") -> dict[str, torch.Tensor]:

@@ -5,6 +5,8 @@
 - `parse_hermes_tool_calls`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
 - `split_reasoning`: `<think>...</think>` into (reasoning, content), qwen3 or deepseek_r1 rules.
 - `StreamingChatParser`: the same two parses incrementally, for SSE deltas.
+
+Messages that cannot be rendered raise `TemplateError`, an `InvalidRequest` (400) on `messages`.
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ import re
 import uuid
 from typing import Any
 
+from asyncrl.inference.api.errors import InvalidRequest
+
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)$", re.DOTALL)
 
 
-class TemplateError(ValueError):
-    """The messages cannot be rendered (bad roles/content for this template)."""
+class TemplateError(InvalidRequest):
+    """The messages cannot be rendered (bad roles/content for this template): a 400 on `messages`."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="messages")
 
 
 def _text_content(content: Any) -> Any:

@@ -1,7 +1,9 @@
-"""The contract between the HTTP server and an engine: sampling parameters, output deltas, `Backend`.
+"""What the API asks of an engine: `TrainingEngine` (the training routes), `Backend` (all the routes).
 
-The server (server.py, routes) only talks to a `Backend`; the embedded engine implements it, and any
-other engine can too. Nothing here imports torch.
+Both engines implement `TrainingEngine`: the training routes (api/training.py) are written once
+against it and mounted on either app. `Backend` is an engine the API drives entirely (generation,
+tokenizer, adapters): the embedded engine implements it, and any other engine can too. Also the
+sampling parameters and output deltas passed across it. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -9,18 +11,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-
-class InvalidRequest(Exception):
-    """A request the engine refuses (bad weights dir, unknown adapter, ...): the server answers 4xx."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.code = code
+from asyncrl.inference.api.errors import InvalidRequest
 
 
 @dataclass
@@ -65,8 +58,23 @@ class SeqDelta:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
+class TrainingEngine(Protocol):
+    """What RL training changes in a live engine; each call returns once the change is served."""
+
+    model_name: str
+
+    async def update_weights(self, weight_dir: str) -> None:
+        """Load a HF safetensors dir into the live model (raise InvalidRequest if it does not fit)."""
+
+    async def reload_weights(self) -> None:
+        """Go back to the weights the server started with."""
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Register (or replace) a PEFT adapter; requests with model=lora_name then use it."""
+
+
 class Backend(ABC):
-    """An engine the OpenAI-compatible server can serve."""
+    """An engine the whole API can serve (a `TrainingEngine` that also generates)."""
 
     model_name: str
     max_model_len: int
@@ -107,3 +115,12 @@ class Backend(ABC):
 
     def is_healthy(self) -> bool:
         return True
+
+    def resolve_model(self, name: str | None) -> str | None:
+        """The adapter a request's `model` names (None: the base model); an unknown name is vLLM's 404."""
+        if name is None or name == self.model_name:
+            return None
+        if name in self.lora_names():
+            return name
+        message = f"The model `{name}` does not exist. Valid aliases: {self.model_name}."
+        raise InvalidRequest(message, param="model", status=404)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.inference.backend import SamplingParams
+from asyncrl.inference.api.backend import SamplingParams
 
 
 @dataclass

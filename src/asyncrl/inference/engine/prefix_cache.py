@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.inference.kv_cache import SlotKVCache
+from asyncrl.inference.engine.kv_cache import SlotKVCache
 
 
 @dataclass(eq=False)  # entries are compared by identity (their fields are tensors)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.inference.backend import InvalidRequest
-from asyncrl.inference.weights import read_state_dict
+from asyncrl.inference.api.errors import InvalidRequest
+from asyncrl.inference.engine.weight_loading import read_state_dict
 
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")

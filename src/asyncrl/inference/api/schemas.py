@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from asyncrl.inference.backend import InvalidRequest, SamplingParams
+from asyncrl.inference.api.backend import SamplingParams
+from asyncrl.inference.api.errors import InvalidRequest
 
 MAX_TOP_LOGPROBS = 20
 Finite = dict(allow_inf_nan=False)
@@ -224,7 +225,6 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
             f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length of the input.",
             param="messages",
-            code="context_length_exceeded",
         )
     if requested is None:
         return max_model_len - prompt_len
@@ -234,7 +234,6 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
             f"{prompt_len + requested} tokens ({prompt_len} in the input, {requested} in the completion). "
             "Please reduce the length of the input or of max_tokens.",
             param="max_tokens",
-            code="context_length_exceeded",
         )
     return requested
 

@@ -25,13 +25,14 @@ import torch
 from loguru import logger
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.backend import Backend, InvalidRequest, SamplingParams, SeqDelta
-from asyncrl.inference.kv_cache import MaskBuilder, SlotKVCache
-from asyncrl.inference.lora import LoraAdapter, LoraManager, read_adapter
-from asyncrl.inference.prefix_cache import PrefixCache
-from asyncrl.inference.sampling import RowSampler, sample
-from asyncrl.inference.sequence import Sequence
-from asyncrl.inference.weights import copy_into, load_matching_weights
+from asyncrl.inference.api.backend import Backend, SamplingParams, SeqDelta
+from asyncrl.inference.api.errors import InvalidRequest
+from asyncrl.inference.engine.kv_cache import MaskBuilder, SlotKVCache
+from asyncrl.inference.engine.lora import LoraAdapter, LoraManager, read_adapter
+from asyncrl.inference.engine.prefix_cache import PrefixCache
+from asyncrl.inference.engine.sampling import RowSampler, sample
+from asyncrl.inference.engine.sequence import Sequence
+from asyncrl.inference.engine.weight_loading import copy_into, load_matching_weights
 from asyncrl.utils.errors import UserError
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -1,7 +1,9 @@
-"""OpenAI routes: POST /v1/chat/completions and /v1/completions (JSON or SSE), with vLLM's extras
-(`return_token_ids` -> choices[].token_ids + prompt_token_ids, `top_k`, `min_p`, `stop_token_ids`, ...).
+"""OpenAI routes for a `Backend`: POST /v1/chat/completions and /v1/completions (JSON or SSE), with
+vLLM's extras (`return_token_ids` -> choices[].token_ids + prompt_token_ids, `top_k`, `min_p`,
+`stop_token_ids`, ...). On vLLM's app, vLLM's own routes serve these paths.
 
-`serve_chat` and `collect` are shared with the token routes in routes_extra.py.
+`serve_chat`, `collect` and the logprob helpers are shared with the token routes (tokens.py). An error
+after a stream has started is reported in-band, as an SSE event carrying the one error body.
 """
 
 from __future__ import annotations
@@ -19,18 +21,22 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from loguru import logger
 
-from asyncrl.inference.backend import InvalidRequest, SamplingParams, SeqDelta
-from asyncrl.inference.chat import ChatOutputParser, render_chat
-from asyncrl.inference.protocol import (
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.inference.api.backend import Backend, SamplingParams, SeqDelta
+from asyncrl.inference.api.chat import ChatOutputParser, render_chat
+from asyncrl.inference.api.deps import BackendDep, Config
+from asyncrl.inference.api.errors import InvalidRequest, error_body
+from asyncrl.inference.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     check_token_ids,
     finite_logprob,
     resolve_max_tokens,
 )
-from asyncrl.inference.server import ServerState
 
 _DISCONNECT_POLL_S = 0.5
+
+router = APIRouter()
 
 
 @dataclass
@@ -84,6 +90,11 @@ def chat_logprobs(text: TokenText, ids: list[int], lps: list[float], top: list, 
     return {"content": content}
 
 
+def as_token_ids(body: Any) -> bool:
+    """Whether the request asked for `token_id:<id>` strings in place of token texts (vLLM's extra)."""
+    return bool(body.model_extra and body.model_extra.get("return_tokens_as_token_ids"))
+
+
 def usage(prompt_len: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
 
@@ -118,13 +129,13 @@ async def collect(request: Request, stream: AsyncIterator[SeqDelta], n: int) -> 
     return choices
 
 
-def _tool_parsing(state: ServerState, body: ChatCompletionRequest) -> bool:
+def _tool_parsing(config: InferenceConfig, body: ChatCompletionRequest) -> bool:
     """Whether to parse tool calls out of this request's output."""
     if not body.tools or body.tool_choice == "none":
         return False
     if body.tool_choice == "required" or isinstance(body.tool_choice, dict):
         raise InvalidRequest("tool_choice 'required' or a named function is not supported; use 'auto'", "tool_choice")
-    enabled = state.config.model.enable_auto_tool_choice
+    enabled = config.model.enable_auto_tool_choice
     if body.tool_choice == "auto" and not enabled:
         raise InvalidRequest(
             '"auto" tool choice needs the server started with --model.enable-auto-tool-choice '
@@ -134,10 +145,10 @@ def _tool_parsing(state: ServerState, body: ChatCompletionRequest) -> bool:
     return enabled
 
 
-def chat_params(state: ServerState, body: ChatCompletionRequest, prompt_ids: list[int]) -> SamplingParams:
-    check_token_ids(prompt_ids, state.backend.vocab_size, "tokens")
-    body.check_vocab(state.backend.vocab_size)
-    max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids), state.backend.max_model_len)
+def chat_params(backend: Backend, body: ChatCompletionRequest, prompt_ids: list[int]) -> SamplingParams:
+    check_token_ids(prompt_ids, backend.vocab_size, "tokens")
+    body.check_vocab(backend.vocab_size)
+    max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(prompt_ids), backend.max_model_len)
     return body.to_params(max_tokens, body.logprobs_k())
 
 
@@ -208,7 +219,7 @@ class _ChatRun:
                 yield sse(dict(base, choices=[], usage=usage(len(self.prompt_ids), n_completion)))
         except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
             logger.exception("streaming chat completion failed")
-            yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
+            yield sse(error_body(500, str(e)))
         yield "data: [DONE]\n\n"
 
     def _chunk_choice(self, parser: ChatOutputParser, d: SeqDelta) -> dict[str, Any]:
@@ -232,20 +243,22 @@ class _ChatRun:
         return choice
 
 
-async def serve_chat(state: ServerState, request: Request, body: ChatCompletionRequest, prompt_ids: list[int]):
+async def serve_chat(
+    backend: Backend, config: InferenceConfig, request: Request, body: ChatCompletionRequest, prompt_ids: list[int]
+):
     """Run a chat request whose prompt is already tokenized; JSON or SSE response."""
-    lora = state.resolve_model(body.model)
+    lora = backend.resolve_model(body.model)
     run = _ChatRun(
         body=body,
-        params=chat_params(state, body, prompt_ids),
+        params=chat_params(backend, body, prompt_ids),
         prompt_ids=prompt_ids,
-        model=body.model or state.served_name,
-        reasoning_parser=state.config.model.reasoning_parser,
-        parse_tools=_tool_parsing(state, body),
-        text=TokenText(state.backend.tokenizer),
-        as_ids=bool(body.model_extra and body.model_extra.get("return_tokens_as_token_ids")),
+        model=body.model or backend.model_name,
+        reasoning_parser=config.model.reasoning_parser,
+        parse_tools=_tool_parsing(config, body),
+        text=TokenText(backend.tokenizer),
+        as_ids=as_token_ids(body),
     )
-    stream = state.backend.generate(prompt_ids, run.params, lora)
+    stream = backend.generate(prompt_ids, run.params, lora)
     if body.stream:
         return StreamingResponse(run.sse(stream), media_type="text/event-stream")
     return JSONResponse(run.response(await collect(request, stream, run.params.n)))
@@ -268,125 +281,151 @@ def _completion_logprobs(text: TokenText, r: ChoiceResult, as_ids: bool) -> dict
     }
 
 
-def router(state: ServerState) -> APIRouter:
-    api = APIRouter()
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, backend: BackendDep, config: Config):
+    prompt_ids = render_chat(
+        backend.tokenizer,
+        body.messages,
+        body.tools,
+        body.add_generation_prompt,
+        body.continue_final_message,
+        body.chat_template_kwargs,
+    )
+    return await serve_chat(backend, config, request, body, prompt_ids)
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prompt_ids = render_chat(
-            state.backend.tokenizer,
-            body.messages,
-            body.tools,
-            body.add_generation_prompt,
-            body.continue_final_message,
-            body.chat_template_kwargs,
-        )
-        return await serve_chat(state, request, body, prompt_ids)
 
-    @api.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        lora = state.resolve_model(body.model)
-        tok = state.backend.tokenizer
-        prompts = []
-        for p in body.prompts():
-            ids = tok.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else p
-            if not ids:
-                raise InvalidRequest("prompt is empty", param="prompt")
-            check_token_ids(ids, state.backend.vocab_size, "prompt")
-            prompts.append(ids)
-        body.check_vocab(state.backend.vocab_size)
-        params = [
-            body.to_params(resolve_max_tokens(body.max_tokens, len(ids), state.backend.max_model_len), body.logprobs)
-            for ids in prompts
-        ]
-        streams = []
-        try:
-            for ids, p in zip(prompts, params):
-                streams.append(state.backend.generate(ids, p, lora))
-        except Exception:
-            for s in streams:
-                await s.aclose()
-            raise
-        as_ids = bool(body.model_extra and body.model_extra.get("return_tokens_as_token_ids"))
-        text = TokenText(tok)
-        rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model or state.served_name
-        n = body.n
-        if body.stream:
-            return StreamingResponse(
-                _stream_completions(streams, body, prompts, rid, created, model, text, as_ids),
-                media_type="text/event-stream",
-            )
-        results = await asyncio.gather(*[collect(request, s, n) for s in streams])
-        choices = []
-        for p_idx, (ids, rs) in enumerate(zip(prompts, results)):
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, backend: BackendDep):
+    lora = backend.resolve_model(body.model)
+    prompts = _completion_prompts(backend, body)
+    streams = await _start_all(backend, body, prompts, lora)
+    run = _CompletionRun(body, prompts, body.model or backend.model_name, TokenText(backend.tokenizer))
+    if body.stream:
+        return StreamingResponse(_stream_completions(streams, run), media_type="text/event-stream")
+    return run.response(await asyncio.gather(*[collect(request, s, body.n) for s in streams]))
+
+
+def _completion_prompts(backend: Backend, body: CompletionRequest) -> list[list[int]]:
+    """The token ids of each prompt (text is encoded), checked non-empty and within the vocabulary."""
+    prompts = []
+    for p in body.prompts():
+        ids = backend.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else p
+        if not ids:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        check_token_ids(ids, backend.vocab_size, "prompt")
+        prompts.append(ids)
+    body.check_vocab(backend.vocab_size)
+    return prompts
+
+
+async def _start_all(
+    backend: Backend, body: CompletionRequest, prompts: list[list[int]], lora: str | None
+) -> list[AsyncIterator[SeqDelta]]:
+    """One generation per prompt; if one is refused, the ones already started are aborted."""
+    params = [body.to_params(resolve_max_tokens(body.max_tokens, len(ids), backend.max_model_len), body.logprobs)
+              for ids in prompts]  # fmt: skip
+    streams = []
+    try:
+        for ids, p in zip(prompts, params):
+            streams.append(backend.generate(ids, p, lora))
+    except Exception:
+        for s in streams:
+            await s.aclose()
+        raise
+    return streams
+
+
+@dataclass
+class _CompletionRun:
+    """One /v1/completions request in flight: what shapes its JSON response or its SSE chunks."""
+
+    body: CompletionRequest
+    prompts: list[list[int]]
+    model: str
+    text: TokenText
+    rid: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def as_ids(self) -> bool:
+        return as_token_ids(self.body)
+
+    def logprobs(self, r: ChoiceResult) -> dict[str, Any] | None:
+        return _completion_logprobs(self.text, r, self.as_ids) if self.body.logprobs is not None else None
+
+    def response(self, results: list[list[ChoiceResult]]) -> dict[str, Any]:
+        n, choices = self.body.n, []
+        for p_idx, (ids, rs) in enumerate(zip(self.prompts, results)):
             for i, r in enumerate(rs):
                 choice: dict[str, Any] = {
                     "index": p_idx * n + i,
                     "text": r.text,
-                    "logprobs": _completion_logprobs(text, r, as_ids) if body.logprobs is not None else None,
+                    "logprobs": self.logprobs(r),
                     "finish_reason": r.finish_reason,
                     "stop_reason": r.stop_reason,
                 }
-                if body.return_token_ids:
+                if self.body.return_token_ids:
                     choice["token_ids"] = r.token_ids
                     choice["prompt_token_ids"] = ids
                 choices.append(choice)
         completion_tokens = sum(len(r.token_ids) for rs in results for r in rs)
         return {
-            "id": rid,
+            "id": self.rid,
             "object": "text_completion",
-            "created": created,
-            "model": model,
+            "created": self.created,
+            "model": self.model,
             "choices": choices,
-            "usage": usage(sum(len(ids) for ids in prompts), completion_tokens),
+            "usage": usage(sum(len(ids) for ids in self.prompts), completion_tokens),
         }
 
-    return api
 
-
-async def _stream_completions(streams, body, prompts, rid, created, model, text, as_ids) -> AsyncIterator[str]:
+async def _stream_completions(streams: list[AsyncIterator[SeqDelta]], run: _CompletionRun) -> AsyncIterator[str]:
+    """SSE chunks of all prompts' generations as they come (choice index: prompt * n + sequence)."""
     queue: asyncio.Queue = asyncio.Queue()
-    n = body.n
-
-    async def pump(p_idx: int, stream) -> None:
-        try:
-            async with aclosing(stream) as it:
-                async for d in it:
-                    await queue.put((p_idx, d))
-        except Exception as e:  # noqa: BLE001
-            await queue.put((p_idx, e))
-        finally:
-            await queue.put((p_idx, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.ensure_future(_pump(queue, i, s)) for i, s in enumerate(streams)]
     live, n_completion = len(tasks), 0
-    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    base = {"id": run.rid, "object": "text_completion", "created": run.created, "model": run.model}
     try:
         while live:
             p_idx, item = await queue.get()
             if item is None:
                 live -= 1
-                continue
-            if isinstance(item, Exception):
-                yield sse({"error": {"message": str(item), "type": "server_error", "param": None, "code": 500}})
-                continue
-            n_completion += len(item.token_ids)
-            r = ChoiceResult()
-            r.add(item)
-            choice: dict[str, Any] = {
-                "index": p_idx * n + item.index,
-                "text": item.text,
-                "logprobs": _completion_logprobs(text, r, as_ids) if body.logprobs is not None else None,
-                "finish_reason": item.finish_reason,
-            }
-            if body.return_token_ids:
-                choice["token_ids"] = item.token_ids
-                if item.finish_reason is not None:
-                    choice["prompt_token_ids"] = prompts[p_idx]
-            yield sse(dict(base, choices=[choice]))
-        if body.stream_options and body.stream_options.include_usage:
-            yield sse(dict(base, choices=[], usage=usage(sum(len(p) for p in prompts), n_completion)))
+            elif isinstance(item, Exception):
+                yield sse(error_body(500, str(item)))
+            else:
+                n_completion += len(item.token_ids)
+                yield sse(dict(base, choices=[_completion_chunk(run, p_idx, item)]))
+        if run.body.stream_options and run.body.stream_options.include_usage:
+            yield sse(dict(base, choices=[], usage=usage(sum(len(p) for p in run.prompts), n_completion)))
         yield "data: [DONE]\n\n"
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def _pump(queue: asyncio.Queue, p_idx: int, stream: AsyncIterator[SeqDelta]) -> None:
+    """Forward one prompt's deltas to `queue` as (p_idx, delta), then an exception if any, then None."""
+    try:
+        async with aclosing(stream) as it:
+            async for d in it:
+                await queue.put((p_idx, d))
+    except Exception as e:  # noqa: BLE001
+        await queue.put((p_idx, e))
+    finally:
+        await queue.put((p_idx, None))
+
+
+def _completion_chunk(run: _CompletionRun, p_idx: int, d: SeqDelta) -> dict[str, Any]:
+    r = ChoiceResult()
+    r.add(d)
+    choice: dict[str, Any] = {
+        "index": p_idx * run.body.n + d.index,
+        "text": d.text,
+        "logprobs": run.logprobs(r),
+        "finish_reason": d.finish_reason,
+    }
+    if run.body.return_token_ids:
+        choice["token_ids"] = d.token_ids
+        if d.finish_reason is not None:
+            choice["prompt_token_ids"] = run.prompts[p_idx]
+    return choice

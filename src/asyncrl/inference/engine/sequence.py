@@ -5,7 +5,7 @@ Lives on the engine thread; every method is plain Python (no torch).
 
 from __future__ import annotations
 
-from asyncrl.inference.backend import SamplingParams, SeqDelta
+from asyncrl.inference.api.backend import SamplingParams, SeqDelta
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded with the output so leading-space rules apply correctly
 

@@ -1,0 +1,104 @@
+"""Token routes RL clients use beside OpenAI's, for a `Backend`:
+
+- POST /tokenize, /detokenize                  (vLLM-compatible)
+- POST /v1/chat/completions/tokens             (chat request + the exact prompt ids in `tokens`)
+- POST /inference/v1/generate                  (token ids in, token ids + logprobs `token_id:<id>` out)
+
+On vLLM's app, vLLM serves /tokenize and /detokenize itself and vllm/routes.py the other two.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from asyncrl.inference.api.backend import Backend
+from asyncrl.inference.api.chat import render_chat
+from asyncrl.inference.api.completions import ChoiceResult, TokenText, chat_logprobs, collect, serve_chat, usage
+from asyncrl.inference.api.deps import BackendDep, Config
+from asyncrl.inference.api.schemas import (
+    ChatCompletionTokensRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+    check_token_ids,
+    resolve_max_tokens,
+)
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, backend: BackendDep):
+    backend.resolve_model(body.model)
+    tok = backend.tokenizer
+    ids = _chat_ids(tok, body) if body.messages is not None else _prompt_ids(tok, body)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": backend.max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        out["token_strs"] = tok.convert_ids_to_tokens(ids)
+    return out
+
+
+def _chat_ids(tok, body: TokenizeRequest) -> list[int]:
+    ids = render_chat(
+        tok,
+        body.messages,
+        body.tools,
+        body.add_generation_prompt,
+        body.continue_final_message,
+        body.chat_template_kwargs,
+    )
+    return tok.build_inputs_with_special_tokens(ids) if body.add_special_tokens else ids
+
+
+def _prompt_ids(tok, body: TokenizeRequest) -> list[int]:
+    add = True if body.add_special_tokens is None else body.add_special_tokens
+    return tok.encode(body.prompt, add_special_tokens=add)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, backend: BackendDep):
+    backend.resolve_model(body.model)
+    check_token_ids(body.tokens, backend.vocab_size, "tokens")
+    return {"prompt": backend.tokenizer.decode(body.tokens)}
+
+
+@router.post("/v1/chat/completions/tokens")
+async def chat_completions_tokens(
+    body: ChatCompletionTokensRequest, request: Request, backend: BackendDep, config: Config
+):
+    return await serve_chat(backend, config, request, body, list(body.tokens))
+
+
+@router.post("/inference/v1/generate")
+async def generate(body: GenerateRequest, request: Request, backend: BackendDep):
+    lora = backend.resolve_model(body.model)
+    sp = body.sampling_params
+    check_token_ids(body.token_ids, backend.vocab_size, "token_ids")
+    sp.check_vocab(backend.vocab_size, "sampling_params.")
+    max_tokens = resolve_max_tokens(sp.max_tokens, len(body.token_ids), backend.max_model_len)
+    params = sp.to_params(max_tokens, sp.logprobs)
+    results = await collect(request, backend.generate(body.token_ids, params, lora), params.n)
+    return {
+        "request_id": f"gen-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": body.model or backend.model_name,
+        "choices": [_generate_choice(backend, i, r, params.logprobs is not None) for i, r in enumerate(results)],
+        "prompt_token_ids": body.token_ids,
+        "usage": usage(len(body.token_ids), sum(len(r.token_ids) for r in results)),
+    }
+
+
+def _generate_choice(backend: Backend, index: int, r: ChoiceResult, logprobs: bool) -> dict[str, Any]:
+    text = TokenText(backend.tokenizer)
+    return {
+        "index": index,
+        "token_ids": r.token_ids,
+        "text": r.text,
+        "finish_reason": r.finish_reason,
+        "stop_reason": r.stop_reason,
+        "logprobs": chat_logprobs(text, r.token_ids, r.logprobs, r.top, as_ids=True) if logprobs else None,
+    }

@@ -1,0 +1,45 @@
+"""The routes RL training drives, written once for both engines: /update_weights, /reload_weights,
+/load_lora_adapter.
+
+Mounted on the embedded app and on vLLM's app alike, against the app's `TrainingEngine`. Changes are
+serialized on the app's weights lock, and each route answers once the change is live. Everything a
+client can get wrong that needs no engine (missing fields, an adapter named like the served model,
+an adapter path that is no directory) is refused here, so both engines answer it identically.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter
+
+from asyncrl.inference.api.deps import Engine, WeightsLock
+from asyncrl.inference.api.errors import InvalidRequest
+from asyncrl.inference.api.schemas import LoadLoraRequest, UpdateWeightsRequest
+
+router = APIRouter()
+
+
+@router.post("/update_weights")
+async def update_weights(body: UpdateWeightsRequest, engine: Engine, lock: WeightsLock):
+    async with lock:
+        await engine.update_weights(body.weight_dir)
+    return {"status": "ok", "weight_dir": body.weight_dir}
+
+
+@router.post("/reload_weights")
+async def reload_weights(engine: Engine, lock: WeightsLock):
+    async with lock:
+        await engine.reload_weights()
+    return {"status": "ok", "weight_dir": None}
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoraRequest, engine: Engine, lock: WeightsLock):
+    if body.lora_name == engine.model_name:
+        raise InvalidRequest("lora_name must differ from the served model's name", param="lora_name")
+    if not Path(body.lora_path).is_dir():
+        raise InvalidRequest(f"lora_path '{body.lora_path}' is not a directory", param="lora_path")
+    async with lock:
+        await engine.load_lora_adapter(body.lora_name, body.lora_path)
+    return {"status": "ok", "lora_name": body.lora_name}

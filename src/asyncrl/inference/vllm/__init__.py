@@ -1,0 +1,4 @@
+"""`inference --backend vllm`: vLLM's own server in this process, with asyncrl's routes mounted on it.
+
+Only the modules that say so import vllm, and only the vLLM environment imports those.
+"""

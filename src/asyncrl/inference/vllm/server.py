@@ -1,0 +1,182 @@
+"""`inference --backend vllm`: vLLM's own OpenAI server, in this process, with asyncrl's API mounted on it.
+
+vLLM answers chat/completions (with `return_token_ids`, `prompt_token_ids` and logprobs), /tokenize,
+/health and its other routes itself. `mount_api` adds, through the same `install_api` as the embedded
+app: the training routes (api/training.py, over `VLLMEngine`, adapter.py), /v1/chat/completions/tokens
+and /inference/v1/generate (routes.py), the one error body and bearer auth (every route but /health).
+Also here: config -> vLLM flags. vllm is imported only inside functions, so the flag mapping can be
+used (and tested) without it.
+"""
+
+import asyncio
+import json
+import os
+
+from loguru import logger
+
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.inference.api import training
+from asyncrl.inference.api.app import install_api
+from asyncrl.inference.vllm.shims import NullAssistantFieldsMiddleware
+from asyncrl.utils.errors import UserError
+
+WORKER_EXTENSION = "asyncrl.inference.vllm.worker.WeightReloadExtension"
+
+
+# --- config -> vLLM flags -------------------------------------------------------------------------
+
+
+def build_vllm_argv(config: InferenceConfig) -> list[str]:
+    """vLLM server flags equivalent to `config`; `config.vllm_args` come last so they win."""
+    m = config.model
+    argv = [
+        "--model", m.name,
+        "--served-model-name", m.name,
+        "--dtype", m.dtype,
+        "--host", config.server.host,
+        "--port", str(config.server.port),
+        "--gpu-memory-utilization", str(config.gpu_memory_utilization),
+        "--data-parallel-size", str(config.data_parallel_size),
+        "--tensor-parallel-size", str(config.tensor_parallel_size),
+        "--enable-scale-out",  # registers /inference/v1/generate (token in, token out)
+        "--worker-extension-cls", WORKER_EXTENSION,
+        # Logprobs of the distribution actually sampled (logits / temperature), what the RL loss's
+        # importance ratios need; vLLM's default is the raw, unscaled ones.
+        "--logprobs-mode", "processed_logprobs",
+    ]  # fmt: skip
+    if m.max_model_len is not None:
+        argv += ["--max-model-len", str(m.max_model_len)]
+    if m.enforce_eager:
+        argv.append("--enforce-eager")
+    if m.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if m.enable_auto_tool_choice:
+        argv.append("--enable-auto-tool-choice")
+    if m.tool_call_parser:
+        argv += ["--tool-call-parser", m.tool_call_parser]
+    if m.reasoning_parser:
+        argv += ["--reasoning-parser", m.reasoning_parser]
+    if config.seed is not None:
+        argv += ["--seed", str(config.seed)]
+    return argv + list(config.vllm_args)
+
+
+def parse_vllm_args(argv: list[str], passthrough: list[str] = ()):
+    """vLLM's own serve parser, so every vLLM flag (and its defaults) is available."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="inference --backend vllm"))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed what was wrong
+        raise UserError(f"vLLM rejected its flags (reason above); pass-through flags were {list(passthrough)}") from e
+    validate_parsed_serve_args(args)
+    return args
+
+
+def check_cpu_head_dim(model: str, trust_remote_code: bool) -> None:
+    """vLLM's CPU attention supports a few head sizes only; an other one dies at the first request."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    try:
+        cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code).get_text_config()
+    except Exception:  # unreadable here: vLLM reports it with more context
+        return
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise UserError(f"{model} has head_dim {head_dim}; vLLM on CPU supports {supported} (use --backend embedded)")
+
+
+# --- asyncrl's API on vLLM's app -----------------------------------------------------------------
+
+
+def mount_api(app, engine, config: InferenceConfig) -> None:
+    """asyncrl's API on vLLM's app (after its state is initialized, before it serves): the training
+    routes and our token routes (replacing vLLM's on the same path), the one error body, bearer auth
+    and the null-fields shim. vLLM's own routes stay as they are."""
+    from asyncrl.inference.vllm import routes
+
+    routers = [training.router, routes.router]
+    _drop_routes_on_our_paths(app, routers)
+    app.state.asyncrl_tokens_chat = routes.tokens_chat_handler(app.state.openai_serving_chat)
+    app.middleware_stack = None  # vLLM built its stack already; rebuilt lazily with ours in it
+    app.add_middleware(NullAssistantFieldsMiddleware)
+    install_api(app, engine, config, routers)  # auth last: outermost, before any body is read
+
+
+def _drop_routes_on_our_paths(app, routers) -> None:
+    from fastapi.routing import APIRoute
+
+    ours = {(r.path, m) for router in routers for r in router.routes for m in r.methods}
+    app.router.routes[:] = [
+        r for r in app.router.routes if not (isinstance(r, APIRoute) and any((r.path, m) in ours for m in r.methods))
+    ]
+
+
+# --- serving --------------------------------------------------------------------------------------
+
+
+async def _serve(args, config: InferenceConfig) -> None:
+    """vLLM's single-API-server startup (entry.run_server), with asyncrl's API mounted on its app."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+
+    from asyncrl.inference.vllm.adapter import VLLMEngine
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    try:
+        async with build_async_engine_client(args) as engine_client:
+            tasks = await engine_client.get_supported_tasks()
+            if "generate" not in tasks:
+                raise UserError(f"{config.model.name} cannot generate text (vLLM tasks: {tasks})")
+            app = build_app(args, tasks, engine_client.model_config)
+            await init_app_state(engine_client, app.state, args, tasks)
+            engine = await asyncio.to_thread(VLLMEngine, app.state, config.model.name)
+            mount_api(app, engine, config)
+            uvicorn_kwargs = {}
+            if (log_config := get_uvicorn_log_config(args)) is not None:
+                uvicorn_kwargs["log_config"] = log_config
+            logger.info(f"vLLM server with asyncrl routes on {listen_address}")
+            shutdown = await serve_http(
+                app,
+                sock=sock,
+                host=args.host,
+                port=args.port,
+                log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile,
+            )
+        await shutdown
+    finally:
+        sock.close()
+
+
+def run_vllm_server(config: InferenceConfig) -> None:
+    """Serve `config.model` with vLLM until interrupted (blocks)."""
+    try:
+        import uvloop
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise UserError(
+            f"--backend vllm needs vLLM ({e}); install it with scripts/install_vllm.sh and run .venv-vllm/bin/inference"
+        ) from e
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM's own CLI sets
+    argv = build_vllm_argv(config)
+    args = parse_vllm_args(argv, config.vllm_args)
+    check_cpu_head_dim(config.model.name, config.model.trust_remote_code)
+    logger.info(f"starting vLLM {vllm.__version__} for {config.model.name}: {json.dumps(argv)}")
+    try:
+        uvloop.run(_serve(args, config))
+    except KeyboardInterrupt:
+        logger.info("vLLM server stopped")

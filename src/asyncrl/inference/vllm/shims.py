@@ -1,0 +1,73 @@
+"""Request and response rewrites that let vLLM serve what RL clients send and read; no vllm imports.
+
+- `NullAssistantFieldsMiddleware`: drops null fields of assistant turns from chat bodies (verifiers
+  sends `{"content": null, "tool_calls": null, ...}` for an all-reasoning turn; vLLM's schema rejects it);
+- `with_token_strings`: adds `token: "token_id:N"` beside each `token_id` of /inference/v1/generate
+  logprobs, as the embedded engine answers.
+
+Both leave anything they do not recognize untouched (vLLM reports it).
+"""
+
+import json
+from typing import Any
+
+
+def with_token_strings(body: dict[str, Any]) -> dict[str, Any]:
+    """Add `token: "token_id:N"` next to each `token_id` in generate logprobs (older clients read it)."""
+    for choice in body.get("choices") or []:
+        for entry in (choice.get("logprobs") or {}).get("content") or []:
+            for item in [entry, *(entry.get("top_logprobs") or [])]:
+                if "token_id" in item and "token" not in item:
+                    item["token"] = f"token_id:{item['token_id']}"
+    return body
+
+
+def drop_null_assistant_fields(body: bytes) -> bytes:
+    """Remove null-valued fields (e.g. `tool_calls: null`) from assistant messages of a chat body."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body  # vLLM reports it
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list):
+        return body
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            for key in [k for k, v in m.items() if v is None and k != "content"]:
+                del m[key]
+    return json.dumps(data).encode()
+
+
+class NullAssistantFieldsMiddleware:
+    """verifiers sends earlier assistant turns back as `{"content": null, "tool_calls": null, ...}` when
+    a turn was all reasoning; vLLM's schema rejects that combination (OpenAI's accepts it), so such
+    null fields are dropped from chat bodies before vLLM parses them."""
+
+    PATHS = ("/tokenize", "/v1/chat/completions", "/v1/chat/completions/tokens")
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope["path"] not in self.PATHS:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected while sending the body
+                return await self.app(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = drop_null_assistant_fields(b"".join(chunks))
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # later messages (disconnects) come from the client
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
