@@ -1,7 +1,7 @@
 """Inference throughput: completion tokens/s per backend x concurrency, on one tiny local model.
 
 Each backend runs as its own `inference` server process (the embedded engine in this env, vLLM in
-.venv-vllm via asyncrl.inference.vllm_launch). For each concurrency c, c clients each send `--rounds`
+.venv-vllm via asyncrl.inference.vllm.launch). For each concurrency c, c clients each send `--rounds`
 chat requests back to back (distinct prompts of one fixed length, or one shared prompt with
 `--same-prompt`; `--max-tokens` completion tokens, eos ignored), and the table shows aggregate
 completion tokens/s, per-request median latency and the speed-up over the first level.
@@ -55,7 +55,7 @@ def start(backend: str, model_dir: Path, log_dir: Path, max_batch_size: int, num
     if backend == "embedded":
         return EmbeddedServer(model_dir, log_dir, max_batch_size, num_threads)
     if backend == "vllm":
-        from asyncrl.inference.vllm_launch import start_vllm_server
+        from asyncrl.inference.vllm.launch import start_vllm_server
 
         return start_vllm_server(model_dir, log_dir / "vllm.log", ["--model.dtype", "float32", "--model.enforce-eager"])
     raise SystemExit(f"unknown backend '{backend}' (choose from embedded, vllm)")

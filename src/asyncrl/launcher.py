@@ -105,7 +105,7 @@ class Launcher:
         """This interpreter, or the vLLM env's: vLLM lives in its own env (it conflicts with verifiers)."""
         if self.config.inference.backend != "vllm":
             return sys.executable
-        from asyncrl.inference.vllm_launch import INSTALL_HINT, vllm_python
+        from asyncrl.inference.vllm.launch import INSTALL_HINT, vllm_python
 
         python = vllm_python()
         if python is None:

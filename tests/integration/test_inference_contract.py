@@ -21,7 +21,7 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-from asyncrl.inference.vllm_launch import INSTALL_HINT, start_vllm_server, vllm_python  # noqa: E402
+from asyncrl.inference.vllm.launch import INSTALL_HINT, start_vllm_server, vllm_python  # noqa: E402
 from asyncrl.utils.process import free_port  # noqa: E402
 
 BACKENDS = [

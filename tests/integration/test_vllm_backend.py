@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from asyncrl.inference.vllm_launch import INSTALL_HINT, start_vllm_server, vllm_python
+from asyncrl.inference.vllm.launch import INSTALL_HINT, start_vllm_server, vllm_python
 
 pytestmark = [
     pytest.mark.vllm,

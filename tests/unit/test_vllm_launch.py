@@ -3,8 +3,8 @@
 import sys
 from pathlib import Path
 
-from asyncrl.inference import vllm_launch
-from asyncrl.inference.vllm_launch import vllm_python
+from asyncrl.inference.vllm import launch as vllm_launch
+from asyncrl.inference.vllm.launch import vllm_python
 
 
 def _venv(root: Path) -> Path:
