@@ -27,12 +27,12 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from loguru import logger
 
 from asyncrl.utils.errors import UserError
+from asyncrl.utils.messages import openai_messages, openai_tools
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -99,63 +99,6 @@ def load_sft_dataset(name: str, split: str = "train"):
     return ds
 
 
-# ---- message normalisation -----------------------------------------------------------------------
-
-
-def _drop_none(value: Any) -> Any:
-    """Recursively drop None values: Arrow fills absent struct fields with None when rows differ."""
-    if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_none(v) for v in value]
-    return value
-
-
-def _tool_call(call: Any) -> dict:
-    if isinstance(call, str):
-        call = json.loads(call)
-    call = _drop_none(call)
-    if "function" in call:
-        return {"type": "function", **call}
-    function = {"name": call.get("name"), "arguments": call.get("arguments", "{}")}
-    out = {"type": "function", "function": function}
-    if "id" in call:
-        out["id"] = call["id"]
-    return out
-
-
-def normalize_messages(messages: Any, default_role: str) -> list[dict]:
-    """Chat messages as plain dicts the chat template can render (a string becomes one message)."""
-    if isinstance(messages, str):
-        return [{"role": default_role, "content": messages}]
-    if not isinstance(messages, list):
-        raise ValueError(f"expected a list of chat messages or a string, got {type(messages).__name__}")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m:
-            raise ValueError(f"every message needs a 'role', got {m!r:.100}")
-        msg = {k: v for k, v in m.items() if v is not None and k != "tool_calls"}
-        msg["role"] = m["role"]
-        msg.setdefault("content", "")
-        if m.get("tool_calls"):
-            msg["tool_calls"] = [_tool_call(c) for c in m["tool_calls"]]
-        out.append(_drop_none(msg))
-    return out
-
-
-def openai_tools(tools: Any) -> list[dict] | None:
-    """Tool definitions in OpenAI form; verifiers' flat `{name, description, parameters}` is wrapped."""
-    if not tools:
-        return None
-    out = []
-    for tool in tools:
-        if hasattr(tool, "model_dump"):  # verifiers' Tool objects
-            tool = tool.model_dump()
-        tool = _drop_none(json.loads(tool) if isinstance(tool, str) else tool)
-        out.append(tool if "function" in tool else {"type": "function", "function": tool})
-    return out
-
-
 # ---- tokenisation --------------------------------------------------------------------------------
 
 
@@ -220,8 +163,8 @@ class ConversationTokenizer:
     def tokenize_row(self, row: dict, index: int) -> SFTSample:
         where = f" (dataset row {index})"
         try:
-            prompt = normalize_messages(row["prompt"], "user")
-            completion = normalize_messages(row["completion"], "assistant")
+            prompt = openai_messages(row["prompt"], "user")
+            completion = openai_messages(row["completion"], "assistant")
             tools = openai_tools(row.get("tools"))
         except (ValueError, json.JSONDecodeError) as e:
             raise UserError(f"malformed dataset row {index}: {e}") from e
