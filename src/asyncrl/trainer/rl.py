@@ -27,6 +27,7 @@ from asyncrl.config.trainer import TrainerConfig
 from asyncrl.trainer.ckpt import CheckpointManager, complete_steps, resolve_resume_step
 from asyncrl.trainer.data import FakeSource, PackedRow, RolloutSource, prepare
 from asyncrl.trainer.dist import DistContext, init_distributed
+from asyncrl.trainer.export import export_weights
 from asyncrl.trainer.loss import LossInputs, get_loss_fn, mismatch_kl_sum, token_entropy, token_logprobs
 from asyncrl.trainer.model import LoadedModel, load_model
 from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler
@@ -39,7 +40,6 @@ from asyncrl.trainer.perf import (
     peak_memory_gib,
     reset_peak_memory,
 )
-from asyncrl.trainer.weights import export_weights
 from asyncrl.transport.batch import prune_batches
 from asyncrl.transport.weights import broadcast_dir, prune_broadcast, weights_dir
 from asyncrl.utils.errors import UserError

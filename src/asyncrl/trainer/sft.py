@@ -30,6 +30,7 @@ from loguru import logger
 from asyncrl.config.sft import SFTConfig
 from asyncrl.trainer.ckpt import CheckpointManager, resolve_resume_step
 from asyncrl.trainer.dist import DistContext, init_distributed
+from asyncrl.trainer.export import export_weights
 from asyncrl.trainer.model import LoadedModel, load_model, load_tokenizer
 from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler
 from asyncrl.trainer.perf import (
@@ -51,7 +52,6 @@ from asyncrl.trainer.sft_data import (
     split_for_rank,
     take_rows,
 )
-from asyncrl.trainer.weights import export_weights
 from asyncrl.transport.weights import weights_dir
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.monitor import MetricsSink
