@@ -4,16 +4,8 @@ import json
 
 import pytest
 
-from asyncrl.trainer.sft_data import (
-    ConversationTokenizer,
-    SampleStream,
-    SFTSample,
-    fake_sample,
-    load_sft_dataset,
-    make_micro_batch,
-    split_for_rank,
-    take_rows,
-)
+from asyncrl.trainer.sft.data import ConversationTokenizer, SFTSample, fake_sample, load_sft_dataset
+from asyncrl.trainer.sft.packing import SampleStream, make_micro_batch, split_for_rank, take_rows
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.messages import openai_messages, openai_tools
 

@@ -42,16 +42,8 @@ from asyncrl.trainer.perf import (
     peak_memory_gib,
     reset_peak_memory,
 )
-from asyncrl.trainer.sft_data import (
-    ConversationTokenizer,
-    MicroBatch,
-    SampleStream,
-    fake_sample,
-    load_sft_dataset,
-    make_micro_batch,
-    split_for_rank,
-    take_rows,
-)
+from asyncrl.trainer.sft.data import ConversationTokenizer, fake_sample, load_sft_dataset
+from asyncrl.trainer.sft.packing import SampleStream, SFTMicroBatch, make_micro_batch, split_for_rank, take_rows
 from asyncrl.transport.weights import weights_dir
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.monitor import MetricsSink
@@ -165,7 +157,7 @@ class _SFTTrainer:
 
     # ---- one step ----------------------------------------------------------------------------------
 
-    def _forward_backward(self, mbs: list[MicroBatch], scale: float) -> torch.Tensor:
+    def _forward_backward(self, mbs: list[SFTMicroBatch], scale: float) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.ctx.device)
         for mb in mbs:
             logits = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits

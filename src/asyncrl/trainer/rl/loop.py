@@ -25,7 +25,6 @@ from loguru import logger
 from asyncrl.config.base import BenchDataConfig
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.trainer.ckpt import CheckpointManager, complete_steps, resolve_resume_step
-from asyncrl.trainer.data import FakeSource, PackedRow, RolloutSource, prepare
 from asyncrl.trainer.dist import DistContext, init_distributed
 from asyncrl.trainer.export import export_weights
 from asyncrl.trainer.loss import LossInputs, get_loss_fn, mismatch_kl_sum, token_entropy, token_logprobs
@@ -40,6 +39,7 @@ from asyncrl.trainer.perf import (
     peak_memory_gib,
     reset_peak_memory,
 )
+from asyncrl.trainer.rl.data import FakeSource, PackedRow, RolloutSource, prepare
 from asyncrl.transport.batch import prune_batches
 from asyncrl.transport.weights import broadcast_dir, prune_broadcast, weights_dir
 from asyncrl.utils.errors import UserError
