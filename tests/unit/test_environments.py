@@ -434,7 +434,7 @@ def test_tool_calc_sft_rows_replay_as_rewarded_rollouts(tiny_model_dir):
     and SFT trains on the model's turns (tool call, answer) only, never on the tool's reply."""
     from transformers import AutoTokenizer
 
-    from asyncrl.trainer.sft_data import ConversationTokenizer
+    from asyncrl.trainer.sft.data import ConversationTokenizer
 
     rows = tool_calc.sft_examples(4, seed=3)
     assert len({r["prompt"][-1]["content"] for r in rows}) == 4

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from asyncrl.entrypoints.sft import main
-from asyncrl.trainer.sft import check_batch_shape
+from asyncrl.trainer.sft.loop import check_batch_shape
 from asyncrl.utils.errors import UserError
 
 

@@ -4,19 +4,10 @@ import json
 
 import pytest
 
-from asyncrl.trainer.sft_data import (
-    ConversationTokenizer,
-    SampleStream,
-    SFTSample,
-    fake_sample,
-    load_sft_dataset,
-    make_micro_batch,
-    normalize_messages,
-    openai_tools,
-    split_for_rank,
-    take_rows,
-)
+from asyncrl.trainer.sft.data import ConversationTokenizer, SFTSample, fake_sample, load_sft_dataset
+from asyncrl.trainer.sft.packing import SampleStream, make_micro_batch, split_for_rank, take_rows
 from asyncrl.utils.errors import UserError
+from asyncrl.utils.messages import openai_messages, openai_tools
 
 # Like Qwen3's template in the way that matters: earlier assistant turns lose their reasoning.
 HISTORY_REWRITING_TEMPLATE = (
@@ -51,7 +42,7 @@ def test_single_turn_trains_only_the_answer(tokenizer):
 def test_multi_turn_with_tools_masks_user_and_tool_messages(tokenizer):
     conv = ConversationTokenizer(tokenizer, ["assistant"])
     call = json.dumps({"id": "c1", "name": "calculate", "arguments": json.dumps({"expression": "1+2"})})
-    completion = normalize_messages(
+    completion = openai_messages(
         [
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "content": "3", "tool_call_id": "c1"},
@@ -100,9 +91,9 @@ def test_prefix_property_violation_names_the_message(tokenizer):
     conv.tokenize_row({"prompt": prompt, "completion": plain}, 0)
 
 
-def test_normalize_strings_none_fields_and_flat_tool_calls():
-    assert normalize_messages("hello", "user") == [{"role": "user", "content": "hello"}]
-    msgs = normalize_messages(
+def test_openai_messages_strings_none_fields_and_flat_tool_calls():
+    assert openai_messages("hello", "user") == [{"role": "user", "content": "hello"}]
+    msgs = openai_messages(
         [
             {
                 "role": "assistant",
@@ -121,7 +112,7 @@ def test_normalize_strings_none_fields_and_flat_tool_calls():
         }
     ]
     with pytest.raises(ValueError, match="role"):
-        normalize_messages([{"content": "no role"}], "user")
+        openai_messages([{"content": "no role"}], "user")
     assert openai_tools(None) is None
     wrapped = {"type": "function", "function": {"name": "f", "parameters": {}}}
     assert openai_tools([wrapped]) == [wrapped]

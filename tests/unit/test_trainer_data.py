@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from asyncrl.config.base import BenchDataConfig
-from asyncrl.trainer.data import FakeSource, RolloutSource, prepare
+from asyncrl.trainer.rl.data import FakeSource, RolloutSource, prepare
 from asyncrl.transport.batch import write_batch
 from asyncrl.utils.errors import UserError
 

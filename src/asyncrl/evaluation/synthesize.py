@@ -36,8 +36,8 @@ from asyncrl.evaluation.runner import (
     start_hint,
     write_text_atomic,
 )
-from asyncrl.trainer.sft_data import normalize_messages, openai_tools
 from asyncrl.utils.errors import UserError
+from asyncrl.utils.messages import openai_messages, openai_tools
 
 Key = tuple[str, int]  # (env name, example id)
 
@@ -96,8 +96,8 @@ def repair_dataset(data: Path, done: dict[Key, int]) -> int:
 
 def sft_row(r: RolloutRecord) -> dict:
     row = {
-        "prompt": normalize_messages(r.prompt or [], "user"),
-        "completion": normalize_messages(r.completion or [], "assistant"),
+        "prompt": openai_messages(r.prompt or [], "user"),
+        "completion": openai_messages(r.completion or [], "assistant"),
     }
     tools = openai_tools(r.tools)
     if tools:

@@ -14,7 +14,7 @@ from asyncrl.orchestrator.metrics import rollout_metrics
 from asyncrl.orchestrator.samples import Rollout, TrajectoryConverter
 
 
-async def run_eval(
+async def evaluate_policy(
     mixture: EnvMixture,
     run_group: RunGroup,
     converter: TrajectoryConverter,
@@ -23,6 +23,7 @@ async def run_eval(
     args: dict,
     max_groups_in_flight: int,
 ) -> dict[str, float]:
+    """Roll out every eval example with the policy the server holds now; `eval/`-prefixed metrics."""
     start = time.perf_counter()
     sem = asyncio.Semaphore(max(1, max_groups_in_flight))
 

@@ -28,7 +28,7 @@ from asyncrl.orchestrator.envs import (
     sampling_args,
     verifiers_run_group,
 )
-from asyncrl.orchestrator.evaluation import run_eval
+from asyncrl.orchestrator.evaluation import evaluate_policy
 from asyncrl.orchestrator.gating import Policy, PolicyGate, checkpoint_policy
 from asyncrl.orchestrator.metrics import group_metrics, log_extras, log_step, rollout_metrics
 from asyncrl.orchestrator.packing import PackItem, PackStats, pack
@@ -111,7 +111,7 @@ class Orchestrator:
         ev = self.config.eval
         if ev is None or self.eval_mixture is None or step % ev.interval or (step == 0 and not ev.eval_base):
             return
-        metrics = await run_eval(
+        metrics = await evaluate_policy(
             self.eval_mixture,
             self.run_group,
             TrajectoryConverter(self.config.trajectory_strategy),

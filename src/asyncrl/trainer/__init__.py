@@ -1,4 +1,7 @@
-"""FSDP2 trainers. `asyncrl.trainer.rl.train(config)` is the RL loop.
+"""FSDP2 trainers: `trainer.rl.train(config)` (RL) and `trainer.sft.train_sft(config)` (SFT).
 
-model/optim/ckpt/weights/perf are shared with SFT.
+Both are a loop (`rl/`, `sft/`: batches and forward/backward) run by one `session` (process group,
+model, optimizer, schedule, checkpoints, metrics, weight export). The building blocks are shared:
+`dist`, `model` (+ `lora`), `optim`, `ckpt`, `export`, `perf`; `loss` holds the RL losses and the
+`loss.custom` interface.
 """

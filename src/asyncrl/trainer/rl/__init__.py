@@ -1,0 +1,5 @@
+"""The RL trainer: `train(config)` turns the orchestrator's packed rollout batches into policy weights."""
+
+from asyncrl.trainer.rl.loop import train
+
+__all__ = ["train"]

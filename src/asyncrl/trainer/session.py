@@ -1,0 +1,297 @@
+"""One training run around a loop: everything the RL and SFT trainers share besides their batches and losses.
+
+`run_training(config, loop_cls)` joins the process group, lets the loop check its data, loads the
+model (FSDP2), builds AdamW and the schedule, resumes from a checkpoint, then runs `train_step`
+until `max_steps` or the loop's data ends, logging every step. A `Loop` (`trainer.rl`, `trainer.sft`)
+only builds each step's micro-batches and runs forward/backward on one of them; the session owns
+the optimizer step, progress, metrics, checkpoints, weight export and `--bench`.
+
+Invariants:
+- Loss normalisation: each micro-batch's summed token loss is scaled by world_size / (loss-mask
+  tokens of the whole step over all ranks), since FSDP2 averages gradients over ranks; the gradient
+  is the per-token mean over the step, whatever the packing, micro-batch size or sharding.
+- Step n (0-based) is logged as step n and leaves the state `step_{n+1}` (weights, checkpoints).
+- A checkpoint holds model + optimizer (DCP) and progress.json: progress, the loop's data position,
+  scheduler, world size; resuming from it continues exactly. Every step reseeds torch from (seed,
+  step, rank), so dropout replays identically after a resume.
+- A non-finite loss or gradient norm stops the run before the optimizer step: no weights for it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from loguru import logger
+
+from asyncrl.config.sft import SFTConfig
+from asyncrl.config.trainer import TrainerConfig
+from asyncrl.trainer.ckpt import CheckpointManager, resolve_resume_step
+from asyncrl.trainer.dist import DistContext, init_distributed
+from asyncrl.trainer.export import export_weights
+from asyncrl.trainer.model import load_model
+from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler
+from asyncrl.trainer.perf import FlopModel, bench_summary, mfu, peak_flops, peak_memory_gib, reset_peak_memory
+from asyncrl.transport.layout import RunLayout
+from asyncrl.utils.errors import UserError
+from asyncrl.utils.monitor import MetricsSink
+
+BENCH_STEPS = 5  # --bench without --max-steps: one warm-up step + four timed ones
+
+TrainConfig = TrainerConfig | SFTConfig
+
+
+@dataclass
+class StepBatch:
+    """One step's micro-batches on this rank, with the step's totals over all ranks."""
+
+    micro_batches: list[Any]
+    loss_tokens: int  # the loss normaliser
+    tokens: int
+    samples: int
+    flops: float
+    info: dict[str, Any] = field(default_factory=dict)  # the loop's metrics, logged after `samples`
+    timing: dict[str, float] = field(default_factory=dict)  # time spent on data, logged after `step_time_s`
+
+
+class Loop:
+    """The part of a trainer that knows its data and loss. `__init__` runs before the model loads."""
+
+    metrics_name: str  # metrics/<name>.jsonl
+
+    def __init__(self, session: TrainSession) -> None:
+        self.session = session
+
+    def start(self) -> None:
+        """The model is loaded: build the data source (it may need the vocabulary or the pad token)."""
+
+    def planned_steps(self) -> int | None:
+        """Steps the learning-rate schedule decays over."""
+        return self.session.max_steps
+
+    def next_batch(self, step: int) -> StepBatch | None:
+        """Step `step`'s input, or None when the data has ended."""
+        raise NotImplementedError
+
+    def forward_backward_step(self, micro_batch: Any, scale: float) -> dict[str, torch.Tensor]:
+        """Forward, backward of loss * scale; returns detached token sums, `loss` among them."""
+        raise NotImplementedError
+
+    def exhausted(self) -> bool:
+        """No data is left after the step just run."""
+        return False
+
+    def end_step(self, step: int, final: bool) -> dict[str, float]:
+        """Outputs once `step` steps are done (weights, a due checkpoint); returns metrics about them."""
+        raise NotImplementedError
+
+    def data_state(self) -> dict[str, Any]:
+        """What a checkpoint stores besides model, optimizer, scheduler and progress."""
+        return {}
+
+    def restore(self, step: int, extra: dict[str, Any]) -> None:
+        """The session resumed at `step` from a checkpoint whose progress.json is `extra`."""
+
+    def bad_loss_hint(self, step: int) -> str:
+        """Appended to the error of a non-finite loss at `step`."""
+        raise NotImplementedError
+
+    def log_line(self, step: int, m: dict) -> str:
+        raise NotImplementedError
+
+    def bench_header(self) -> str:
+        raise NotImplementedError
+
+    def finish(self, history: list[dict], step: int) -> None:
+        """After the last step (`step` steps done) and the final checkpoint."""
+
+
+def run_training(config: TrainConfig, loop_cls: type[Loop]) -> list[dict]:
+    """Train until `max_steps` or the end of the data; returns every step's metrics (on every rank)."""
+    ctx = init_distributed(config.device)
+    try:
+        return TrainSession(config, ctx, loop_cls).run()
+    finally:
+        ctx.close()
+
+
+class TrainSession:
+    """Process group, model, optimizer, schedule, checkpoints, metrics and progress of one run."""
+
+    def __init__(self, config: TrainConfig, ctx: DistContext, loop_cls: type[Loop]) -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.config, self.ctx = config, ctx
+        self.out = Path(config.output_dir)
+        self.layout = RunLayout(self.out)
+        self.max_steps = config.max_steps if config.max_steps or not config.bench else BENCH_STEPS
+        self.loop = loop_cls(self)
+        self.resume_step = self._resume_step()  # a bad one fails before the (slow) model load
+        self._load_model()
+        self.loop.start()
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.scheduler = build_scheduler(self.optimizer, config.scheduler, self.loop.planned_steps())
+        self.ckpt = CheckpointManager(self.out, config.ckpt, ctx.rank) if self._checkpoints else None
+        self.progress = {"step": 0, "tokens": 0, "samples": 0}
+        self.sink = MetricsSink(
+            self.out, self.loop.metrics_name, config.wandb, config.model_dump(mode="json"), ctx.is_main
+        )
+
+    @property
+    def _checkpoints(self) -> bool:
+        return self.config.ckpt is not None and not self.config.bench
+
+    def _resume_step(self) -> int | None:
+        requested = self.config.ckpt.resume_step if self._checkpoints else None
+        return resolve_resume_step(self.out, requested, self.max_steps) if requested is not None else None
+
+    def _load_model(self) -> None:
+        torch.manual_seed(self.config.seed)
+        self.lm = load_model(self.config.model, self.config.tokenizer.name, self.ctx.mesh)
+        self.model = self.lm.model
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.flops = FlopModel.from_hf_config(self.lm.hf_config, self.lm.matmul_params)
+        self.peak = peak_flops(self.ctx.device)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    # ---- one step ----------------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> dict | None:
+        """Forward/backward every micro-batch of step `step`, clip, step; its metrics (None: data ended)."""
+        torch.manual_seed(self.config.seed + 1_000_003 * step + self.ctx.rank)  # resume-exact dropout (LoRA)
+        batch = self.loop.next_batch(step)
+        if batch is None:
+            return None
+        reset_peak_memory(self.ctx.device)
+        start = time.perf_counter()
+        losses = self._forward_backward(batch)
+        if not math.isfinite(losses["loss"]):
+            raise UserError(
+                f"loss is {losses['loss']} at step {step}; stopped before the optimizer step"
+                + self.loop.bad_loss_hint(step)
+            )
+        grad_norm, lr = apply_gradients(self.params, self.optimizer, self.scheduler, self.config.optim.max_norm, step)
+        seconds = time.perf_counter() - start
+        self._advance(step, batch)
+        return self._step_metrics(batch, losses, grad_norm, lr, seconds)
+
+    def _forward_backward(self, batch: StepBatch) -> dict[str, float]:
+        """Token sums of every micro-batch, summed over ranks, per loss-mask token of the step."""
+        denom = max(batch.loss_tokens, 1)
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.ctx.device))
+        for mb in batch.micro_batches:
+            for key, value in self.loop.forward_backward_step(mb, self.ctx.world_size / denom).items():
+                sums[key] += value
+        keys = sorted(sums)
+        totals = self.ctx.all_reduce_sum(torch.stack([sums[k] for k in keys]))
+        return {k: float(v) / denom for k, v in zip(keys, totals)}
+
+    def _advance(self, step: int, batch: StepBatch) -> None:
+        self.progress = {
+            "step": step + 1,
+            "tokens": self.progress["tokens"] + batch.tokens,
+            "samples": self.progress["samples"] + batch.samples,
+        }
+
+    def _step_metrics(self, batch: StepBatch, losses: dict, grad_norm: float, lr: float, seconds: float) -> dict:
+        return {
+            **losses,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": batch.tokens,
+            "loss_tokens": batch.loss_tokens,
+            "samples": batch.samples,
+            **batch.info,
+            "step_time_s": seconds,
+            **batch.timing,
+            "tokens_per_s": batch.tokens / seconds,
+            "mfu": mfu(batch.flops, seconds, self.peak, self.ctx.world_size),
+            "peak_mem_gib": peak_memory_gib(self.ctx.device),
+        }
+
+    # ---- outputs -----------------------------------------------------------------------------------
+
+    def checkpoint_due(self, step: int, final: bool) -> bool:
+        return self.ckpt is not None and self.ckpt.due(step, final)
+
+    def save_checkpoint(self, step: int) -> None:
+        """Collective: the state after `step` steps to `checkpoints/step_{step}/trainer`."""
+        extra = {
+            "progress": self.progress,
+            **self.loop.data_state(),
+            "scheduler": self.scheduler.state_dict(),
+            "world_size": self.ctx.world_size,
+        }
+        self.ckpt.save(step, self.model, self.optimizer, extra)
+
+    def export(self, dests: list[Path]) -> None:
+        """Collective: the current weights as a HF dir at every path in `dests` (rank 0 writes, STABLE last)."""
+        lm = self.lm
+        generation_config = getattr(self.model, "generation_config", None)
+        export_weights(
+            self.model,
+            dests,
+            lm.hf_config,
+            lm.tokenizer,
+            lm.export_dtype,
+            lm.lora_scale,
+            self.ctx.is_main,
+            generation_config,
+        )
+
+    def _log(self, step: int, m: dict) -> None:
+        if self.ctx.is_main:
+            logger.info(self.loop.log_line(step, m))
+            self.sink.log(step, m)
+
+    # ---- the run -----------------------------------------------------------------------------------
+
+    def _resume(self) -> int:
+        if self.resume_step is None:
+            return 0
+        step = self.resume_step
+        extra = self.ckpt.load(step, self.model, self.optimizer)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.progress = extra["progress"]
+        self.loop.restore(step, extra)
+        return step
+
+    def run(self) -> list[dict]:
+        step = self._resume()
+        history: list[dict] = []
+        while self.max_steps is None or step < self.max_steps:
+            metrics = self.train_step(step)
+            if metrics is None:
+                break
+            step += 1
+            final = step == self.max_steps or self.loop.exhausted()
+            if not self.config.bench:
+                metrics.update(self.loop.end_step(step, final))
+            self._log(step - 1, metrics)
+            history.append(metrics)
+            if final:
+                break
+        self._close(history, step)
+        return history
+
+    def _close(self, history: list[dict], step: int) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+        self.sink.close()
+        self.loop.finish(history, step)
+        if self.config.bench and self.ctx.is_main:
+            print_bench(self.loop.bench_header(), history)
+
+
+def print_bench(header: str, history: list[dict]) -> None:
+    print(header)
+    print(bench_summary(history))

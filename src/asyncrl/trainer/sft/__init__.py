@@ -1,0 +1,5 @@
+"""The SFT trainer: `train_sft(config)` fine-tunes on prompt/completion chat data."""
+
+from asyncrl.trainer.sft.loop import train_sft
+
+__all__ = ["train_sft"]
