@@ -2,8 +2,8 @@
 
 import pytest
 
-from asyncrl.trainer.ckpt import complete_steps, resolve_resume_step, trainer_ckpt_dir
-from asyncrl.transport.layout import steps_to_delete
+from asyncrl.trainer.ckpt import complete_steps, trainer_ckpt_dir
+from asyncrl.transport.layout import resolve_resume_step, steps_to_delete
 from asyncrl.utils.errors import UserError
 
 

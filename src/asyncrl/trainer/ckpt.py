@@ -1,4 +1,4 @@
-"""Trainer checkpoints: DCP shards of model + optimizer, JSON progress, a STABLE marker; resume-step rules.
+"""Trainer checkpoints: DCP shards of model + optimizer, JSON progress, a STABLE marker.
 
 Contents of `checkpoints/step_N/trainer` (`transport.layout` places it; `step_N` = the state after N
 optimizer steps, resume runs step N)::
@@ -7,7 +7,8 @@ optimizer steps, resume runs step N)::
     progress.json               step, tokens, samples, scheduler, world size
     STABLE                      written last: the checkpoint is complete
 
-Retention (keep_last / keep_interval) is the layout's, shared with the orchestrator's checkpoints.
+Retention (keep_last / keep_interval) and the resume-step rule are the layout's (`transport.layout`),
+shared with the orchestrator and the `rl` launcher.
 A dir without the marker is partial (a save that died) and is never loaded. Async saves stage a CPU
 copy of the state synchronously and write it in a background thread on a separate gloo group, so the
 next optimizer step cannot race them; the marker and retention happen once the write has finished.
@@ -31,49 +32,19 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from asyncrl.config.base import CkptConfig
 from asyncrl.transport.files import mark_stable
-from asyncrl.transport.layout import STABLE, RunLayout
+from asyncrl.transport.layout import TRAINER, RunLayout
 from asyncrl.utils.errors import UserError
 
 PROGRESS = "progress.json"
-COMPONENT = "trainer"
 
 
 def trainer_ckpt_dir(output_dir: str | Path, step: int) -> Path:
-    return RunLayout(output_dir).checkpoint_dir(step, COMPONENT)
+    return RunLayout(output_dir).checkpoint_dir(step, TRAINER)
 
 
 def complete_steps(output_dir: str | Path) -> list[int]:
     """Steps with a complete (STABLE) trainer checkpoint, ascending."""
-    return RunLayout(output_dir).complete_checkpoints(COMPONENT)
-
-
-def resolve_resume_step(output_dir: str | Path, requested: int, max_steps: int | None = None) -> int:
-    """-1 -> the latest complete checkpoint; N -> N if complete. Clear errors otherwise, including a
-    checkpoint at or past `max_steps` (nothing would be left to train)."""
-    step = _find_resume_step(output_dir, requested)
-    if max_steps is not None and step >= max_steps:
-        raise UserError(f"resuming at step {step} but max_steps is {max_steps}: nothing to train; raise --max-steps")
-    return step
-
-
-def _find_resume_step(output_dir: str | Path, requested: int) -> int:
-    layout = RunLayout(output_dir)
-    root, complete, all_dirs = layout.checkpoints, complete_steps(output_dir), layout.checkpoints_of(COMPONENT)
-    if requested == -1:
-        if not complete:
-            raise UserError(f"ckpt.resume_step = -1 but there is no complete trainer checkpoint under {root}")
-        partial = [s for s in all_dirs if s > complete[-1]]
-        if partial:
-            logger.warning(f"skipping partial checkpoints (no {STABLE} marker) at steps {partial}")
-        return complete[-1]
-    if requested in complete:
-        return requested
-    if requested in all_dirs:
-        raise UserError(
-            f"checkpoint {all_dirs[requested]} is partial or corrupted (no {STABLE} marker: its save did not "
-            f"finish); resume from one of {complete or 'none'} or delete it"
-        )
-    raise UserError(f"no trainer checkpoint for step {requested} under {root}; available steps: {complete or 'none'}")
+    return RunLayout(output_dir).complete_checkpoints(TRAINER)
 
 
 class CheckpointManager:
@@ -126,7 +97,7 @@ class CheckpointManager:
         dist.barrier(group=self._group)
 
     def _apply_retention(self) -> None:
-        deleted = RunLayout(self.output_dir).prune_checkpoints(COMPONENT, self.cfg.keep_last, self.cfg.keep_interval)
+        deleted = RunLayout(self.output_dir).prune_checkpoints(TRAINER, self.cfg.keep_last, self.cfg.keep_interval)
         if deleted:
             logger.debug(f"deleted trainer checkpoints {deleted} (retention)")
 

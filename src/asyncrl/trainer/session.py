@@ -31,13 +31,13 @@ from loguru import logger
 
 from asyncrl.config.sft import SFTConfig
 from asyncrl.config.trainer import TrainerConfig
-from asyncrl.trainer.ckpt import CheckpointManager, resolve_resume_step
+from asyncrl.trainer.ckpt import CheckpointManager
 from asyncrl.trainer.dist import DistContext, init_distributed
 from asyncrl.trainer.export import export_weights
 from asyncrl.trainer.model import load_model
 from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler
 from asyncrl.trainer.perf import FlopModel, bench_summary, mfu, peak_flops, peak_memory_gib, reset_peak_memory
-from asyncrl.transport.layout import RunLayout
+from asyncrl.transport.layout import RunLayout, resolve_resume_step
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.monitor import MetricsSink
 

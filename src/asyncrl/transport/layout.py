@@ -8,6 +8,7 @@ On disk (under `output_dir`)::
     weights/step_{n}/ (+ STABLE)                same HF format, kept at checkpoint steps and at the end
     checkpoints/step_{n}/trainer/               DCP shards, progress.json, STABLE (written last)
     checkpoints/step_{n}/orchestrator/          progress.json, buffer.json
+                                                (a run resumes at a step with a complete trainer checkpoint)
     logs/<component>.log, <component>.stdout    each process's log; what the launcher caught of its output
     metrics/<component>.jsonl                   one JSON row per step
     configs/<component>.toml                    the resolved config the launcher gave each process
@@ -32,7 +33,10 @@ from pathlib import Path
 
 from loguru import logger
 
+from asyncrl.utils.errors import UserError
+
 STABLE = "STABLE"
+TRAINER = "trainer"  # the trainer's checkpoint component: it decides which step a run resumes at
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -77,6 +81,12 @@ class RunLayout:
         self.logs = self.root / "logs"
         self.metrics = self.root / "metrics"
         self.configs = self.root / "configs"
+
+    def log_file(self, component: str, suffix: str = ".log") -> Path:
+        return self.logs / f"{component}{suffix}"
+
+    def metrics_file(self, name: str) -> Path:
+        return self.metrics / f"{name}.jsonl"
 
     def batch_dir(self, step: int) -> Path:
         return self.rollouts / f"step_{step}"
@@ -139,3 +149,32 @@ def _remove_steps(root: Path, doomed: Callable[[int], bool]) -> list[Path]:
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
+
+
+def resolve_resume_step(output_dir: str | Path, requested: int, max_steps: int | None = None) -> int:
+    """-1 -> the latest complete checkpoint; N -> N if complete. Clear errors otherwise, including a
+    checkpoint at or past `max_steps` (nothing would be left to train)."""
+    step = _find_resume_step(output_dir, requested)
+    if max_steps is not None and step >= max_steps:
+        raise UserError(f"resuming at step {step} but max_steps is {max_steps}: nothing to train; raise --max-steps")
+    return step
+
+
+def _find_resume_step(output_dir: str | Path, requested: int) -> int:
+    layout = RunLayout(output_dir)
+    root, complete, all_dirs = layout.checkpoints, layout.complete_checkpoints(TRAINER), layout.checkpoints_of(TRAINER)
+    if requested == -1:
+        if not complete:
+            raise UserError(f"ckpt.resume_step = -1 but there is no complete trainer checkpoint under {root}")
+        partial = [s for s in all_dirs if s > complete[-1]]
+        if partial:
+            logger.warning(f"skipping partial checkpoints (no {STABLE} marker) at steps {partial}")
+        return complete[-1]
+    if requested in complete:
+        return requested
+    if requested in all_dirs:
+        raise UserError(
+            f"checkpoint {all_dirs[requested]} is partial or corrupted (no {STABLE} marker: its save did not "
+            f"finish); resume from one of {complete or 'none'} or delete it"
+        )
+    raise UserError(f"no trainer checkpoint for step {requested} under {root}; available steps: {complete or 'none'}")

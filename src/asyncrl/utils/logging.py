@@ -8,6 +8,8 @@ from pathlib import Path
 
 from loguru import logger
 
+from asyncrl.transport.layout import RunLayout
+
 _FORMAT = "<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> <cyan>[{extra[component]}]</cyan> {message}"
 
 
@@ -21,7 +23,7 @@ def setup_logger(
         logger.add(sys.stderr, level=level.upper(), format=_FORMAT, colorize=None)
     path = None
     if to_file and output_dir is not None:
-        path = Path(output_dir) / "logs" / f"{component}.log"
+        path = RunLayout(output_dir).log_file(component)
         path.parent.mkdir(parents=True, exist_ok=True)
         logger.add(path, level=level.upper(), format=_FORMAT, colorize=False, enqueue=False)
     return path

@@ -14,6 +14,7 @@ from typing import Any
 from loguru import logger
 
 from asyncrl.config.base import WandbConfig
+from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.errors import UserError
 
 
@@ -27,7 +28,7 @@ class MetricsSink:
         enabled: bool = True,
     ):
         self.enabled, self.name = enabled, name
-        self.path = Path(output_dir) / "metrics" / f"{name}.jsonl"
+        self.path = RunLayout(output_dir).metrics_file(name)
         self.wandb_cfg = wandb_cfg
         self.run = None  # the W&B run, when W&B is on
         if not enabled:

@@ -23,9 +23,9 @@ from loguru import logger
 
 from asyncrl.config.cli import to_toml
 from asyncrl.config.rl import RLConfig
-from asyncrl.metrics_tailer import StepTailer
-from asyncrl.placement import Placement
-from asyncrl.transport.layout import RunLayout
+from asyncrl.launcher.placement import Placement
+from asyncrl.launcher.tailer import StepTailer
+from asyncrl.transport.layout import RunLayout, resolve_resume_step
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.process import ChildExited, answers, free_port, spawn, stop_groups, tail, wait_for_http
 
@@ -47,7 +47,7 @@ class Launcher:
         self.layout = RunLayout(config.trainer.output_dir)
         self.placement = Placement(config)
         self.children: list[Child] = []
-        self.steps = StepTailer(self.layout.metrics / "orchestrator.jsonl")
+        self.steps = StepTailer(self.layout.metrics_file("orchestrator"))
 
     # ------------------------------------------------------------ start
 
@@ -68,7 +68,7 @@ class Launcher:
         return paths
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str], stream: bool = False) -> Child:
-        stdout_path, log_path = self.layout.logs / f"{name}.stdout", self.layout.logs / f"{name}.log"
+        stdout_path, log_path = self.layout.log_file(name, ".stdout"), self.layout.log_file(name)
         logger.info(f"starting {name}: {' '.join(cmd)}")
         child = Child(name, spawn(cmd, None if stream else stdout_path, env), stdout_path, log_path)
         self.children.append(child)
@@ -97,8 +97,6 @@ class Launcher:
         ckpt = self.config.trainer.ckpt
         if ckpt is None or ckpt.resume_step is None:
             return 0
-        from asyncrl.trainer.ckpt import resolve_resume_step
-
         return resolve_resume_step(self.layout.root, ckpt.resume_step, self.config.trainer.max_steps)
 
     def _server_python(self) -> str:

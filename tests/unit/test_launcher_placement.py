@@ -2,7 +2,7 @@
 
 from asyncrl.config import loader
 from asyncrl.config.rl import RLConfig, resolve_rl
-from asyncrl.placement import Placement
+from asyncrl.launcher.placement import Placement
 
 
 def _config(*argv: str) -> RLConfig:

@@ -2,7 +2,7 @@
 
 import json
 
-from asyncrl.metrics_tailer import StepTailer
+from asyncrl.launcher.tailer import StepTailer
 
 
 def test_one_line_per_whole_training_row_then_summary(tmp_path, capsys):
