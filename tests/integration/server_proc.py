@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,6 +43,11 @@ class ServerProcess:
 
     def stop(self) -> None:
         stop_group(self.proc, 20)
+
+    def run_client(self, cmd: list[str], out: Path, *args: str) -> subprocess.CompletedProcess:
+        """Run an `eval`/`synthesize`-style command against this server, writing to `out`."""
+        own = ["--model.name", self.model, "--client.base-url", self.url, "--output-dir", str(out)]
+        return subprocess.run([*cmd, *own, *args], capture_output=True, text=True, timeout=400)
 
     def chat(self, content: str, max_tokens: int = 16) -> httpx.Response:
         return httpx.post(

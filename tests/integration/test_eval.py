@@ -47,25 +47,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 def run_eval(server: ServerProcess, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        EVAL
-        + [
-            "--model.name",
-            server.model,
-            "--client.base-url",
-            server.url,
-            "--output-dir",
-            str(out),
-            "--sampling.max-tokens",
-            "10",
-            "--sampling.seed",
-            "7",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    return server.run_client(EVAL, out, "--sampling.max-tokens", "10", "--sampling.seed", "7", *extra)
 
 
 def test_eval_over_two_steps_prints_table_and_writes_results(server, weights, tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,29 +29,8 @@ def synthesize(
     *extra: str,
     envs: str = "reverse-text,echo-twice,tool-calc",
 ):
-    return subprocess.run(
-        SYNTH
-        + [
-            "--model.name",
-            server.model,
-            "--client.base-url",
-            server.url,
-            "--output-dir",
-            str(out),
-            "--environment-ids",
-            envs,
-            "--num-examples",
-            str(examples),
-            "--rollouts-per-example",
-            str(rollouts),
-            "--sampling.max-tokens",
-            "12",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    counts = ["--num-examples", str(examples), "--rollouts-per-example", str(rollouts)]
+    return server.run_client(SYNTH, out, "--environment-ids", envs, *counts, "--sampling.max-tokens", "12", *extra)
 
 
 def lines(path: Path) -> list[dict]:
