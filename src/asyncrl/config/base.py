@@ -59,7 +59,9 @@ class BenchDataConfig(BaseConfig):
     """Shape of fake data for benchmarks (`--data.fake`)."""
 
     batch_size: int = Field(32, ge=1, description="samples per step")
-    micro_batch_size: int = Field(8, ge=1, description="samples per micro-batch")
+    micro_batch_size: int = Field(
+        8, ge=1, description="samples packed into one row (rows per forward: data.micro_batch_size)"
+    )
     seq_len: int = Field(128, ge=1, description="tokens per sample")
 
     @model_validator(mode="after")

@@ -19,6 +19,8 @@ from asyncrl.config.base import (
 
 Dtype = Literal["bfloat16", "float32"]
 
+MICRO_BATCH_ROWS = 8  # fastest of 1/2/4/8/16 for the tiny CPU RL job (benchmarks/trainer.py --rows-sweep)
+
 
 class ACConfig(BaseConfig):
     freq: int = Field(1, ge=1, description="checkpoint activations of every Nth decoder layer (1 = all)")
@@ -89,6 +91,9 @@ class LossConfig(BaseConfig):
 
 class TrainerDataConfig(BaseConfig):
     seq_len: int = Field(2048, ge=1, description="tokens per packed micro-batch row")
+    micro_batch_size: int = Field(
+        MICRO_BATCH_ROWS, ge=1, description="packed rows per forward/backward (lower it on OOM; 1: one row at a time)"
+    )
     fake: BenchDataConfig | None = Field(None, description="train on fake data of this shape (with --bench)")
 
 

@@ -52,13 +52,14 @@ LossFn = Callable[[LossInputs, LossConfig], LossOutput]
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """logπ(token_t | prefix) for every position of a packed row, from logits / the token's temperature.
 
-    logits: (T, V) for one row; position 0 has no prefix and gets 0 (it is never a loss token, since
-    every sample starts with prompt). Computed as gather - logsumexp so autograd keeps one (T, V) copy.
+    logits: (T, V) for one row, or (rows, T, V) with ids and temperatures (rows, T); position 0 has no
+    prefix and gets 0 (it is never a loss token, since every sample starts with prompt). Computed as
+    gather - logsumexp so autograd keeps one (T, V) copy.
     """
-    scaled = logits[:-1].float() / temperatures[1:, None].float()
-    picked = scaled.gather(-1, input_ids[1:, None]).squeeze(-1)
+    scaled = logits[..., :-1, :].float() / temperatures[..., 1:, None].float()
+    picked = scaled.gather(-1, input_ids[..., 1:, None]).squeeze(-1)
     lp = picked - torch.logsumexp(scaled, dim=-1)
-    return torch.cat([lp.new_zeros(1), lp])
+    return torch.cat([lp.new_zeros(*lp.shape[:-1], 1), lp], dim=-1)
 
 
 @torch.no_grad()

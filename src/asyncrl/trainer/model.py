@@ -33,6 +33,7 @@ class LoadedModel:
     export_dtype: torch.dtype  # dtype of the checkpoint we loaded; exports use it again
     matmul_params: int  # weights of all linear layers (incl. lm_head), for FLOP estimates
     lora_scale: float | None  # alpha / rank when LoRA is on
+    stackable: bool  # packed rows stacked into [rows, length] keep their samples apart (see check_packing)
 
 
 def _load_hf(name: str, attn: str, trust_remote_code: bool):
@@ -85,31 +86,47 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise UserError(f"cannot find the decoder layers of {type(model).__name__} (no ModuleList of {n} blocks)")
 
 
+def _packing_error(model: nn.Module, rows: list[list[torch.Tensor]]) -> float:
+    """Largest logit difference between samples packed in `rows` (stacked, shorter rows padded by a
+    pseudo-sample) and each sample run alone."""
+    length = max(sum(len(s) for s in row) for row in rows)
+    spans = [row + [torch.zeros(length - sum(len(s) for s in row), dtype=torch.long)] for row in rows]
+    ids = torch.stack([torch.cat(row) for row in spans])
+    pos = torch.stack([torch.cat([torch.arange(len(s)) for s in row]) for row in spans])
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    err, starts = 0.0, [torch.tensor([0] + [len(s) for s in row]).cumsum(0).tolist() for row in rows]
+    for r, row in enumerate(rows):
+        for s, at in zip(row, starts[r]):
+            alone = model(input_ids=s[None], use_cache=False).logits[0]
+            err = max(err, (logits[r, at : at + len(s)] - alone).abs().max().item())
+    return err
+
+
 @torch.no_grad()
-def check_packing(model: nn.Module) -> None:
-    """Two samples packed in one row (position_ids restart) must give the same logits as run alone.
+def check_packing(model: nn.Module) -> bool:
+    """Samples packed in one row (position_ids restart) must give the same logits as run alone;
+    returns whether that also holds for rows stacked into a batch.
 
     HF models derive a block-diagonal causal mask from restarting position_ids (sdpa/eager/flex) or
-    use varlen kernels (flash attention). A model or attention backend that ignores them would let
-    packed samples attend to each other, so we refuse it up front.
+    use varlen kernels (flash attention, which reads them from a single row only: stacked rows are
+    not isolated there). A model or attention backend that ignores them would let packed samples
+    attend to each other, so we refuse it up front.
     """
     vocab = model.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randint(0, vocab, (5,), generator=g), torch.randint(0, vocab, (4,), generator=g)
-    ids = torch.cat([a, b])[None]
-    pos = torch.cat([torch.arange(5), torch.arange(4)])[None]
+    a, b, c = (torch.randint(0, vocab, (n,), generator=g) for n in (5, 4, 3))
     was_training = model.training
     model.eval()
-    packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0, 5:]
-    alone = model(input_ids=b[None], position_ids=torch.arange(4)[None], use_cache=False).logits[0]
+    err = _packing_error(model, [[a, b]])
+    stack_err = _packing_error(model, [[a, b], [c]])
     model.train(was_training)
-    err = (packed - alone).abs().max().item()
     if err > 1e-3:
         raise UserError(
             f"model '{model.config.name_or_path}' with attn_implementation="
             f"'{model.config._attn_implementation}' lets packed samples attend to each other (max logit "
             f"diff {err:.2g}); use --model.attn-implementation sdpa, eager or flash_attention_2"
         )
+    return stack_err <= 1e-3
 
 
 def _apply_ac(layers: nn.ModuleList, freq: int) -> int:
@@ -142,7 +159,9 @@ def load_model(cfg: TrainerModelConfig, tokenizer_name: str | None, mesh: Device
     """Load, check packing, add LoRA / activation checkpointing, shard onto `mesh`."""
     model, export_dtype = _load_hf(cfg.name, cfg.attn_implementation, cfg.trust_remote_code)
     tokenizer = load_tokenizer(tokenizer_name or cfg.name, cfg.trust_remote_code)
-    check_packing(model)
+    stackable = check_packing(model)
+    if not stackable:
+        logger.info(f"attention {cfg.attn_implementation} isolates samples within one row only: rows are concatenated")
     matmul = count_matmul_params(model)
     lora_scale = None
     if cfg.lora is not None:
@@ -160,4 +179,4 @@ def load_model(cfg: TrainerModelConfig, tokenizer_name: str | None, mesh: Device
         f"loaded {cfg.name}: {total:,} parameters, compute {cfg.optimization_dtype}, reduce {cfg.reduce_dtype}, "
         f"attention {model.config._attn_implementation}, world {mesh.size()}"
     )
-    return LoadedModel(model, tokenizer, model.config, export_dtype, matmul, lora_scale)
+    return LoadedModel(model, tokenizer, model.config, export_dtype, matmul, lora_scale, stackable)

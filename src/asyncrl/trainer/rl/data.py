@@ -1,19 +1,26 @@
 """Where the RL trainer's micro-batches come from: the orchestrator's batch files, or fake data for --bench.
 
 Both give each rank a list of packed rows in the `transport.batch` format; `prepare` turns one row into
-device tensors plus the packed-sample index of every token (samples start where position_ids is 0).
+device tensors plus the packed-sample index of every token (samples start where position_ids is 0), and
+`micro_batches` groups `data.micro_batch_size` rows into one forward pass (`RowBatch`).
+
+Invariants of a `RowBatch`: rows are stacked into [rows, longest row], a shorter row padded by a
+pseudo-sample with its own positions (0, 1, ...) and no loss, so attention keeps every sample to itself;
+sample ids are unique over the whole batch. Where attention cannot isolate samples of stacked rows
+(flash attention reads sample boundaries from single rows only), the rows are concatenated into one
+row instead. Either way the loss sums over the same loss-mask tokens as one row at a time.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
 from asyncrl.config.base import BenchDataConfig
-from asyncrl.trainer.loss import sample_ids_from_positions
+from asyncrl.trainer.loss import LossInputs, sample_ids_from_positions
 from asyncrl.transport.batch import FIELDS, MicroBatch, check_micro_batch, read_batch, read_meta, wait_for_batch
 from asyncrl.utils.errors import UserError
 
@@ -47,6 +54,70 @@ def prepare(mb: MicroBatch, device: torch.device) -> PackedRow:
         num_samples=n,
         sample_lengths=lengths,
     )
+
+
+@dataclass
+class RowBatch:
+    """One forward/backward: packed rows as [rows, length] tensors, sample ids unique over the batch."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    inference_logprobs: torch.Tensor
+    temperatures: torch.Tensor
+    sample_ids: torch.Tensor
+    num_samples: int
+
+    def loss_inputs(self, logprobs: torch.Tensor) -> LossInputs:
+        """The loss's per-token view: every row's tokens one after another."""
+        return LossInputs(
+            logprobs.flatten(),
+            self.inference_logprobs.flatten(),
+            self.advantages.flatten(),
+            self.loss_mask.flatten(),
+            self.sample_ids.flatten(),
+            self.num_samples,
+        )
+
+
+TOKEN_FIELDS = [f.name for f in fields(RowBatch) if f.name != "num_samples"]
+
+
+def pad_row(row: PackedRow, length: int) -> PackedRow:
+    """`row` grown to `length` tokens by a pseudo-sample with its own positions and no loss."""
+    k = length - row.input_ids.numel()
+    if k == 0:
+        return row
+    tail = {
+        "input_ids": torch.zeros(k, dtype=torch.long),
+        "position_ids": torch.arange(k),
+        "loss_mask": torch.zeros(k, dtype=torch.bool),
+        "advantages": torch.zeros(k),
+        "inference_logprobs": torch.zeros(k),
+        "temperatures": torch.ones(k),
+        "sample_ids": torch.full((k,), row.num_samples),
+    }
+    grown = {f: torch.cat([getattr(row, f), t.to(row.input_ids.device)]) for f, t in tail.items()}
+    return replace(row, **grown, num_samples=row.num_samples + 1)
+
+
+def stack_rows(rows: list[PackedRow], stack: bool = True) -> RowBatch:
+    """Rows as one forward pass: stacked (padded to the longest), or concatenated into a single row."""
+    if stack:
+        length = max(r.input_ids.numel() for r in rows)
+        rows = [pad_row(r, length) for r in rows]
+    join = torch.stack if stack else (lambda ts: torch.cat(ts)[None])
+    starts = torch.tensor([0] + [r.num_samples for r in rows]).cumsum(0).tolist()
+    out = {f: join([getattr(r, f) for r in rows]) for f in TOKEN_FIELDS if f != "sample_ids"}
+    sample_ids = join([r.sample_ids + s for r, s in zip(rows, starts)])
+    return RowBatch(**out, sample_ids=sample_ids, num_samples=starts[-1])
+
+
+def micro_batches(rows: list[PackedRow], size: int, stack: bool = True) -> list[RowBatch]:
+    """`size` rows per forward pass (the last may hold fewer), longest rows first to pad little."""
+    rows = sorted(rows, key=lambda r: -r.input_ids.numel())  # stable: the orchestrator's order already is
+    return [stack_rows(rows[i : i + size], stack) for i in range(0, len(rows), size)]
 
 
 class RolloutSource:

@@ -1,9 +1,10 @@
 """The RL loop: step n turns the packed rollouts `rollouts/step_n` into the policy `broadcast/step_{n+1}`.
 
 Step n: wait for this rank's rows of `rollouts/step_n`, count the step's loss-mask tokens over all
-ranks (one all-reduce before the first forward), run each packed row forward/backward with the
-policy-gradient loss (`trainer.loss`); the session clips and steps. Then publish
-`broadcast/step_{n+1}` (HF dir, STABLE last; also `weights/step_{n+1}` at checkpoint steps and the
+ranks (one all-reduce before the first forward), run the rows forward/backward `data.micro_batch_size`
+at a time (`rl.data.RowBatch`) with the policy-gradient loss (`trainer.loss`); the session clips and
+steps. Every rank has as many rows, hence as many micro-batches: FSDP's collectives stay in step.
+Then publish `broadcast/step_{n+1}` (HF dir, STABLE last; also `weights/step_{n+1}` at checkpoint steps and the
 end), checkpoint when due, and prune broadcast dirs outside the async window (except around kept
 checkpoints) and consumed batches.
 
@@ -22,9 +23,9 @@ from loguru import logger
 from asyncrl.config.base import BenchDataConfig
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.trainer.ckpt import complete_steps
-from asyncrl.trainer.loss import LossInputs, get_loss_fn, mismatch_kl_sum, token_entropy, token_logprobs
+from asyncrl.trainer.loss import get_loss_fn, mismatch_kl_sum, token_entropy, token_logprobs
 from asyncrl.trainer.perf import format_mfu
-from asyncrl.trainer.rl.data import FakeSource, PackedRow, RolloutSource, prepare
+from asyncrl.trainer.rl.data import FakeSource, PackedRow, RolloutSource, RowBatch, micro_batches, prepare
 from asyncrl.trainer.session import Loop, StepBatch, TrainSession, run_training
 from asyncrl.transport.layout import is_stable
 
@@ -58,7 +59,8 @@ class RLLoop(Loop):
         rows = [prepare(mb, ctx.device) for mb in self.source.get(step)]
         wait_s = time.perf_counter() - start
         loss_tokens, tokens, samples, flops = ctx.all_reduce_sum(self._counts(rows)).tolist()
-        return StepBatch(rows, int(loss_tokens), int(tokens), int(samples), flops, timing={"wait_s": wait_s})
+        mbs = micro_batches(rows, self.config.data.micro_batch_size, self.session.lm.stackable)
+        return StepBatch(mbs, int(loss_tokens), int(tokens), int(samples), flops, timing={"wait_s": wait_s})
 
     def _counts(self, rows: list[PackedRow]) -> torch.Tensor:
         """This rank's loss tokens, tokens, samples with a loss token, and FLOPs."""
@@ -73,24 +75,26 @@ class RLLoop(Loop):
             dtype=torch.float64,
         )
 
-    def forward_backward_step(self, row: PackedRow, scale: float) -> dict[str, torch.Tensor]:
+    def forward_backward_step(self, mb: RowBatch, scale: float) -> dict[str, torch.Tensor]:
         model = self.session.model
-        logits = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False).logits[0]
-        logprobs = token_logprobs(logits, row.input_ids, row.temperatures)
-        inputs = LossInputs(
-            logprobs, row.inference_logprobs, row.advantages, row.loss_mask, row.sample_ids, row.num_samples
-        )
+        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+        inputs = mb.loss_inputs(token_logprobs(logits, mb.input_ids, mb.temperatures))
         out = self.loss_fn(inputs, self.config.loss)
         (out.loss * scale).backward()
         sums = {
             "loss": out.loss.detach().float(),
             # measured after backward, once the autograd graph is freed
-            "entropy": (token_entropy(logits.detach(), row.temperatures) * row.loss_mask).sum(),
+            "entropy": self._entropy_sum(logits.detach(), mb),
             "mismatch_kl": mismatch_kl_sum(inputs),
         }
         for key, value in out.metrics.items():
             sums[key] = sums.get(key, 0) + value.detach().float()
         return sums
+
+    @staticmethod
+    def _entropy_sum(logits: torch.Tensor, mb: RowBatch) -> torch.Tensor:
+        rows = zip(logits, mb.temperatures, mb.loss_mask)
+        return sum((token_entropy(lg, t) * m).sum() for lg, t, m in rows)
 
     def bad_loss_hint(self, step: int) -> str:
         return (
@@ -140,6 +144,6 @@ class RLLoop(Loop):
 
     def bench_header(self) -> str:
         cfg, fake = self.config, self.config.data.fake
-        shape = f"seq {fake.seq_len} x mbs {fake.micro_batch_size} x bs {fake.batch_size}" if fake else "default fake"
-        world = self.session.ctx.world_size
-        return f"bench | {cfg.model.name} | {world} rank(s) | {shape} | {cfg.model.optimization_dtype}"
+        shape = f"seq {fake.seq_len} x {fake.micro_batch_size}/row x bs {fake.batch_size}" if fake else "default fake"
+        world, rows, dtype = self.session.ctx.world_size, cfg.data.micro_batch_size, cfg.model.optimization_dtype
+        return f"bench | {cfg.model.name} | {world} rank(s) | {shape} | {rows} rows/fwd | {dtype}"

@@ -1,0 +1,128 @@
+"""Several packed rows per forward (`data.micro_batch_size`) change nothing but speed.
+
+Stacked rows (padded to the longest) and concatenated rows must give every token the logprob it
+gets in its own row, and the loop's forward/backward over micro-batches of 1, 2 or 4 rows must give
+the same loss, metrics and gradients as one row at a time, for every built-in loss. `check_packing`
+tells the loop whether the attention backend isolates samples of stacked rows.
+"""
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from asyncrl.config.trainer import TrainerConfig
+from asyncrl.trainer.loss import token_logprobs
+from asyncrl.trainer.model import check_packing
+from asyncrl.trainer.rl.data import PackedRow, micro_batches, prepare, stack_rows
+from asyncrl.trainer.rl.loop import RLLoop
+
+CPU = torch.device("cpu")
+LAYOUT = [[9, 7, 12], [10, 6], [15], [5, 4]]  # samples per row: rows of 28, 16, 15 and 9 tokens
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def logprobs_of(model, ids: torch.Tensor, pos: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    return token_logprobs(logits, ids, temps)
+
+
+@torch.no_grad()
+def make_row(model, lengths: list[int], g: torch.Generator) -> PackedRow:
+    """A packed row like the orchestrator's: 3 prompt tokens per sample, μ near this model's logprobs."""
+    n = sum(lengths)
+    ids = torch.randint(0, 256, (n,), generator=g)
+    pos = torch.cat([torch.arange(k) for k in lengths])
+    temps = torch.cat([torch.full((k,), 0.7 + 0.3 * i) for i, k in enumerate(lengths)])
+    mask = pos >= 3
+    mu = logprobs_of(model, ids[None], pos[None], temps[None])[0] + 0.3 * torch.randn(n, generator=g)
+    mu[4] += 3.0  # one ratio far off: masks and clips take part
+    adv = torch.cat([torch.full((k,), float(torch.randn(1, generator=g))) for k in lengths])
+    row = {
+        "input_ids": ids,
+        "position_ids": pos,
+        "loss_mask": mask,
+        "advantages": adv,
+        "inference_logprobs": mu * mask,
+        "temperatures": temps,
+    }
+    return prepare(row, CPU)
+
+
+@pytest.fixture(scope="module")
+def rows(model) -> list[PackedRow]:
+    g = torch.Generator().manual_seed(0)
+    real = [make_row(model, lengths, g) for lengths in LAYOUT]
+    dummy = make_row(model, LAYOUT[-1], g)  # the orchestrator's padding row: nothing to learn
+    dummy.loss_mask = torch.zeros_like(dummy.loss_mask)
+    return real + [dummy]
+
+
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "concatenated"])
+def test_rows_of_a_batch_keep_their_own_logprobs(model, rows, stack):
+    mb = stack_rows(rows, stack)
+    assert mb.input_ids.shape == ((5, 28) if stack else (1, 28 + 16 + 15 + 9 + 9))
+    assert mb.sample_ids.flatten().unique().numel() == mb.num_samples  # padding is a sample of its own
+    assert int(mb.loss_mask.sum()) == sum(int(r.loss_mask.sum()) for r in rows)
+    with torch.no_grad():
+        batched = logprobs_of(model, mb.input_ids, mb.position_ids, mb.temperatures)
+        at = 0
+        for b, r in enumerate(rows):
+            n = r.input_ids.numel()
+            got = batched[b, :n] if stack else batched[0, at : at + n]
+            alone = logprobs_of(model, r.input_ids[None], r.position_ids[None], r.temperatures[None])[0]
+            targets = r.position_ids != 0  # a sample's first token has no prefix: never a loss token
+            torch.testing.assert_close(got[targets], alone[targets], atol=1e-5, rtol=1e-5)
+            at += n
+
+
+def run_step(model, rows: list[PackedRow], loss: str, size: int, stack: bool) -> tuple[dict, list[torch.Tensor]]:
+    """The loop's forward/backward over every micro-batch: summed metrics and the accumulated gradients."""
+    model.zero_grad(set_to_none=True)
+    loop = RLLoop(SimpleNamespace(config=TrainerConfig(loss={"type": loss}), model=model))
+    scale = 1.0 / sum(int(r.loss_mask.sum()) for r in rows)
+    sums: dict = defaultdict(float)
+    for mb in micro_batches(rows, size, stack):
+        for key, value in loop.forward_backward_step(mb, scale).items():
+            sums[key] += float(value)
+    return dict(sums), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("loss", ["aipo", "grpo", "gspo", "cispo"])
+def test_micro_batch_size_keeps_loss_metrics_and_gradients(model, rows, loss):
+    model.train()
+    one_sums, one_grads = run_step(model, rows, loss, 1, True)
+    assert one_sums["loss"] != 0 and one_sums.get("clipped_frac", one_sums["masked_frac"]) > 0  # not trivial
+    for size, stack in [(2, True), (4, True), (8, True), (4, False)]:
+        sums, grads = run_step(model, rows, loss, size, stack)
+        assert sums.keys() == one_sums.keys()
+        for key in sums:
+            assert sums[key] == pytest.approx(one_sums[key], rel=1e-5, abs=1e-6), (key, size, stack)
+        for got, want in zip(grads, one_grads):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+class RowwiseOnly(torch.nn.Module):
+    """Like flash attention: reads sample boundaries from position_ids of a single row only."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def get_input_embeddings(self):
+        return self.inner.get_input_embeddings()
+
+    def forward(self, input_ids, position_ids=None, **kwargs):
+        return self.inner(input_ids=input_ids, position_ids=position_ids if len(input_ids) == 1 else None, **kwargs)
+
+
+def test_check_packing_tells_whether_rows_can_be_stacked(model):
+    assert check_packing(model) is True
+    assert check_packing(RowwiseOnly(model)) is False  # the loop then concatenates rows
