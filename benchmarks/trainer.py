@@ -2,6 +2,7 @@
 
     python benchmarks/trainer.py                    # tiny models on CPU, 1 and 2 processes (gloo)
     python benchmarks/trainer.py --qwen3-0.6b       # + Qwen3-0.6B-shaped random weights at seq 16k (GPU)
+    python benchmarks/trainer.py --rows-sweep       # only the RL job's shape: data.micro_batch_size x dtype
 
 Every run is a fresh `python -m asyncrl.entrypoints.trainer --bench` (under torchrun for 2 ranks); the
 numbers come from its metrics file, the first (warm-up) step excluded. MFU needs a known GPU peak
@@ -26,6 +27,11 @@ CPU_CASES = [
     ("small-10M", 384, 6, 6, 2, 1, 256, 4, 16),
     ("small-10M", 384, 6, 6, 2, 2, 256, 4, 16),
 ]
+
+# the RL benchmark job's trainer step on tiny-1M: 129 samples of 85 tokens, 3 per 255-token row = 43 rows
+JOB_SHAPE = {"seq_len": 85, "micro_batch_size": 3, "batch_size": 129}
+ROWS_PER_FORWARD = (1, 2, 4, 8, 16)
+DTYPES = ("float32", "bfloat16")
 
 
 def build_qwen3_06b_shape(out: Path) -> Path:
@@ -58,6 +64,7 @@ def build_qwen3_06b_shape(out: Path) -> Path:
 def run_bench(
     model_dir: Path, out: Path, ranks: int, seq: int, mbs: int, bs: int, steps: int, extra: list[str], threads: int
 ) -> dict:
+    """`mbs` samples packed per row of fake data; `extra` may set --data.micro-batch-size (rows per forward)."""
     fake = json.dumps({"seq_len": seq, "micro_batch_size": mbs, "batch_size": bs})
     args = [
         "-m",
@@ -104,6 +111,30 @@ def params_of(model_dir: Path) -> int:
     return total
 
 
+def rows_sweep(root: Path, steps: int, threads: int) -> list[tuple[int, str, dict]]:
+    """The job's shape for every rows-per-forward and compute dtype, run interleaved in one invocation."""
+    from asyncrl.utils.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(root / "tiny-1M", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
+    shape = (JOB_SHAPE["seq_len"], JOB_SHAPE["micro_batch_size"], JOB_SHAPE["batch_size"])
+    results = []
+    for rows in ROWS_PER_FORWARD:
+        for dtype in DTYPES:
+            extra = ["--device", "cpu", "--data.micro-batch-size", str(rows), "--model.optimization-dtype", dtype]
+            out = root / f"out-rows{rows}-{dtype}"
+            results.append((rows, dtype, run_bench(model_dir, out, 1, *shape, steps, extra, threads)))
+    return results
+
+
+def print_rows_sweep(results: list[tuple[int, str, dict]], threads: int) -> None:
+    base = next(r["step_s"] for rows, dtype, r in results if rows == 1 and dtype == "float32")
+    print(f"\nRL job shape on tiny-1M: 43 rows of 255 tokens per step, 1 rank, {threads} thread(s)")
+    print(f"{'rows/fwd':>8} {'dtype':<9} {'step s':>7} {'tokens/s':>9} {'vs 1 row fp32':>14}")
+    for rows, dtype, r in results:
+        print(f"{rows:>8} {dtype:<9} {r['step_s']:>7.3f} {r['tok_s']:>9,.0f} {base / r['step_s']:>13.2f}x")
+    print(f"(load average {os.getloadavg()[0]:.1f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
@@ -111,6 +142,9 @@ def main() -> None:
     parser.add_argument("--qwen3-0.6b", dest="qwen", action="store_true", help="Qwen3-0.6B shape, seq 16k, GPU")
     parser.add_argument("--seq-len", type=int, default=16384, help="sequence length of the Qwen3-0.6B case")
     parser.add_argument("--ac", action="store_true", help="activation checkpointing in the Qwen3-0.6B case")
+    parser.add_argument(
+        "--rows-sweep", action="store_true", help="only the RL job's shape, data.micro_batch_size x dtype"
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -121,6 +155,11 @@ def main() -> None:
     from asyncrl.utils.tiny_model import build_tiny_model
 
     cores = os.cpu_count() or 1
+    if args.rows_sweep:
+        with tempfile.TemporaryDirectory() as tmp:
+            threads = args.threads or cores
+            print_rows_sweep(rows_sweep(Path(tmp), args.steps, threads), threads)
+        return
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

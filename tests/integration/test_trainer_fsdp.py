@@ -143,6 +143,20 @@ def test_gradient_does_not_depend_on_packing(tiny_model_dir, tmp_path):
     assert c["loss"] == a["loss"] and c["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
 
 
+def test_rows_per_forward_do_not_change_the_step_with_lora(tiny_model_dir, tmp_path):
+    """data.micro_batch_size 1 (one row at a time) and 3 (rows stacked, padded) train LoRA identically."""
+    rows = synthetic_rows(tiny_model_dir, [[9, 7], [12], [5, 4, 3]], seed=7)
+    lora = {"name": str(tiny_model_dir), "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}
+    runs = []
+    for size in (1, 3):
+        write_batch(tmp_path / str(size), 0, [rows])
+        cfg = config(tiny_model_dir, tmp_path / str(size), max_steps=1, model=lora, data={"micro_batch_size": size})
+        runs.append(run_train(cfg)[0])
+    assert runs[0]["loss"] == pytest.approx(runs[1]["loss"], rel=1e-5)
+    assert runs[0]["grad_norm"] == pytest.approx(runs[1]["grad_norm"], rel=1e-4) and runs[0]["grad_norm"] > 0
+    assert runs[0]["entropy"] == pytest.approx(runs[1]["entropy"], rel=1e-5)
+
+
 def test_nan_loss_stops_without_weights(tiny_model_dir, tmp_path):
     rows = synthetic_rows(tiny_model_dir, [[8]], seed=0)
     rows[0]["advantages"] = torch.full_like(rows[0]["advantages"], float("nan"))
