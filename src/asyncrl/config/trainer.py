@@ -19,7 +19,7 @@ from asyncrl.config.base import (
 
 Dtype = Literal["bfloat16", "float32"]
 
-MICRO_BATCH_ROWS = 8  # fastest of 1/2/4/8/16 for the tiny CPU RL job (benchmarks/trainer.py --rows-sweep)
+MICRO_BATCH_ROWS = 16  # fastest of 1/2/4/8/16 on the tiny CPU RL job (benchmarks/trainer.py --rows-sweep)
 
 
 class ACConfig(BaseConfig):
