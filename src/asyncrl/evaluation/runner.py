@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,6 +28,7 @@ from asyncrl.orchestrator.envs import (
     sampling_args,
     verifiers_run_group,
 )
+from asyncrl.transport.files import write_text_atomic  # noqa: F401 (evaluate and synthesize use it from here)
 from asyncrl.utils.errors import UserError
 
 PLAIN_CLIENT = "openai_chat_completions"
@@ -275,11 +275,3 @@ def completion_text(messages: list[dict] | None) -> str:
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         parts.append(content or "")
     return "\n".join(parts)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder and rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path)
