@@ -28,7 +28,6 @@ from asyncrl.orchestrator.envs import (
     sampling_args,
     verifiers_run_group,
 )
-from asyncrl.transport.files import write_text_atomic  # noqa: F401 (evaluate and synthesize use it from here)
 from asyncrl.utils.errors import UserError
 
 PLAIN_CLIENT = "openai_chat_completions"
