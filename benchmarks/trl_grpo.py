@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.output_dir / "bench_trl.json"
     path.write_text(json.dumps(result, indent=1))
     title = f"TRL {trl.__version__} GRPOTrainer: {numbers['steps']} steps, {wall:.0f}s wall"
-    title += f", load avg {load_start[0]:.1f} at start"
+    title += f", load avg {load_start[0]:.1f} at start, {result['machine']['load_avg_end'][0]:.1f} at the end"
     print(summary.format_table(title, result))
     print(summary.format_heldout(before, after))
     print(f"numbers in {path}")

@@ -133,7 +133,8 @@ def report(result: dict[str, Any], path: Path) -> str:
     title = (
         f"rl --bench: {result['steps']} steps, {j['batch_size'] // j['rollouts_per_example']} prompts x "
         f"{j['rollouts_per_example']} rollouts, async level {j['max_async_level']}, "
-        f"{result['wall_s']:.0f}s wall, load avg {result['machine']['start']['load_avg'][0]:.1f} at start"
+        f"{result['wall_s']:.0f}s wall, load avg {result['machine']['start']['load_avg'][0]:.1f} at start, "
+        f"{result['machine']['end']['load_avg'][0]:.1f} at the end"
     )
     lines = [title.replace("\n", " "), summary.format_table("", result)]
     lines.append(summary.format_heldout(result["heldout"]["before"], result["heldout"]["after"]))
