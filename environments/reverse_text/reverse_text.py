@@ -2,8 +2,9 @@
 
 Data is generated locally from a seed (no downloads). The reward is the character-level
 similarity (difflib's matching-blocks ratio, in [0, 1]) between the stripped answer and the
-reversed string; `exact_match` is logged with weight 0. The same prompt builder feeds the
-SFT warm-up data (`sft_examples`, or `python -m reverse_text --sft-out FILE --n N`).
+reversed string; `exact_match` is logged with weight 0 (`reward="exact"` swaps the weights: exact
+match is then the reward). The same prompt builder feeds the SFT warm-up data (`sft_examples`, or
+`python -m reverse_text --sft-out FILE --n N`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ from datasets import Dataset
 
 USER_TEMPLATE = "Reverse the text: {text}"
 DEFAULT_ALPHABET = string.ascii_lowercase
+REWARD_WEIGHTS = {"similarity": [1.0, 0.0], "exact": [0.0, 1.0]}  # weights of [lcs_reward, exact_match]
 
 
-def _check_args(min_len: int, max_len: int, alphabet: str) -> None:
+def _check_args(min_len: int, max_len: int, alphabet: str, user_template: str = USER_TEMPLATE) -> None:
+    if "{text}" not in user_template:
+        raise ValueError(f"user_template must contain {{text}}, got {user_template!r}")
     if min_len < 1:
         raise ValueError(f"min_len must be >= 1, got {min_len}")
     if max_len < min_len:
@@ -44,18 +48,27 @@ def random_strings(
     return ["".join(rng.choice(alphabet) for _ in range(rng.randint(min_len, max_len))) for _ in range(n)]
 
 
-def make_prompt(text: str, system_prompt: str | None = None) -> list[dict[str, str]]:
+def make_prompt(
+    text: str, system_prompt: str | None = None, user_template: str = USER_TEMPLATE
+) -> list[dict[str, str]]:
     """The chat prompt for one example (shared by the environment and the SFT data)."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": USER_TEMPLATE.format(text=text)})
+    messages.append({"role": "user", "content": user_template.format(text=text)})
     return messages
 
 
 def _rows(
-    n: int, seed: int, split: str, min_len: int, max_len: int, alphabet: str, system_prompt: str | None
+    n: int,
+    seed: int,
+    split: str,
+    min_len: int,
+    max_len: int,
+    alphabet: str,
+    system_prompt: str | None,
+    user_template: str = USER_TEMPLATE,
 ) -> list[dict[str, Any]]:
     texts = random_strings(n, seed, split, min_len, max_len, alphabet)
-    return [{"prompt": make_prompt(t, system_prompt), "answer": t[::-1]} for t in texts]
+    return [{"prompt": make_prompt(t, system_prompt, user_template), "answer": t[::-1]} for t in texts]
 
 
 def _answer_text(parser: vf.Parser, completion: vf.Messages) -> str:
@@ -79,17 +92,31 @@ def load_environment(
     seed: int = 0,
     system_prompt: str | None = None,
     alphabet: str = DEFAULT_ALPHABET,
+    user_template: str = USER_TEMPLATE,
+    reward: str = "similarity",
 ) -> vf.SingleTurnEnv:
-    """Reverse a random string of `min_len`..`max_len` characters drawn from `alphabet`."""
-    _check_args(min_len, max_len, alphabet)
+    """Reverse a random string of `min_len`..`max_len` characters drawn from `alphabet`.
+
+    `reward`: "similarity" (lcs_reward, the default) or "exact" (exact_match); both are logged.
+    """
+    _check_args(min_len, max_len, alphabet, user_template)
     if num_train_examples < 1 or num_eval_examples < 0:
         raise ValueError("need num_train_examples >= 1 and num_eval_examples >= 0 (0: no eval set)")
-    common = dict(seed=seed, min_len=min_len, max_len=max_len, alphabet=alphabet, system_prompt=system_prompt)
+    if reward not in REWARD_WEIGHTS:
+        raise ValueError(f"reward must be one of {sorted(REWARD_WEIGHTS)}, got {reward!r}")
+    common = dict(
+        seed=seed,
+        min_len=min_len,
+        max_len=max_len,
+        alphabet=alphabet,
+        system_prompt=system_prompt,
+        user_template=user_template,
+    )
     dataset = Dataset.from_list(_rows(num_train_examples, split="train", **common))
     eval_rows = _rows(num_eval_examples, split="eval", **common)
     eval_dataset = Dataset.from_list(eval_rows) if eval_rows else None
     parser = vf.Parser()
-    rubric = vf.Rubric(funcs=[lcs_reward, exact_match], weights=[1.0, 0.0], parser=parser)
+    rubric = vf.Rubric(funcs=[lcs_reward, exact_match], weights=REWARD_WEIGHTS[reward], parser=parser)
     return vf.SingleTurnEnv(dataset=dataset, eval_dataset=eval_dataset, parser=parser, rubric=rubric)
 
 
@@ -100,15 +127,16 @@ def sft_examples(
     max_len: int = 8,
     system_prompt: str | None = None,
     alphabet: str = DEFAULT_ALPHABET,
+    user_template: str = USER_TEMPLATE,
 ) -> list[dict[str, Any]]:
     """`n` prompt/completion rows in the environment's exact prompt format.
 
     They come from their own random stream ("sft"), so they are not the RL train prompts.
     """
-    _check_args(min_len, max_len, alphabet)
+    _check_args(min_len, max_len, alphabet, user_template)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    rows = _rows(n, seed, "sft", min_len, max_len, alphabet, system_prompt)
+    rows = _rows(n, seed, "sft", min_len, max_len, alphabet, system_prompt, user_template)
     return [{"prompt": r["prompt"], "completion": [{"role": "assistant", "content": r["answer"]}]} for r in rows]
 
 
@@ -140,9 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=8)
     ap.add_argument("--system-prompt", default=None)
     ap.add_argument("--alphabet", default=DEFAULT_ALPHABET)
+    ap.add_argument("--user-template", default=USER_TEMPLATE, help="user message; {text} is the string")
     args = ap.parse_args(argv)
     try:
-        rows = sft_examples(args.n, args.seed, args.min_len, args.max_len, args.system_prompt, args.alphabet)
+        rows = sft_examples(
+            args.n, args.seed, args.min_len, args.max_len, args.system_prompt, args.alphabet, args.user_template
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -148,6 +148,23 @@ def test_reverse_text_rubric_scores_completions():
     assert set(exact["metrics"]) == {"lcs_reward", "exact_match", "num_turns"}
 
 
+def test_reverse_text_exact_reward_and_user_template():
+    env = reverse_text.load_environment(
+        num_train_examples=5, num_eval_examples=0, system_prompt="S", user_template="{text}", reward="exact"
+    )
+    row = env.get_dataset()[0]
+    assert row["prompt"] == [{"role": "system", "content": "S"}, {"role": "user", "content": row["answer"][::-1]}]
+    exact, partial = _score(env, "dcba", [[_assistant(" dcba")], [_assistant("dcxx")]])
+    assert exact["reward"] == 1.0 and partial["reward"] == 0.0
+    assert partial["metrics"]["lcs_reward"] == pytest.approx(0.5)
+    rows = reverse_text.sft_examples(3, system_prompt="S", user_template="{text}")
+    assert rows[0]["prompt"][1]["content"] == rows[0]["completion"][0]["content"][::-1]
+    with pytest.raises(ValueError, match="reward must be one of"):
+        reverse_text.load_environment(reward="lcs")
+    with pytest.raises(ValueError, match="must contain"):
+        reverse_text.load_environment(user_template="no placeholder")
+
+
 def test_reverse_text_rollout_through_openai_client():
     env = reverse_text.load_environment(num_train_examples=3, num_eval_examples=0, seed=1)
     target = env.get_dataset()[0]["answer"]

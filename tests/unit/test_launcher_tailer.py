@@ -29,3 +29,14 @@ def test_one_line_per_whole_training_row_then_summary(tmp_path, capsys):
         f"[rl] done: 3 steps in 12s; reward 0.250 (first steps) -> 0.750 (last steps); weights in {tmp_path}/weights"
     )
     assert StepTailer(tmp_path / "none.jsonl").summary(5, tmp_path) == "[rl] done in 5s (no reward logged)"
+
+
+def test_rows_of_an_earlier_run_are_skipped(tmp_path, capsys):
+    path = tmp_path / "orchestrator.jsonl"
+    path.write_text(json.dumps({"step": 0, "reward/mean": 0.1}) + "\n")
+    tailer = StepTailer(path)
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": 0, "reward/mean": 0.9}) + "\n")
+    tailer.poll()
+    assert capsys.readouterr().out.splitlines() == ["[rl] step    0  reward 0.900  off-policy ?"]
+    assert tailer.summary(1, tmp_path).startswith("[rl] done: 1 steps")

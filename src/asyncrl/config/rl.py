@@ -3,6 +3,7 @@
 Shared fields (`model`, `max_steps`, `seq_len`, `max_async_level`, `output_dir`, `wandb`, `ckpt`, `log`) are
 propagated into every component that has them. A value may be set at the top or in any one component;
 two different explicit values for the same shared field are an error, never a silent overwrite.
+With `bench`, the benchmark job's settings (`asyncrl.bench.job`) fill in whatever the user left unset.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from asyncrl.bench import job as bench_job
 from asyncrl.config import loader
 from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, ModelConfig, WandbConfig
 from asyncrl.config.inference import InferenceConfig
@@ -40,7 +42,12 @@ class RLConfig(BaseConfig):
     trainer_gpu_ids: list[int] = Field(default_factory=lambda: [1], description="GPUs of the trainer (one rank each)")
     trainer_cpu_processes: int = Field(1, ge=1, description="trainer ranks when running on CPU")
     exp_id: str | None = Field(None, description="experiment id: runs in {output_dir}/{exp_id}, side by side")
-    bench: bool = Field(False, description="benchmark the whole RL loop")
+    bench: bool = Field(
+        False,
+        description="benchmark: run the tiny-Qwen3 reverse-text job on a model it warms itself, print s/step, "
+        "generation/training/weight-update time, overlap and held-out accuracy, write {output_dir}/bench.json "
+        "(other flags still apply)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
@@ -137,6 +144,8 @@ def propagate(raw: dict) -> dict:
 
 
 def resolve_rl(raw: dict, args: loader.ParsedArgs | None = None) -> RLConfig:
+    if raw.get("bench"):
+        raw = bench_job.apply_defaults(raw)
     raw = propagate(raw)
     if raw.get("exp_id"):
         base = raw.get("output_dir") or loader.get_path(raw["trainer"], ("output_dir",)) or "outputs"

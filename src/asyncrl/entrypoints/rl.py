@@ -9,7 +9,7 @@ from asyncrl.utils.logging import setup_logger
 SUMMARY = (
     "RL launcher: `rl @ rl.toml` or `rl --trainer @ t.toml --orchestrator @ o.toml [--inference @ i.toml]`.\n"
     "Shared top-level fields (model, max_steps, seq_len, max_async_level, output_dir, wandb, ckpt, log)\n"
-    "are propagated to every component."
+    "are propagated to every component. `rl --bench` runs the benchmark job (see README, RL)."
 )
 
 
@@ -19,6 +19,11 @@ def main(argv: list[str] | None = None) -> None:
     setup_logger("rl", config.trainer.output_dir, log.level, log.file)
 
     def run() -> None:
+        if config.bench:
+            from asyncrl.bench.run import run_bench
+
+            run_bench(config)
+            return
         from asyncrl.launcher import launch
 
         launch(config)

@@ -33,9 +33,9 @@ from asyncrl.evaluation.runner import (
     run_jobs,
     start_hint,
     summarize,
-    write_text_atomic,
 )
 from asyncrl.orchestrator.client import InferenceClient
+from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import is_stable, step_dirs
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.monitor import MetricsSink

@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -275,11 +274,3 @@ def completion_text(messages: list[dict] | None) -> str:
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         parts.append(content or "")
     return "\n".join(parts)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder and rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -34,8 +34,8 @@ from asyncrl.evaluation.runner import (
     request_args,
     run_jobs,
     start_hint,
-    write_text_atomic,
 )
+from asyncrl.transport.files import write_text_atomic
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.messages import openai_messages, openai_tools
 

@@ -1,7 +1,8 @@
 """Follow a run's `metrics/orchestrator.jsonl` while it grows: one console line per training step, then a summary.
 
 Only whole lines are read (a row still being written waits for the next poll); eval rows, rows without
-a reward and lines that are not JSON are skipped. Each row is read exactly once.
+a reward and lines that are not JSON are skipped. Each row is read exactly once. Rows already in the file
+when the tailer starts (an earlier run in the same output dir) are not this run's: reading starts after them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 class StepTailer:
     def __init__(self, path: Path):
         self.path = path
-        self.pos = 0
+        self.pos = path.stat().st_size if path.exists() else 0
         self.rewards: list[tuple[int, float]] = []
 
     def poll(self) -> None:

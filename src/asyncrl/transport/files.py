@@ -1,5 +1,6 @@
 """The file primitives every wire relies on: publish a directory atomically, mark one complete, wait for one.
 
+`write_text_atomic` does the same for one file.
 `publish_dir` and `mark_stable` are the only writers of the STABLE marker (`transport.layout` names it and
 is its only reader): the marker goes in last, via a temporary name, so a reader that sees it sees whole files.
 """
@@ -35,6 +36,14 @@ def publish_dir(final: Path, write: Callable[[Path], None], marker: bool = True)
     if marker:
         mark_stable(final)
     return final
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder and rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def mark_stable(path: Path) -> None:

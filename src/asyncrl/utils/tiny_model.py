@@ -135,10 +135,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: 3 x hidden)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     out = build_tiny_model(
-        args.out_dir, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, seed=args.seed
+        args.out_dir,
+        args.hidden_size,
+        args.num_layers,
+        args.num_heads,
+        args.num_kv_heads,
+        args.intermediate_size,
+        seed=args.seed,
     )
     size_mb = sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e6
     print(f"wrote tiny model to {out} ({size_mb:.1f} MB of weights)")
