@@ -1,8 +1,11 @@
 """Where `rl`'s children run: GPU ids as CUDA_VISIBLE_DEVICES with CUDA, rank and thread counts without."""
 
+import pytest
+
 from asyncrl.config import loader
 from asyncrl.config.rl import RLConfig, resolve_rl
 from asyncrl.launcher.placement import Placement
+from asyncrl.utils.errors import UserError
 
 
 def _config(*argv: str) -> RLConfig:
@@ -21,10 +24,42 @@ def test_gpus_become_visible_devices(monkeypatch):
     assert "PYTHONSTARTUP" not in place.trainer_env() and "OMP_NUM_THREADS" not in place.inference_env()
 
 
-def test_cpu_ranks_share_all_cores_but_one(monkeypatch):
+def _cores(monkeypatch, n: int) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("os.cpu_count", lambda: 9)
+    monkeypatch.setattr("asyncrl.launcher.placement.usable_cores", lambda: list(range(n)))
+
+
+def test_split_gives_the_server_half_the_cores_and_the_ranks_the_rest(monkeypatch):
+    _cores(monkeypatch, 9)
     place = Placement(_config("--trainer-cpu-processes", "2"), cuda=False)
-    assert place.trainer_ranks == 2 and place.trainer_env()["OMP_NUM_THREADS"] == "4"
+    assert place.trainer_ranks == 2 and place.trainer_env()["OMP_NUM_THREADS"] == "2"  # 5 cores over 2 ranks
+    assert place.server_threads == 4 and place.affinity("inference") is None  # split: threads only
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert place.trainer_env()["OMP_NUM_THREADS"] == "3"  # the user's setting wins
+
+
+def test_pinned_puts_server_and_trainer_on_disjoint_cores(monkeypatch):
+    _cores(monkeypatch, 2)
+    place = Placement(_config("--cpu-placement", "pinned"), cuda=False)
+    assert place.affinity("inference") == [0] and place.affinity("trainer") == [1]
+    assert place.affinity("orchestrator") is None and place.server_threads == 1
+    assert place.trainer_env()["OMP_NUM_THREADS"] == "1"
+
+
+def test_shared_gives_every_core_to_both(monkeypatch):
+    _cores(monkeypatch, 4)
+    place = Placement(_config("--cpu-placement", "shared"), cuda=False)
+    assert place.server_threads == 4 and place.trainer_env()["OMP_NUM_THREADS"] == "4"
+    assert place.affinity("trainer") is None
+
+
+def test_cuda_leaves_threads_alone(monkeypatch):
+    _cores(monkeypatch, 16)
+    place = Placement(_config("--cpu-placement", "pinned"), cuda=True)
+    assert place.server_threads is None and place.affinity("inference") is None
+    assert "OMP_NUM_THREADS" not in place.trainer_env()
+
+
+def test_bad_placement_is_a_one_line_error():
+    with pytest.raises(UserError, match="cpu.placement|cpu_placement"):
+        _config("--cpu-placement", "spread")

@@ -9,7 +9,7 @@ With `bench`, the benchmark job's settings (`asyncrl.bench.job`) fill in whateve
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -41,6 +41,11 @@ class RLConfig(BaseConfig):
     inference_gpu_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the inference server")
     trainer_gpu_ids: list[int] = Field(default_factory=lambda: [1], description="GPUs of the trainer (one rank each)")
     trainer_cpu_processes: int = Field(1, ge=1, description="trainer ranks when running on CPU")
+    cpu_placement: Literal["split", "pinned", "shared"] = Field(
+        "split",
+        description="without CUDA, how inference and trainer share the cores: split (half the threads each), "
+        "pinned (split, each on its own cores), shared (every core to both, time-sharing)",
+    )
     exp_id: str | None = Field(None, description="experiment id: runs in {output_dir}/{exp_id}, side by side")
     bench: bool = Field(
         False,

@@ -1,9 +1,17 @@
-"""Placement of the `rl` children: which GPUs (or CPU threads) each one gets, expressed as its environment.
+"""Placement of the `rl` children: which GPUs or CPU cores and threads each one gets.
 
 With CUDA, the inference server and the trainer each see only their configured GPU ids
 (CUDA_VISIBLE_DEVICES) and the trainer runs one rank per GPU. Without CUDA the trainer runs
-`trainer_cpu_processes` ranks and, unless OMP_NUM_THREADS is set, its ranks share all cores but one.
-Every child inherits the launcher's environment otherwise (minus PYTHONSTARTUP).
+`trainer_cpu_processes` ranks and `cpu_placement` decides how it shares the cores with the embedded
+inference engine:
+
+- split: the server gets half the cores' worth of threads (at least one), the trainer's ranks the rest;
+- pinned: the same thread counts, and each of the two runs on its own cores (CPU affinity);
+- shared: both get one thread per core and the OS time-shares them.
+
+The orchestrator is never pinned. A thread count the user set (`inference.num_threads`,
+OMP_NUM_THREADS) always wins. Every child inherits the launcher's environment otherwise (minus
+PYTHONSTARTUP).
 """
 
 from __future__ import annotations
@@ -22,14 +30,37 @@ def cuda_available() -> bool:
         return False
 
 
+def usable_cores() -> list[int]:
+    """The cores this process may run on (all of them where affinity is not supported)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 class Placement:
     def __init__(self, config: RLConfig, cuda: bool | None = None):
         self.config = config
         self.cuda = cuda_available() if cuda is None else cuda
+        self.mode = config.cpu_placement
+        self.cores = usable_cores()
+        shared = self.mode == "shared" or len(self.cores) == 1
+        self.server_cores = self.cores if shared else self.cores[: max(1, len(self.cores) // 2)]
+        self.trainer_cores = self.cores if shared else self.cores[len(self.server_cores) :]
 
     @property
     def trainer_ranks(self) -> int:
         return len(self.config.trainer_gpu_ids) if self.cuda else self.config.trainer_cpu_processes
+
+    @property
+    def server_threads(self) -> int | None:
+        """Embedded engine threads on CPU (None with CUDA: the engine's own default)."""
+        return None if self.cuda else len(self.server_cores)
+
+    def affinity(self, name: str) -> list[int] | None:
+        """Cores child `name` is pinned to (None: not pinned)."""
+        if self.cuda or self.mode != "pinned" or not hasattr(os, "sched_setaffinity"):
+            return None
+        return {"inference": self.server_cores, "trainer": self.trainer_cores}.get(name)
 
     def inference_env(self) -> dict[str, str]:
         return self._env(self.config.inference_gpu_ids)
@@ -41,8 +72,8 @@ class Placement:
         env = self._env(self.config.trainer_gpu_ids)
         if not self.cuda and "OMP_NUM_THREADS" not in env:
             # torch's default of one thread per core in every process oversubscribes the cores the
-            # inference engine uses too, which makes both many times slower. Leave it a core.
-            env["OMP_NUM_THREADS"] = str(max(1, ((os.cpu_count() or 2) - 1) // self.trainer_ranks))
+            # inference engine uses too; each rank gets its share of the trainer's cores
+            env["OMP_NUM_THREADS"] = str(max(1, len(self.trainer_cores) // self.trainer_ranks))
         return env
 
     def _env(self, gpu_ids: list[int] | None) -> dict[str, str]:

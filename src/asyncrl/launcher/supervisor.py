@@ -56,6 +56,8 @@ class Launcher:
         cfg.orchestrator.num_train_workers = self.placement.trainer_ranks
         configs = {"trainer": cfg.trainer, "orchestrator": cfg.orchestrator}
         if cfg.inference is not None:
+            if cfg.inference.num_threads is None and cfg.inference.backend == "embedded":
+                cfg.inference.num_threads = self.placement.server_threads
             configs["inference"] = cfg.inference
         self.layout.configs.mkdir(parents=True, exist_ok=True)
         paths = {}
@@ -71,6 +73,10 @@ class Launcher:
         stdout_path, log_path = self.layout.log_file(name, ".stdout"), self.layout.log_file(name)
         logger.info(f"starting {name}: {' '.join(cmd)}")
         child = Child(name, spawn(cmd, None if stream else stdout_path, env), stdout_path, log_path)
+        cores = self.placement.affinity(name)
+        if cores is not None:  # right after exec, before its Python starts a thread: every thread inherits it
+            os.sched_setaffinity(child.proc.pid, cores)
+            logger.info(f"{name} pinned to cores {cores}")
         self.children.append(child)
         return child
 
