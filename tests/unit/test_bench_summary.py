@@ -13,7 +13,7 @@ def _rows(n: int, gen: float, train: float, pace: float, slow: float = 5.0) -> t
     """n steps every `pace` s, but step 1 ends `slow` s late (a warm-up step)."""
     orch = [
         {"kind": "train", "step": s, "time": 100.0 + s, "time/rollouts": gen + s % 2, "time/update_weights": 0.1}
-        | {"reward/mean": s / n}
+        | {"reward/mean": s / n, "batch/tokens": 1000 + 10 * s}
         for s in range(n)
     ]
     trainer = [
@@ -35,6 +35,7 @@ def test_summarize_medians_means_and_overlap():
     assert s["weight_update_s"]["median"] == pytest.approx(0.3)  # publish 0.2 + load 0.1
     assert s["overlap"] == pytest.approx(2.5 / 3.0)
     assert s["trainer_wait_s"]["median"] == 0.5
+    assert s["train_tokens"] == {"median": 1060.0, "mean": 1060.0}  # steps 3..9
     assert s["reward"]["first"] == pytest.approx(0.05) and s["reward"]["last"] == pytest.approx(0.85)
 
 
@@ -73,6 +74,7 @@ def test_table_and_heldout_lines():
     s_step = next(line for line in lines if line.strip().startswith("s/step")).split()
     assert s_step[1:] == ["2.500", "2.500"]
     assert any(line.split()[:2] == ["overlap", "0.83"] for line in lines)
+    assert any(line.split()[:3] == ["tokens/step", "1060", "1060"] for line in lines)
     before = {"words": 128, "samples_per_word": 4, "greedy": 0.25, "sampled": 0.2}
     after = {**before, "greedy": 0.5, "sampled": 0.45}
     assert summary.format_heldout(before, after) == (

@@ -10,6 +10,7 @@ Where each number comes from (steps before `warmup` are left out of every median
   (forward, backward and optimizer step; waiting for the batch is `wait_s`, not training);
 - weight update: the trainer's `publish_s` (writing `broadcast/step_n`) plus the orchestrator's
   `time/update_weights` (the server loading them);
+- tokens/step: the orchestrator's `batch/tokens`, the tokens the trainer computes each step;
 - overlap: median s/step / max(median generation, median training); 1.0 means generation and
   training fully overlap, 1 + min/max means they run one after the other.
 """
@@ -85,6 +86,7 @@ def summarize(orchestrator_rows: list[dict], trainer_rows: list[dict], warmup: i
         "weight_update_s": update,
         "publish_s": publish,
         "load_s": load,
+        "train_tokens": stats(_column(orch, "batch/tokens", steps)),
         "trainer_wait_s": stats(_column(trainer, "wait_s", steps)),
         "orchestrator_wait_s": stats(_column(orch, "time/wait_weights", steps)),
         "overlap": overlap(step["median"], gen["median"], train["median"]),
@@ -133,6 +135,9 @@ def format_table(title: str, s: dict[str, Any]) -> str:
     for label, key in rows:
         if key in s:
             lines.append(f"  {label:<16} {_fmt(s[key]['median']):>8} {_fmt(s[key]['mean']):>8}")
+    tokens = s.get("train_tokens") or {}
+    if tokens.get("median") is not None:
+        lines.append(f"  {'tokens/step':<16} {tokens['median']:>8.0f} {tokens['mean']:>8.0f}   (trained, per step)")
     lines.append(f"  {'overlap':<16} {_fmt(s.get('overlap'), 2):>8}   (s/step / max(generation, training))")
     reward = s.get("reward") or {}
     if reward.get("first") is not None:
