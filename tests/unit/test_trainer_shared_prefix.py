@@ -1,0 +1,147 @@
+"""Shared-prefix rows train exactly like their expanded (unshared) form, only with fewer tokens computed.
+
+Rows hold groups (a prompt computed once, continuations forking at different positions) next to plain
+samples. With sdpa and eager attention, the shared rows and their `transport.prefix.expand`ed rows must
+give the same logprobs on every loss token, the same loss and metrics, and the same gradients, one row
+per forward, several stacked, or concatenated. Other attention gets the rows expanded, logged once.
+"""
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from asyncrl.config.trainer import TrainerConfig
+from asyncrl.trainer.loss import token_logprobs
+from asyncrl.trainer.rl.data import micro_batches, prepare, stack_rows
+from asyncrl.trainer.rl.loop import RLLoop
+from asyncrl.transport.prefix import expand, segments
+
+CPU = torch.device("cpu")
+PROMPT = 3  # plain samples: loss from this position on
+
+# one row per entry: ("group", first sample's prompt, its completion, [(fork, continuation length), ...])
+# or ("plain", length); forks are at most the prompt, so shared tokens never carry loss
+LAYOUT = [
+    [("group", 6, 5, [(6, 4), (6, 7), (3, 5)]), ("plain", 8), ("group", 4, 3, [(4, 5)])],
+    [("plain", 9), ("group", 5, 4, [(2, 6), (5, 3), (4, 4)])],
+    [("plain", 7), ("plain", 5)],
+]
+
+
+def layout_row(layout, g: torch.Generator) -> dict:
+    """position_ids, loss_mask, temperatures and advantages of one row (ids and μ filled in later)."""
+    pos, loss, temps, adv = [], [], [], []
+
+    def add(p: torch.Tensor, loss_from: int) -> None:
+        pos.append(p)
+        loss.append(p >= loss_from)
+        temps.append(torch.full(p.shape, 0.7 + 0.6 * float(torch.rand(1, generator=g))))
+        adv.append(torch.full(p.shape, float(torch.randn(1, generator=g))))
+
+    for entry in layout:
+        if entry[0] == "plain":
+            add(torch.arange(entry[1]), PROMPT)
+            continue
+        _, prompt, completion, continuations = entry
+        add(torch.arange(prompt + completion), prompt)
+        for fork, n in continuations:
+            add(torch.arange(fork, fork + n), prompt)  # a fork before the prompt's end re-writes some prompt
+    out = {"position_ids": pos, "loss_mask": loss, "temperatures": temps, "advantages": adv}
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def logprobs(model, row: dict) -> torch.Tensor:
+    """The model's logprobs of a plain row."""
+    ids, pos = row["input_ids"][None], row["position_ids"][None]
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+    return token_logprobs(logits, row["input_ids"], row["temperatures"])
+
+
+@torch.no_grad()
+def shared_rows(model, noise: float, seed: int = 0) -> list[dict]:
+    """Shared rows whose μ is the model's own logprob of the expanded row (+ noise), one ratio far off."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for layout in LAYOUT:
+        row = layout_row(layout, g)
+        row["input_ids"] = torch.randint(0, 256, row["position_ids"].shape, generator=g)
+        plain = expand({**row, "index": torch.arange(row["input_ids"].numel())})
+        mu = torch.zeros(row["input_ids"].shape)
+        mu[plain["index"]] = logprobs(model, plain)  # the shared tokens are copies: written twice, same value
+        mu += noise * torch.randn(mu.shape, generator=g)
+        mu[-1] += 3.0 * (noise > 0)  # masks and clips take part
+        row["advantages"] *= row["loss_mask"]
+        row["inference_logprobs"] = mu * row["loss_mask"]
+        rows.append(row)
+    return rows
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def model(request, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=request.param)
+
+
+def test_rows_are_shared_and_shorter(model):
+    rows = shared_rows(model, 0.3)
+    assert [segments(r["position_ids"]).shared for r in rows] == [True, True, False]
+    expanded = [expand(r) for r in rows]
+    assert sum(r["input_ids"].numel() for r in rows) < sum(r["input_ids"].numel() for r in expanded)
+    assert [int(r["loss_mask"].sum()) for r in rows] == [int(r["loss_mask"].sum()) for r in expanded]
+
+
+def run_step(model, rows: list[dict], loss: str, size: int, stack: bool) -> tuple[dict, list[torch.Tensor]]:
+    """The loop's forward/backward over every micro-batch: summed metrics and the accumulated gradients."""
+    model.zero_grad(set_to_none=True)
+    loop = RLLoop(SimpleNamespace(config=TrainerConfig(loss={"type": loss}), model=model))
+    packed = [prepare(r, CPU) for r in rows]
+    scale = 1.0 / sum(int(r.loss_mask.sum()) for r in packed)
+    sums: dict = defaultdict(float)
+    for mb in micro_batches(packed, size, stack):
+        for key, value in loop.forward_backward_step(mb, scale).items():
+            sums[key] += float(value)
+    return dict(sums), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("stack", [True, False], ids=["stacked", "concatenated"])
+@pytest.mark.parametrize("size", [1, 3])
+@torch.no_grad()
+def test_loss_token_logprobs_equal_the_expanded_rows(model, stack, size):
+    rows = shared_rows(model, 0.3)[:size]
+    mb = stack_rows([prepare(r, CPU) for r in rows], stack)
+    kwargs = RLLoop(SimpleNamespace(config=TrainerConfig())).mask_kwargs(mb, model.config._attn_implementation)
+    assert "attention_mask" in kwargs and mb.parents is not None
+    logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, **kwargs).logits
+    got = token_logprobs(logits, mb.input_ids, mb.temperatures, mb.parents)[mb.loss_mask]
+    want = torch.cat([logprobs(model, p)[p["loss_mask"]] for p in map(expand, rows)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["aipo", "grpo"])
+def test_loss_metrics_and_gradients_equal_the_expanded_rows(model, loss):
+    model.train()
+    rows = shared_rows(model, 0.3)
+    want_sums, want_grads = run_step(model, [expand(r) for r in rows], loss, 1, True)
+    assert want_sums["loss"] != 0 and want_sums.get("clipped_frac", want_sums["masked_frac"]) > 0  # not trivial
+    for size, stack in [(1, True), (2, True), (3, True), (3, False)]:
+        sums, grads = run_step(model, rows, loss, size, stack)
+        assert sums.keys() == want_sums.keys()
+        for key in sums:
+            assert sums[key] == pytest.approx(want_sums[key], rel=1e-5, abs=1e-6), (key, size, stack)
+        for got, want in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_own_logprobs_give_zero_mismatch_kl(model):
+    model.eval()
+    rows = shared_rows(model, 0.0)
+    sums, _ = run_step(model, rows, "aipo", 3, True)
+    assert sums["mismatch_kl"] < 1e-6 and sums["masked_frac"] == 0
+
+
+def test_plain_batches_take_the_plain_path(model):
+    mb = stack_rows([prepare(r, CPU) for r in shared_rows(model, 0.3)[2:]])
+    assert mb.parents is None and mb.attention_mask is None
