@@ -14,6 +14,7 @@ import torch
 
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.trainer.loss import token_logprobs
+from asyncrl.trainer.perf import FlopModel
 from asyncrl.trainer.rl.data import micro_batches, prepare, stack_rows
 from asyncrl.trainer.rl.loop import RLLoop
 from asyncrl.transport.prefix import expand, segments
@@ -145,3 +146,52 @@ def test_own_logprobs_give_zero_mismatch_kl(model):
 def test_plain_batches_take_the_plain_path(model):
     mb = stack_rows([prepare(r, CPU) for r in shared_rows(model, 0.3)[2:]])
     assert mb.parents is None and mb.attention_mask is None
+
+
+def test_other_attention_gets_expanded_rows_logged_once(model, caplog_loguru):
+    rows = shared_rows(model, 0.3)
+    flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    loop = RLLoop(SimpleNamespace(config=TrainerConfig(), model=flash, ctx=SimpleNamespace(is_main=True)))
+    for _ in range(2):
+        got = loop._shareable(rows)
+        assert not any(segments(r["position_ids"]).shared for r in got)
+        assert [r["input_ids"].tolist() for r in got] == [expand(r)["input_ids"].tolist() for r in rows]
+    before, after = sum(r["input_ids"].numel() for r in rows), sum(r["input_ids"].numel() for r in got)
+    told = [m for m in caplog_loguru if "cannot share prefixes" in m]
+    assert told == [
+        f"attention 'flash_attention_2' cannot share prefixes in one row; expanding shared prefixes "
+        f"({before} → {after} tokens per step on this rank)"
+    ]
+    assert loop._shareable(rows[2:]) == rows[2:]  # plain rows pass as they are
+    mb = stack_rows([prepare(r, CPU) for r in rows])
+    with pytest.raises(ValueError, match="must be unshared"):
+        loop.mask_kwargs(mb, "flash_attention_2")
+
+
+def test_counts_are_the_tokens_computed(model):
+    rows = shared_rows(model, 0.3)
+    loop = RLLoop(SimpleNamespace(config=TrainerConfig(), flops=FlopModel(1000, 2, 4, 16)))
+    shared, plain = (loop._counts([prepare(r, CPU) for r in x]).tolist() for x in (rows, map(expand, rows)))
+    assert shared[0] == plain[0] and shared[2] == plain[2] == 14  # loss tokens; samples with a loss token
+    assert shared[1] == sum(r["input_ids"].numel() for r in rows) < plain[1]  # tokens: the prefix once
+    assert shared[3] < plain[3]
+
+
+def test_lora_gradients_equal_the_expanded_rows(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.trainer.lora import apply_lora
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    apply_lora(model, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05)  # B starts at 0: make every LoRA weight matter
+    rows = shared_rows(model, 0.3)
+    want_sums, want_grads = run_step(model, [expand(r) for r in rows], "aipo", 1, True)
+    sums, grads = run_step(model, rows, "aipo", 3, True)
+    assert sums["loss"] == pytest.approx(want_sums["loss"], rel=1e-5) and len(grads) == len(want_grads) > 0
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
