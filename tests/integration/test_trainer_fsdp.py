@@ -293,3 +293,53 @@ def test_two_process_fsdp_trains_checkpoints_resumes_exactly(tiny_model_dir, tmp
     assert all(torch.equal(final[k], again[k]) for k in final)
     model = load_exported(RunLayout(out).broadcast_dir(3))
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def shared_row(model_dir: Path, seed: int) -> dict:
+    """A row with a group (prompt 6 + completion 5, continuations forking at 6 and 3) and a plain sample of 8;
+    μ is the base model's logprob of the expanded row."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.transport.prefix import expand
+
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.cat([torch.arange(11), torch.arange(6, 10), torch.arange(3, 8), torch.arange(8)])
+    starts = [0, 11, 15, 20, 28]
+    adv = torch.cat([torch.full((b - a,), float(torch.randn(1, generator=g))) for a, b in zip(starts, starts[1:])])
+    row = {
+        "input_ids": torch.randint(0, 256, pos.shape, generator=g),
+        "position_ids": pos,
+        "loss_mask": pos >= 6,
+        "temperatures": torch.full(pos.shape, 0.9),
+        "index": torch.arange(pos.numel()),
+    }
+    plain = expand(row)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids, positions = plain["input_ids"][None], plain["position_ids"][None]
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+    mu = torch.zeros(pos.shape)
+    mu[plain["index"]] = token_logprobs(logits, plain["input_ids"], plain["temperatures"])
+    del row["index"]
+    return {**row, "advantages": adv * row["loss_mask"], "inference_logprobs": mu * row["loss_mask"]}
+
+
+@pytest.mark.parametrize(("attn", "dtype"), [("sdpa", "float32"), ("eager", "bfloat16")])
+def test_shared_prefix_rows_train_like_their_expanded_rows(tiny_model_dir, tmp_path, attn, dtype):
+    from asyncrl.transport.prefix import expand
+
+    rows = [shared_row(tiny_model_dir, seed=s) for s in range(2)]
+    model = {"name": str(tiny_model_dir), "attn_implementation": attn, "optimization_dtype": dtype}
+    runs = []
+    for name, batch in [("shared", rows), ("expanded", [expand(r) for r in rows])]:
+        write_batch(tmp_path / name, 0, [batch])
+        cfg = config(tiny_model_dir, tmp_path / name, max_steps=1, model=model, data={"micro_batch_size": 2})
+        runs.append(run_train(cfg)[0])
+    shared, expanded = runs
+    assert shared["tokens"] == 2 * 28 < expanded["tokens"] and shared["loss_tokens"] == expanded["loss_tokens"]
+    assert shared["samples"] == expanded["samples"] == 2 * 4
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    if dtype == "float32":
+        assert shared["mismatch_kl"] < 1e-6
+    for key in ("loss", "grad_norm", "entropy"):
+        assert shared[key] == pytest.approx(expanded[key], rel=tol), key

@@ -49,28 +49,64 @@ class LossOutput:
 LossFn = Callable[[LossInputs, LossConfig], LossOutput]
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor, parents: torch.Tensor | None = None
+) -> torch.Tensor:
     """logπ(token_t | prefix) for every position of a packed row, from logits / the token's temperature.
 
-    logits: (T, V) for one row, or (rows, T, V) with ids and temperatures (rows, T); position 0 has no
-    prefix and gets 0 (it is never a loss token, since every sample starts with prompt). Computed as
+    logits: (T, V) for one row, or (rows, T, V) with ids and temperatures (rows, T). Without `parents`
+    token t is scored by the logits at t-1 and position 0 gets 0 (it is never a loss token, since every
+    sample starts with prompt). With `parents` (shape of ids; row-local indices, see `transport.prefix`)
+    token t is scored by the logits at parents[t], and tokens with parent -1 get 0. Computed as
     gather - logsumexp so autograd keeps one (T, V) copy.
     """
+    if parents is not None:
+        return _parent_logprobs(logits, input_ids, temperatures, parents)
     scaled = logits[..., :-1, :].float() / temperatures[..., 1:, None].float()
     picked = scaled.gather(-1, input_ids[..., 1:, None]).squeeze(-1)
     lp = picked - torch.logsumexp(scaled, dim=-1)
     return torch.cat([lp.new_zeros(*lp.shape[:-1], 1), lp], dim=-1)
 
 
+def _parent_rows(logits: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """(N, V) float32: the logits row of every token's parent (row 0 of its row where it has none)."""
+    length = logits.shape[-2]
+    row_start = torch.arange(0, parents.numel(), length, device=parents.device).view(*parents.shape[:-1], 1)
+    index = (parents.clamp(min=0) + row_start).flatten()
+    # index_select makes the one (N, V) copy; the scaling happens in place on it (or on its float32 cast)
+    return logits.flatten(0, -2).index_select(0, index).float()
+
+
+def _parent_logprobs(logits, input_ids, temperatures, parents) -> torch.Tensor:
+    scaled = _parent_rows(logits, parents).div_(temperatures.flatten()[:, None].float())
+    picked = scaled.gather(-1, input_ids.flatten()[:, None]).squeeze(-1)
+    lp = picked - torch.logsumexp(scaled, dim=-1)
+    return torch.where(parents.flatten() >= 0, lp, 0.0).view(parents.shape)
+
+
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor, temperatures: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """Entropy of the (temperature-scaled) next-token distribution at each position; position 0 gets 0."""
+def token_entropy(
+    logits: torch.Tensor, temperatures: torch.Tensor, chunk: int = 1024, parents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Entropy of the (temperature-scaled) distribution that predicts each token of one row: the one at
+    t-1 (position 0 gets 0), or with `parents` the one at parents[t] (parent -1 gets 0)."""
+    if parents is not None:
+        return _parent_entropy(logits, temperatures, chunk, parents)
     out = [logits.new_zeros(1, dtype=torch.float32)]
     for start in range(0, logits.shape[0] - 1, chunk):
         end = min(start + chunk, logits.shape[0] - 1)
         logp = torch.log_softmax(logits[start:end].float() / temperatures[start + 1 : end + 1, None].float(), -1)
         out.append(-(logp.exp() * logp).sum(-1))
     return torch.cat(out)
+
+
+def _parent_entropy(logits, temperatures, chunk, parents) -> torch.Tensor:
+    out = []
+    for start in range(0, logits.shape[0], chunk):
+        p = parents[start : start + chunk]
+        logp = torch.log_softmax(_parent_rows(logits, p).div_(temperatures[start : start + chunk, None].float()), -1)
+        out.append(torch.where(p >= 0, -(logp.exp() * logp).sum(-1), 0.0))
+    return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
 
 
 def sample_ids_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -13,6 +13,11 @@ dict of 1-D tensors of one equal length L (one packed row of up to seq_len token
     inference_logprobs (float32; logprob of the token under the sampler, 0 where loss_mask is False),
     temperatures (float32; sampling temperature of the sample each token belongs to)
 
+A row may also share prefixes: samples of one group that start with the same prompt carry it once, each
+later sample (a continuation) written as only its own tokens with positions going on from where it forks
+(neither +1 nor a restart at 0). `transport.prefix` reads groups, samples, logit parents and the attention
+mask from position_ids alone; a row without continuations is a plain packed row.
+
 Every rank gets the same number of micro-batches (padding with all-masked dummies), or FSDP hangs.
 The step dir is written under a temporary name and renamed into place, so a reader never sees a
 partial batch: its existence means it is complete.

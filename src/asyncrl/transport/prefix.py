@@ -14,6 +14,10 @@ p stands for the sample `first[:p] + continuation`: it shares the first sample's
 A plain packed row (every sample on its own, positions restarting at 0) is the special case of groups of
 one sample each, so rows without sharing read exactly as before.
 
+A continuation is told apart from the segment before it only by a break in the positions, so a writer must
+not place a continuation forking at p right after a segment ending at position p - 1; and a group with
+continuations starts at position 0 (its first sample's tokens are read as positions 0, 1, ...).
+
 Invariants: a token attends the tokens of its own segment up to itself, plus, in a continuation forking at
 p, the group's first p tokens. Shared tokens (the first sample's positions below any fork of its group)
 carry no loss (the orchestrator shares prompt tokens only), so every sample's loss tokens, logits and
@@ -71,11 +75,14 @@ def _in_first_segment(sample_ids: torch.Tensor, group_ids: torch.Tensor) -> torc
 
 
 def check_shared(position_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
-    """ValueError unless every continuation forks inside its group's first sample at a token without loss."""
+    """ValueError unless every continuation forks inside its group's first sample, no shared token has loss,
+    and the row starts at position 0."""
     s = segments(position_ids)
     if not s.shared:
         return
     pos = position_ids.long()
+    if int(pos[0]) != 0:
+        raise ValueError("a row with shared prefixes must start at position 0 (position_ids)")
     length = torch.zeros_like(s.fork).index_add(0, s.group_ids, s.first.long())
     if bool((s.fork > length[s.group_ids]).any()):
         raise ValueError("a continuation forks past the end of its group's first sample (position_ids)")

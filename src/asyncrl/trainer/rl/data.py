@@ -1,7 +1,7 @@
 """Where the RL trainer's micro-batches come from: the orchestrator's batch files, or fake data for --bench.
 
 Both give each rank a list of packed rows in the `transport.batch` format; `prepare` turns one row into
-device tensors plus the packed-sample index of every token (samples start where position_ids is 0), and
+device tensors plus the sample index and logit parent of every token (`transport.prefix.segments`), and
 `micro_batches` groups `data.micro_batch_size` rows into one forward pass (`RowBatch`).
 
 Invariants of a `RowBatch`: rows are stacked into [rows, longest row], a shorter row padded by a
@@ -9,6 +9,12 @@ pseudo-sample with its own positions (0, 1, ...) and no loss, so attention keeps
 sample ids are unique over the whole batch. Where attention cannot isolate samples of stacked rows
 (flash attention reads sample boundaries from single rows only), the rows are concatenated into one
 row instead. Either way the loss sums over the same loss-mask tokens as one row at a time.
+
+Shared-prefix rows (continuations that reuse the first sample's prompt, see `transport.prefix`): every
+continuation is a sample of its own, and when any row of a batch is shared the batch also carries
+`parents` (the token whose logits score each token, row-local; -1: none) and a [rows, 1, L, L] bool
+`attention_mask` (concatenated rows: block-diagonal). Batches of plain rows carry neither, and the
+forward pass is exactly the plain one. Attention that takes no such mask gets `unshare`d rows instead.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from pathlib import Path
 import torch
 
 from asyncrl.config.base import BenchDataConfig
-from asyncrl.trainer.loss import LossInputs, sample_ids_from_positions
+from asyncrl.trainer.loss import LossInputs
 from asyncrl.transport.batch import FIELDS, MicroBatch, check_micro_batch, read_batch, read_meta, wait_for_batch
+from asyncrl.transport.prefix import attention_mask, check_shared, expand, segments
 from asyncrl.utils.errors import UserError
 
 
@@ -35,13 +42,17 @@ class PackedRow:
     temperatures: torch.Tensor
     sample_ids: torch.Tensor
     num_samples: int
-    sample_lengths: torch.Tensor  # CPU, for FLOP counting
+    sample_lengths: torch.Tensor  # CPU, for FLOP counting: tokens computed per sample (a continuation's own)
+    parents: torch.Tensor  # row-local index of the token whose logits score each token; -1: none
+    shared: bool  # some sample continues another's prefix (needs parents and a mask in the forward)
 
 
 def prepare(mb: MicroBatch, device: torch.device) -> PackedRow:
     check_micro_batch(mb)
-    sample_ids, n = sample_ids_from_positions(mb["position_ids"])
-    lengths = torch.bincount(sample_ids, minlength=n)
+    check_shared(mb["position_ids"], mb["loss_mask"])
+    seg = segments(mb["position_ids"])
+    # approximate FLOPs: a continuation's attention to its shared prefix (length x fork) is not counted
+    lengths = torch.bincount(seg.sample_ids, minlength=seg.num_samples)
     t = {k: mb[k].to(device, non_blocking=True) for k in FIELDS}
     return PackedRow(
         input_ids=t["input_ids"].long(),
@@ -50,10 +61,21 @@ def prepare(mb: MicroBatch, device: torch.device) -> PackedRow:
         advantages=t["advantages"].float(),
         inference_logprobs=t["inference_logprobs"].float(),
         temperatures=t["temperatures"].float(),
-        sample_ids=sample_ids.to(device),
-        num_samples=n,
+        sample_ids=seg.sample_ids.to(device),
+        num_samples=seg.num_samples,
         sample_lengths=lengths,
+        parents=seg.parents.to(device),
+        shared=seg.shared,
     )
+
+
+def unshare(mbs: list[MicroBatch]) -> list[MicroBatch]:
+    """The rows with every shared prefix copied back in front of its continuations (`transport.prefix.expand`)."""
+    return [expand(mb) for mb in mbs]
+
+
+def any_shared(mbs: list[MicroBatch]) -> bool:
+    return any(segments(mb["position_ids"]).shared for mb in mbs)
 
 
 @dataclass
@@ -68,6 +90,8 @@ class RowBatch:
     temperatures: torch.Tensor
     sample_ids: torch.Tensor
     num_samples: int
+    parents: torch.Tensor | None = None  # [rows, length], only when some row is shared
+    attention_mask: torch.Tensor | None = None  # [rows, 1, length, length] bool, True: attend; likewise
 
     def loss_inputs(self, logprobs: torch.Tensor) -> LossInputs:
         """The loss's per-token view: every row's tokens one after another."""
@@ -81,7 +105,7 @@ class RowBatch:
         )
 
 
-TOKEN_FIELDS = [f.name for f in fields(RowBatch) if f.name != "num_samples"]
+TOKEN_FIELDS = [f.name for f in fields(RowBatch) if f.name not in ("num_samples", "parents", "attention_mask")]
 
 
 def pad_row(row: PackedRow, length: int) -> PackedRow:
@@ -97,6 +121,7 @@ def pad_row(row: PackedRow, length: int) -> PackedRow:
         "inference_logprobs": torch.zeros(k),
         "temperatures": torch.ones(k),
         "sample_ids": torch.full((k,), row.num_samples),
+        "parents": torch.arange(length - k - 1, length - 1).index_fill(0, torch.tensor([0]), -1),
     }
     grown = {f: torch.cat([getattr(row, f), t.to(row.input_ids.device)]) for f, t in tail.items()}
     return replace(row, **grown, num_samples=row.num_samples + 1)
@@ -111,7 +136,21 @@ def stack_rows(rows: list[PackedRow], stack: bool = True) -> RowBatch:
     starts = torch.tensor([0] + [r.num_samples for r in rows]).cumsum(0).tolist()
     out = {f: join([getattr(r, f) for r in rows]) for f in TOKEN_FIELDS if f != "sample_ids"}
     sample_ids = join([r.sample_ids + s for r, s in zip(rows, starts)])
-    return RowBatch(**out, sample_ids=sample_ids, num_samples=starts[-1])
+    batch = RowBatch(**out, sample_ids=sample_ids, num_samples=starts[-1])
+    return _with_sharing(batch, rows, stack) if any(r.shared for r in rows) else batch
+
+
+def _with_sharing(batch: RowBatch, rows: list[PackedRow], stack: bool) -> RowBatch:
+    """`batch` plus the parents and attention mask its shared rows need (rows already padded if stacked)."""
+    masks = [attention_mask(r.position_ids) for r in rows]
+    if stack:
+        batch.parents = torch.stack([r.parents for r in rows])
+        batch.attention_mask = torch.stack(masks)[:, None]
+        return batch
+    starts = torch.tensor([0] + [r.input_ids.numel() for r in rows]).cumsum(0).tolist()
+    batch.parents = torch.cat([torch.where(r.parents >= 0, r.parents + s, -1) for r, s in zip(rows, starts)])[None]
+    batch.attention_mask = torch.block_diag(*masks)[None, None]
+    return batch
 
 
 def micro_batches(rows: list[PackedRow], size: int, stack: bool = True) -> list[RowBatch]:

@@ -4,6 +4,10 @@ Step n: wait for this rank's rows of `rollouts/step_n`, count the step's loss-ma
 ranks (one all-reduce before the first forward), run the rows forward/backward `data.micro_batch_size`
 at a time (`rl.data.RowBatch`) with the policy-gradient loss (`trainer.loss`); the session clips and
 steps. Every rank has as many rows, hence as many micro-batches: FSDP's collectives stay in step.
+Shared-prefix rows (`transport.prefix`) are computed once per prompt: sdpa and eager attention get the
+rows' explicit 4D mask (bool for sdpa, additive 0 / dtype-min for eager, which adds it to the scores) and
+logprobs are read at each token's logit parent; any other attention gets the rows expanded back to
+plain ones (logged once). Rows without sharing take the plain path: no mask, logits at t-1.
 Then publish `broadcast/step_{n+1}` (HF dir, STABLE last; also `weights/step_{n+1}` at checkpoint steps and the
 end), checkpoint when due, and prune broadcast dirs outside the async window (except around kept
 checkpoints) and consumed batches.
@@ -24,10 +28,23 @@ from asyncrl.config.base import BenchDataConfig
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.trainer.ckpt import complete_steps
 from asyncrl.trainer.loss import get_loss_fn, mismatch_kl_sum, token_entropy, token_logprobs
+from asyncrl.trainer.model import DTYPES
 from asyncrl.trainer.perf import format_mfu
-from asyncrl.trainer.rl.data import FakeSource, PackedRow, RolloutSource, RowBatch, micro_batches, prepare
+from asyncrl.trainer.rl.data import (
+    FakeSource,
+    PackedRow,
+    RolloutSource,
+    RowBatch,
+    any_shared,
+    micro_batches,
+    prepare,
+    unshare,
+)
 from asyncrl.trainer.session import Loop, StepBatch, TrainSession, run_training
+from asyncrl.transport.batch import MicroBatch
 from asyncrl.transport.layout import is_stable
+
+MASKED_ATTENTION = ("sdpa", "eager")  # take an explicit 4D mask, so shared prefixes stay in one row
 
 
 def train(config: TrainerConfig) -> list[dict]:
@@ -42,6 +59,7 @@ class RLLoop(Loop):
         super().__init__(session)
         self.config: TrainerConfig = session.config
         self.loss_fn = get_loss_fn(self.config.loss)
+        self._told_unshare = False
 
     def start(self) -> None:
         s, cfg = self.session, self.config
@@ -56,14 +74,29 @@ class RLLoop(Loop):
     def next_batch(self, step: int) -> StepBatch:
         ctx = self.session.ctx
         start = time.perf_counter()
-        rows = [prepare(mb, ctx.device) for mb in self.source.get(step)]
+        rows = [prepare(mb, ctx.device) for mb in self._shareable(self.source.get(step))]
         wait_s = time.perf_counter() - start
         loss_tokens, tokens, samples, flops = ctx.all_reduce_sum(self._counts(rows)).tolist()
         mbs = micro_batches(rows, self.config.data.micro_batch_size, self.session.lm.stackable)
         return StepBatch(mbs, int(loss_tokens), int(tokens), int(samples), flops, timing={"wait_s": wait_s})
 
+    def _shareable(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        """The rows as they are, or unshared when the attention takes no explicit mask (logged once)."""
+        attn = self.session.model.config._attn_implementation
+        if attn in MASKED_ATTENTION or not any_shared(mbs):
+            return mbs
+        plain = unshare(mbs)
+        if not self._told_unshare and self.session.ctx.is_main:
+            before, after = (sum(mb["input_ids"].numel() for mb in x) for x in (mbs, plain))
+            logger.warning(
+                f"attention '{attn}' cannot share prefixes in one row; expanding shared prefixes "
+                f"({before:,} → {after:,} tokens per step on this rank)"
+            )
+        self._told_unshare = True
+        return plain
+
     def _counts(self, rows: list[PackedRow]) -> torch.Tensor:
-        """This rank's loss tokens, tokens, samples with a loss token, and FLOPs."""
+        """This rank's loss tokens, tokens computed (a shared prefix once), samples with a loss token, FLOPs."""
         trained = (torch.bincount(r.sample_ids[r.loss_mask], minlength=r.num_samples).gt(0).sum() for r in rows)
         return torch.tensor(
             [
@@ -77,8 +110,9 @@ class RLLoop(Loop):
 
     def forward_backward_step(self, mb: RowBatch, scale: float) -> dict[str, torch.Tensor]:
         model = self.session.model
-        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
-        inputs = mb.loss_inputs(token_logprobs(logits, mb.input_ids, mb.temperatures))
+        mask = self.mask_kwargs(mb, model.config._attn_implementation)
+        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **mask).logits
+        inputs = mb.loss_inputs(token_logprobs(logits, mb.input_ids, mb.temperatures, mb.parents))
         out = self.loss_fn(inputs, self.config.loss)
         (out.loss * scale).backward()
         sums = {
@@ -91,10 +125,23 @@ class RLLoop(Loop):
             sums[key] = sums.get(key, 0) + value.detach().float()
         return sums
 
+    def mask_kwargs(self, mb: RowBatch, attn: str) -> dict[str, torch.Tensor]:
+        """No mask for plain rows (HF derives it from position_ids); shared rows' 4D mask as `attn` reads it."""
+        if mb.attention_mask is None:
+            return {}
+        if attn == "sdpa":
+            return {"attention_mask": mb.attention_mask}
+        if attn == "eager":
+            dtype = DTYPES[self.config.model.optimization_dtype]
+            additive = torch.zeros(mb.attention_mask.shape, dtype=dtype, device=mb.attention_mask.device)
+            return {"attention_mask": additive.masked_fill_(~mb.attention_mask, torch.finfo(dtype).min)}
+        raise ValueError(f"attention '{attn}' cannot run shared-prefix rows; they must be unshared first")
+
     @staticmethod
     def _entropy_sum(logits: torch.Tensor, mb: RowBatch) -> torch.Tensor:
-        rows = zip(logits, mb.temperatures, mb.loss_mask)
-        return sum((token_entropy(lg, t) * m).sum() for lg, t, m in rows)
+        parents = mb.parents if mb.parents is not None else [None] * len(logits)
+        rows = zip(logits, mb.temperatures, mb.loss_mask, parents)
+        return sum((token_entropy(lg, t, parents=p) * m).sum() for lg, t, m, p in rows)
 
     def bad_loss_hint(self, step: int) -> str:
         return (
