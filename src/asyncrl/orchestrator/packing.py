@@ -86,7 +86,9 @@ def shared_prefix(samples: list[TokenSample]) -> int:
 
 
 def split_units(items: list[PackItem], shared: int, seq_len: int) -> list[Unit]:
-    """Items sharing `shared` prefix tokens, greedily in order, into units of at most `seq_len` tokens."""
+    """Items sharing `shared` prefix tokens, greedily in order, into units of at most `seq_len` tokens.
+
+    A sample of `seq_len` tokens (e.g. a truncated one) never fits next to another, so it goes alone: plain."""
     units: list[Unit] = []
     for it in items:
         if units and len(units[-1]) + len(it.sample) - shared <= seq_len:
