@@ -368,3 +368,10 @@ def test_optional_fields_default_to_none(model):
                     walk(arg)
 
     walk(model)
+
+
+def test_share_prefix_is_on_unless_turned_off():
+    assert loader.load_config(OrchestratorConfig, [], {}).share_prefix is True
+    assert loader.load_config(OrchestratorConfig, ["--no-share-prefix"], {}).share_prefix is False
+    assert rl([]).orchestrator.share_prefix is True
+    assert rl(["--no-orchestrator.share-prefix"]).orchestrator.share_prefix is False

@@ -124,3 +124,24 @@ def test_wandb_offline_logging(tmp_path):
     asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_share_prefix_reaches_the_packed_batch_and_its_metrics(tmp_path, share):
+    from asyncrl.transport.batch import read_batch, read_meta
+    from asyncrl.transport.prefix import check_shared, expand, segments
+
+    cfg = _config(tmp_path, k=3, max_steps=1, share_prefix=share)
+    asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(turns=2), FakeServer()).run())
+    rows = read_batch(tmp_path, 0, 0)
+    meta = read_meta(tmp_path, 0)
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
+    # 2 groups x 4 rollouts of one interleaved sample: 4 prompt + 3 + 2 env + 2 tokens each
+    assert meta["num_tokens_unshared"] == record["batch/tokens_unshared"] == 8 * 11
+    assert meta["num_tokens"] == record["batch/tokens"] == sum(len(mb["input_ids"]) for mb in rows)
+    assert meta["num_tokens"] == (2 * (4 + 4 * 7) if share else 8 * 11)
+    assert record["batch/shared_frac"] == pytest.approx(1 - meta["num_tokens"] / meta["num_tokens_unshared"])
+    assert any(segments(mb["position_ids"]).shared for mb in rows) == share
+    for mb in rows:
+        check_shared(mb["position_ids"], mb["loss_mask"])
+    assert sum(segments(expand(mb)["position_ids"]).num_samples for mb in rows) == 8

@@ -10,7 +10,8 @@ Where each number comes from (steps before `warmup` are left out of every median
   (forward, backward and optimizer step; waiting for the batch is `wait_s`, not training);
 - weight update: the trainer's `publish_s` (writing `broadcast/step_n`) plus the orchestrator's
   `time/update_weights` (the server loading them);
-- tokens/step: the orchestrator's `batch/tokens`, the tokens the trainer computes each step;
+- tokens/step: the orchestrator's `batch/tokens`, the tokens the trainer computes each step (a group's
+  shared prompt counts once; `batch/tokens_unshared` is the count without sharing);
 - overlap: median s/step / max(median generation, median training); 1.0 means generation and
   training fully overlap, 1 + min/max means they run one after the other.
 """

@@ -78,6 +78,9 @@ class OrchestratorConfig(BaseConfig):
     )
     seq_len: int = Field(2048, ge=1, description="tokens per packed micro-batch row (trainer's data.seq_len)")
     num_train_workers: int = Field(1, ge=1, description="trainer data-parallel ranks (equal micro-batch counts)")
+    share_prefix: bool = Field(
+        True, description="pack each group's common prompt once; the trainer computes it once (--no-share-prefix: off)"
+    )
     max_concurrent: int | None = Field(None, ge=1, description="cap on requests in flight (None: no cap)")
     max_steps: int | None = Field(None, ge=1, description="stop after this step")
     max_async_level: int = Field(2, ge=0, description="async bound k: rollouts of step n use policy >= n-k")

@@ -129,8 +129,13 @@ class Orchestrator:
 
     def _pack(self, got: StepRollouts) -> tuple[list[list[MicroBatch]], PackStats]:
         temperature = self.config.sampling.temperature
-        items = [PackItem(s, r.advantage, temperature) for g in got.groups for r in g.valid for s in r.samples]
-        return pack(items, self.config.seq_len, self.config.num_train_workers)
+        items = [
+            PackItem(s, r.advantage, temperature, group=i)
+            for i, g in enumerate(got.groups)
+            for r in g.valid
+            for s in r.samples
+        ]
+        return pack(items, self.config.seq_len, self.config.num_train_workers, share=self.config.share_prefix)
 
     async def step(self, step: int, gate: PolicyGate) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -148,6 +153,7 @@ class Orchestrator:
         meta = {
             "num_samples": stats.num_samples,
             "num_tokens": stats.num_tokens,
+            "num_tokens_unshared": stats.num_tokens_unshared,
             "policy_step": policy.step,
             "min_policy_step": min_policy,
         }
@@ -176,6 +182,8 @@ class Orchestrator:
             "off_policy/level": step - min_policy,
             "batch/samples": stats.num_samples,
             "batch/tokens": stats.num_tokens,
+            "batch/tokens_unshared": stats.num_tokens_unshared,
+            "batch/shared_frac": 1 - stats.num_tokens / max(stats.num_tokens_unshared, 1),
             "batch/loss_tokens": stats.num_loss_tokens,
             "batch/truncated_samples": stats.num_truncated,
             "batch/micro_batches": len(per_rank[0]),

@@ -5,10 +5,25 @@ position ids restart at 0 at each sample (the trainer reads sample boundaries fr
 spread over ranks to balance tokens, and every rank gets the same number of micro-batches: ranks
 short of rows get all-masked dummy rows (loss_mask False, advantage 0), or FSDP would hang.
 A sample longer than `seq_len` is cut to `seq_len` tokens and counted, never packed over-long.
+
+Shared prefixes (`share=True`, items carrying a `group`): the samples of one rollout group usually
+start with the same prompt. Their shared prefix P is the longest common prefix of their input ids, cut
+before the first token any of them trains on, so shared tokens never carry loss. A group with P >= 1 and
+at least two samples longer than P becomes a unit in the `transport.prefix` row format: one such sample
+in full, then each other one from position P on (positions P, P+1, ...), which the trainer reads as
+`first[:P] + continuation`. Invariants:
+- a unit is packed whole into one row (so a group never spans ranks), unless it is longer than
+  `seq_len`: then its samples are split greedily into several units, each repeating the prefix;
+- samples no longer than P (nothing after the prefix), truncated samples, and groups with nothing to
+  share are packed plain, exactly as without sharing;
+- every token keeps its own sample's loss mask, logprob, advantage and temperature; samples share only
+  with samples of the same temperature;
+- `share=False` (or no groups) gives exactly the rows of a plain packing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -24,16 +39,33 @@ class PackItem:
     sample: TokenSample
     advantage: float
     temperature: float
+    group: Hashable | None = None  # samples of one rollout group may share their prompt (None: never)
 
 
 @dataclass
 class PackStats:
     num_samples: int = 0
-    num_tokens: int = 0
+    num_tokens: int = 0  # tokens in the rows: what the trainer computes
+    num_tokens_unshared: int = 0  # tokens the same samples take packed without shared prefixes
     num_loss_tokens: int = 0
     num_truncated: int = 0
     num_rows: int = 0
     num_dummies: int = 0
+
+
+@dataclass
+class Unit:
+    """Samples packed next to each other: the first in full, the others from position `shared` on."""
+
+    items: list[PackItem]
+    shared: int = 0
+
+    def __len__(self) -> int:
+        return sum(len(it.sample) for it in self.items) - self.shared * (len(self.items) - 1)
+
+    def pieces(self) -> list[tuple[PackItem, int]]:
+        """(item, first position written) per sample, in row order."""
+        return [(it, self.shared if k else 0) for k, it in enumerate(self.items)]
 
 
 def truncate(item: PackItem, seq_len: int) -> tuple[PackItem, bool]:
@@ -41,7 +73,54 @@ def truncate(item: PackItem, seq_len: int) -> tuple[PackItem, bool]:
     if len(s) <= seq_len:
         return item, False
     cut = TokenSample(s.input_ids[:seq_len], s.loss_mask[:seq_len], s.logprobs[:seq_len])
-    return PackItem(cut, item.advantage, item.temperature), True
+    return PackItem(cut, item.advantage, item.temperature, item.group), True
+
+
+def shared_prefix(samples: list[TokenSample]) -> int:
+    """Length of the samples' longest common prefix of input ids that holds no loss token of any of them."""
+    first = samples[0]
+    for i in range(min(len(s) for s in samples)):
+        if any(s.input_ids[i] != first.input_ids[i] or s.loss_mask[i] for s in samples):
+            return i
+    return min(len(s) for s in samples)
+
+
+def split_units(items: list[PackItem], shared: int, seq_len: int) -> list[Unit]:
+    """Items sharing `shared` prefix tokens, greedily in order, into units of at most `seq_len` tokens.
+
+    A sample of `seq_len` tokens (e.g. a truncated one) never fits next to another, so it goes alone: plain."""
+    units: list[Unit] = []
+    for it in items:
+        if units and len(units[-1]) + len(it.sample) - shared <= seq_len:
+            units[-1].items.append(it)
+        else:
+            units.append(Unit([it], shared))
+    return units
+
+
+def group_units(items: list[PackItem], seq_len: int) -> list[Unit]:
+    """One group's samples as units: those going past the shared prefix share it, the rest go plain."""
+    p = shared_prefix([it.sample for it in items])
+    forks = [it for it in items if len(it.sample) > p]
+    if p == 0 or len(forks) < 2:
+        return [Unit([it]) for it in items]
+    return [Unit([it]) for it in items if len(it.sample) <= p] + split_units(forks, p, seq_len)
+
+
+def make_units(items: list[PackItem], seq_len: int, share: bool) -> list[Unit]:
+    """Plain one-sample units, or with `share`, each group's samples sharing their common prompt."""
+    if not share:
+        return [Unit([it]) for it in items]
+    units: list[Unit] = []
+    groups: dict[tuple, list[PackItem]] = {}
+    for it in items:
+        if it.group is None:
+            units.append(Unit([it]))
+        else:
+            groups.setdefault((it.group, it.temperature), []).append(it)
+    for members in groups.values():
+        units += group_units(members, seq_len)
+    return units
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -64,15 +143,26 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def make_row(items: list[PackItem]) -> MicroBatch:
-    """One packed micro-batch row from samples (in order)."""
+    """One packed micro-batch row from samples (in order), each written in full."""
+    return pieces_row([(it, 0) for it in items])
+
+
+def units_row(units: list[Unit]) -> MicroBatch:
+    """One packed micro-batch row from units (in order)."""
+    return pieces_row([piece for u in units for piece in u.pieces()])
+
+
+def pieces_row(pieces: list[tuple[PackItem, int]]) -> MicroBatch:
+    """A row of samples each written from its given first position on (0: in full)."""
     ids, pos, mask, adv, lps, temps = [], [], [], [], [], []
-    for it in items:
-        n = len(it.sample)
-        ids += it.sample.input_ids
-        pos += range(n)
-        mask += it.sample.loss_mask
+    for it, start in pieces:
+        s = it.sample
+        n = len(s) - start
+        ids += s.input_ids[start:]
+        pos += range(start, len(s))
+        mask += s.loss_mask[start:]
         adv += [it.advantage] * n
-        lps += [lp if m else 0.0 for lp, m in zip(it.sample.logprobs, it.sample.loss_mask)]
+        lps += [lp if m else 0.0 for lp, m in zip(s.logprobs[start:], s.loss_mask[start:])]
         temps += [it.temperature] * n
     return {
         "input_ids": torch.tensor(ids, dtype=torch.long),
@@ -98,32 +188,43 @@ def dummy_row(template: MicroBatch | None, temperature: float = 1.0) -> MicroBat
     }
 
 
-def pack(items: list[PackItem], seq_len: int, num_ranks: int = 1) -> tuple[list[list[MicroBatch]], PackStats]:
-    """Micro-batches per rank (equal counts, at least one each) and packing statistics."""
+def pack(
+    items: list[PackItem], seq_len: int, num_ranks: int = 1, share: bool = False
+) -> tuple[list[list[MicroBatch]], PackStats]:
+    """Micro-batches per rank (equal counts, at least one each) and packing statistics.
+
+    With `share`, the samples of each `PackItem.group` write their common prompt once (module docstring).
+    """
     stats = PackStats(num_samples=len(items))
     cut_items = []
     for it in items:
         cut, was_cut = truncate(it, seq_len)
         stats.num_truncated += was_cut
         cut_items.append(cut)
-    bins = first_fit_decreasing([len(it.sample) for it in cut_items], seq_len)
-    rows = [make_row([cut_items[i] for i in b]) for b in bins]
+    units = make_units(cut_items, seq_len, share)
+    bins = first_fit_decreasing([len(u) for u in units], seq_len)
+    rows = [units_row([units[i] for i in b]) for b in bins]
     stats.num_rows = len(rows)
-    stats.num_tokens = sum(len(it.sample) for it in cut_items)
+    stats.num_tokens = sum(len(u) for u in units)
+    stats.num_tokens_unshared = sum(len(it.sample) for it in cut_items)
     stats.num_loss_tokens = sum(sum(it.sample.loss_mask) for it in cut_items)
+    per_rank = spread(rows, num_ranks)
+    template = min(rows, key=lambda r: len(r["input_ids"])) if rows else None  # cheapest dummy
+    temperature = items[0].temperature if items else 1.0
+    for mbs in per_rank:
+        while len(mbs) < max(1, -(-len(rows) // num_ranks)):
+            mbs.append(dummy_row(template, temperature))
+            stats.num_dummies += 1
+    return per_rank, stats
 
+
+def spread(rows: list[MicroBatch], num_ranks: int) -> list[list[MicroBatch]]:
+    """Rows over ranks, largest first, each to the least-loaded rank with a free slot (ceil(rows/ranks) each)."""
     per_rank: list[list[MicroBatch]] = [[] for _ in range(num_ranks)]
     tokens = [0] * num_ranks
     per_rank_count = max(1, -(-len(rows) // num_ranks))
-    # Largest rows first, each to the least-loaded rank that still has a free slot.
     for row in sorted(rows, key=lambda r: -len(r["input_ids"])):
         rank = min((r for r in range(num_ranks) if len(per_rank[r]) < per_rank_count), key=lambda r: tokens[r])
         per_rank[rank].append(row)
         tokens[rank] += len(row["input_ids"])
-    template = min(rows, key=lambda r: len(r["input_ids"])) if rows else None  # cheapest dummy
-    temperature = items[0].temperature if items else 1.0
-    for mbs in per_rank:
-        while len(mbs) < per_rank_count:
-            mbs.append(dummy_row(template, temperature))
-            stats.num_dummies += 1
-    return per_rank, stats
+    return per_rank

@@ -8,7 +8,8 @@ On disk (under the run's output dir)::
 Each `rank_{r}.pt` is `torch.save({"step": n, "micro_batches": [mb, ...]})` where every micro-batch is a
 dict of 1-D tensors of one equal length L (one packed row of up to seq_len tokens):
 
-    input_ids (int64), position_ids (int64; restart at 0 at each sample, which marks boundaries),
+    input_ids (int64), position_ids (int64; restart at 0 at each sample, which marks boundaries; a
+        group's samples may share their prompt: see `transport.prefix` for continuations),
     loss_mask (bool; True on completion tokens the model produced), advantages (float32; per token),
     inference_logprobs (float32; logprob of the token under the sampler, 0 where loss_mask is False),
     temperatures (float32; sampling temperature of the sample each token belongs to)
