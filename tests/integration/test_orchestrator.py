@@ -26,6 +26,7 @@ from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.transport.batch import read_batch, read_meta, wait_for_batch
 from asyncrl.transport.files import publish_dir
 from asyncrl.transport.layout import RunLayout
+from asyncrl.transport.prefix import expand, segments
 from asyncrl.utils.process import free_port
 
 pytestmark = pytest.mark.slow
@@ -153,23 +154,25 @@ def check_batches(trainer: WeightTrainer, model_dir: Path, steps: int, k: int, s
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     im_start = tok.convert_tokens_to_ids("<|im_start|>")
-    turns_per_sample = []
+    turns_per_sample, shared_rows = [], 0
     for n in range(steps):
         mbs, meta = trainer.batches[n]
         assert n - meta["min_policy_step"] <= k
         assert meta["min_policy_step"] == meta["policy_step"]  # no oversampling: one policy per batch
         model.load_state_dict(trainer.policies[meta["policy_step"]])
         adv_sum, samples, max_err = 0.0, 0, 0.0
-        for mb in mbs:
-            assert len(mb["input_ids"]) <= seq_len
+        for packed in mbs:
+            assert len(packed["input_ids"]) <= seq_len
+            mb = expand(packed)  # shared prompts copied back: one plain sample per segment
+            shared_rows += segments(packed["position_ids"]).shared
             for sl in _segments(mb):
                 ids, mask, adv = mb["input_ids"][sl], mb["loss_mask"][sl], mb["advantages"][sl]
                 if not mask.any():
                     continue  # a dummy row
                 samples += 1
                 assert ids[0] == im_start and not mask[0]  # starts with the (unmasked) chat prompt
-                assert torch.all(adv == adv[0])
-                adv_sum += adv[0].item()
+                assert torch.all(adv[mask] == adv[mask][0])  # a shared prompt carries its first sample's
+                adv_sum += adv[mask][0].item()
                 assert (mb["inference_logprobs"][sl][~mask] == 0).all()
                 assert torch.all(mb["temperatures"][sl] == 1.0)
                 turns = int(((mask[1:].int() - mask[:-1].int()) == 1).sum())  # masked runs = model turns
@@ -184,6 +187,7 @@ def check_batches(trainer: WeightTrainer, model_dir: Path, steps: int, k: int, s
         assert samples == meta["num_samples"] > 0
         assert abs(adv_sum) < 1e-4  # reward - group mean sums to zero within each group
         assert max_err < 1e-3, f"step {n}: inference logprobs differ from policy {meta['policy_step']} by {max_err}"
+    assert shared_rows > 0  # share_prefix is on by default: each group's prompt is packed once
     return turns_per_sample
 
 
