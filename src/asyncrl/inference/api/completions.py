@@ -258,7 +258,7 @@ async def serve_chat(
         text=TokenText(backend.tokenizer),
         as_ids=as_token_ids(body),
     )
-    stream = backend.generate(prompt_ids, run.params, lora)
+    stream = backend.generate(prompt_ids, run.params, lora, stream=bool(body.stream))
     if body.stream:
         return StreamingResponse(run.sse(stream), media_type="text/event-stream")
     return JSONResponse(run.response(await collect(request, stream, run.params.n)))
@@ -327,7 +327,7 @@ async def _start_all(
     streams = []
     try:
         for ids, p in zip(prompts, params):
-            streams.append(backend.generate(ids, p, lora))
+            streams.append(backend.generate(ids, p, lora, stream=bool(body.stream)))
     except Exception:
         for s in streams:
             await s.aclose()

@@ -47,6 +47,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     reserve: int  # context positions each of its sequences may reach
+    stream: bool = True  # False: deliver each sequence once, when it finishes
     seqs: list[Sequence] = field(default_factory=list)
     aborted: bool = False
 
@@ -205,7 +206,7 @@ class EmbeddedEngine(Backend):
         return list(self.lora.adapters)
 
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, lora_name: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, lora_name: str | None = None, stream: bool = True
     ) -> AsyncIterator[SeqDelta]:
         lora = None
         if lora_name is not None:
@@ -223,7 +224,7 @@ class EmbeddedEngine(Backend):
                 param="max_tokens",
             )
         loop = asyncio.get_running_loop()
-        req = _Request(list(prompt_ids), params, lora, loop, asyncio.Queue(), reserve)
+        req = _Request(list(prompt_ids), params, lora, loop, asyncio.Queue(), reserve, stream)
         with self._wake:
             self._waiting.append(req)
             self._wake.notify()
@@ -457,8 +458,12 @@ class EmbeddedEngine(Backend):
         self._remove_rows(finished)
 
     def _deliver(self, group: list[_Active]) -> None:
+        """Hand new output to its requesters, one callback per event loop; a non-streaming request
+        gets each sequence's output once, at its finish."""
         per_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, SeqDelta]]] = {}
         for a in group:
+            if not a.req.stream and a.seq.finish_reason is None:
+                continue
             delta = a.seq.take_delta()
             if delta is not None:
                 per_loop.setdefault(a.req.loop, []).append((a.req, delta))
