@@ -16,6 +16,7 @@ import concurrent.futures
 import inspect
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from asyncrl.utils.errors import UserError
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _SEED_STRIDE = 1_000_003  # seeds of the n sequences of one seeded request: seed + i * stride
+_BURST_QUIET_S = 0.002  # admission waits until no request arrived for this long ...
+_BURST_MAX_S = 0.02  # ... but never longer than this per step
 
 
 @dataclass
@@ -157,6 +160,7 @@ class EmbeddedEngine(Backend):
         self._ops: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
         self._wake = threading.Condition()
         self._stop = False
+        self._last_arrival = 0.0
         self._thread: threading.Thread | None = None
         logger.info(
             f"embedded engine: {mcfg.name} on {self.device} ({self.dtype}), max_model_len={self.max_model_len}, "
@@ -227,6 +231,7 @@ class EmbeddedEngine(Backend):
         req = _Request(list(prompt_ids), params, lora, loop, asyncio.Queue(), reserve, stream)
         with self._wake:
             self._waiting.append(req)
+            self._last_arrival = time.monotonic()
             self._wake.notify()
         return _RequestStream(self, req)
 
@@ -265,6 +270,7 @@ class EmbeddedEngine(Backend):
                 with self._wake:
                     while not (self._stop or self._ops or self._waiting or self._active):
                         self._wake.wait()
+                    self._await_burst()
                     if self._stop:
                         break
                     ops = list(self._ops)
@@ -288,6 +294,20 @@ class EmbeddedEngine(Backend):
                     logger.exception("engine step failed; failing the requests in flight")
                     self._fail_all(e, admitted)
         self._fail_all(RuntimeError("the inference engine shut down"), list(self._waiting))
+
+    def _await_burst(self) -> None:
+        """Holding `_wake`: while requests are still arriving (an RL batch or a group sent over HTTP
+        lands over some ms) and the batch has room, wait until they stop (bounded), so they are
+        admitted and prefilled together and the event loop parses them without the engine competing
+        for the GIL."""
+        deadline = time.monotonic() + _BURST_MAX_S
+        while self._waiting and not (self._stop or self._ops):
+            now = time.monotonic()
+            quiet_left = self._last_arrival + _BURST_QUIET_S - now
+            wanted = len(self._active) + sum(r.params.n for r in self._waiting)
+            if quiet_left <= 0 or now >= deadline or wanted >= self.max_batch_size:
+                return
+            self._wake.wait(min(quiet_left, deadline - now))
 
     def _fail_all(self, error: BaseException, more: list[_Request] = ()) -> None:
         reqs = {id(r): r for r in [*(a.req for a in self._active), *more]}
