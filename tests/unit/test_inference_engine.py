@@ -74,9 +74,9 @@ def test_repeated_prompts_prefill_once(tiny_model_dir, hf_model):
     prefilled = []
     original = engine._prefill_batch
 
-    def counting(reqs, rows):
-        prefilled.append(len(reqs))
-        return original(reqs, rows)
+    def counting(reqs, rows, batch):
+        prefilled.append(len(batch))
+        return original(reqs, rows, batch)
 
     engine._prefill_batch = counting
     prompt = list(range(70, 90))
@@ -385,3 +385,38 @@ def test_prefix_cache_evicts_least_recently_used():
     assert prefix.lookup(None, seqs[1] + [1]) is None and prefix.lookup(None, seqs[2] + [1]) is not None
     prefix.clear()
     assert prefix.nbytes == 0 and prefix.lookup(None, seqs[0] + [1]) is None
+
+
+def test_prompts_with_cached_prefixes_prefill_in_one_batch(tiny_model_dir, hf_model):
+    """Prompts reusing different cached prefix lengths, and one with none, prefill together in one
+    forward (each row over its own cached prefix) and still match HF exactly."""
+    engine = make_engine(tiny_model_dir)
+    system = list(range(40, 100))
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    batches = []
+    original = engine._prefill_batch
+
+    def counting(reqs, rows, batch):
+        batches.append(sorted(start for _, start in batch))
+        return original(reqs, rows, batch)
+
+    engine._prefill_batch = counting
+
+    async def drain(stream):
+        return [d async for d in stream]
+
+    async def run(prompts):
+        streams = [engine.generate(p, params) for p in prompts]  # queued first, so they are admitted together
+        await engine.start()
+        try:
+            return [[{"ids": [t for d in ds for t in d.token_ids], "lps": [x for d in ds for x in d.logprobs]}]
+                    for ds in await asyncio.gather(*[drain(s) for s in streams])]  # fmt: skip
+        finally:
+            await engine.shutdown()
+
+    [[first]] = asyncio.run(run([system + [5, 6, 7]]))
+    prompts = [system + [11, 12], system[:40] + [1] * 10, [90, 91, 92], system + [5, 6, 7] + first["ids"] + [8]]
+    results = asyncio.run(run(prompts))
+    assert batches[1:] == [[0, 40, 60, 68]]  # one forward; the turn reuses all but its first turn's last token
+    for prompt, [c] in zip(prompts, results):
+        assert torch.allclose(torch.tensor(c["lps"]), hf_logprobs(hf_model, prompt, c["ids"], 1.0), atol=1e-5)

@@ -190,6 +190,7 @@ class EmbeddedEngine(Backend):
     # ---- public API (event loop side) -------------------------------------------------------
     async def start(self) -> None:
         if self._thread is None:
+            self._stop = False  # a shut-down engine can start again (its prefix cache kept)
             if self.config.seed is not None:
                 torch.manual_seed(self.config.seed)
             self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
@@ -357,8 +358,9 @@ class EmbeddedEngine(Backend):
 
     def _prefill(self, reqs: list[_Request]) -> None:
         """Prefill new prompts (left-padded batches of similar length, long ones in chunks), then
-        sample each request's first tokens. A request with n > 1, and any request whose prompt
-        another new request has too, copies the prefilled KV row instead of computing it again."""
+        sample each request's first tokens. A prompt that starts with a cached prefix copies it and
+        prefills only the rest, in the same batches. A request with n > 1, and any request whose
+        prompt another new request has too, copies the prefilled KV row instead of computing it again."""
         first_row = len(self._active)
         rows, row = [], first_row
         for req in reqs:
@@ -368,26 +370,24 @@ class EmbeddedEngine(Backend):
         first_of: dict[tuple, int] = {}
         for j, req in enumerate(reqs):
             first_of.setdefault((req.lora.name if req.lora else None, *req.prompt_ids), j)
-        unique = sorted(set(first_of.values()), key=lambda j: len(reqs[j].prompt_ids))
         last_logits: dict[int, torch.Tensor] = {}
-        batch: list[int] = []
-        for j in unique:
-            n_prompt = len(reqs[j].prompt_ids)
-            hit = self.prefix.lookup(reqs[j].lora.name if reqs[j].lora else None, reqs[j].prompt_ids)
-            if hit is not None:  # copy the shared prefix's KV, compute only the rest
-                entry, start = hit
-                self.prefix.load(entry, start, self.cache, rows[j])
+        pending: list[tuple[int, int]] = []  # (request, prompt tokens its row already holds)
+        for j in sorted(set(first_of.values())):
+            start = self._load_prefix(reqs[j], rows[j])
+            if len(reqs[j].prompt_ids) - start > self.max_prefill_tokens:
                 last_logits[j] = self._prefill_chunked(reqs[j], rows[j], start)
-                continue
-            if n_prompt > self.max_prefill_tokens:
-                last_logits[j] = self._prefill_chunked(reqs[j], rows[j])
-                continue
-            if batch and (len(batch) + 1) * n_prompt > self.max_prefill_tokens:  # padded size over budget
-                last_logits.update(zip(batch, self._prefill_batch([reqs[i] for i in batch], [rows[i] for i in batch])))
+            else:
+                pending.append((j, start))
+        pending.sort(key=lambda js: len(reqs[js[0]].prompt_ids) - js[1])
+        batch: list[tuple[int, int]] = []
+        for j, start in pending:
+            width = len(reqs[j].prompt_ids) - start  # the longest so far: batches are padded to it
+            if batch and (len(batch) + 1) * width > self.max_prefill_tokens:
+                last_logits.update(self._prefill_batch(reqs, rows, batch))
                 batch = []
-            batch.append(j)
+            batch.append((j, start))
         if batch:
-            last_logits.update(zip(batch, self._prefill_batch([reqs[i] for i in batch], [rows[i] for i in batch])))
+            last_logits.update(self._prefill_batch(reqs, rows, batch))
         new, expanded = [], []
         for j, req in enumerate(reqs):
             src = first_of[(req.lora.name if req.lora else None, *req.prompt_ids)]
@@ -403,26 +403,38 @@ class EmbeddedEngine(Backend):
         self._active.extend(new)
         self._sample_and_emit(torch.stack(expanded), first_row)
 
-    def _prefill_batch(self, reqs: list[_Request], rows: list[int]) -> torch.Tensor:
-        """One forward over the prompts, left-padded to the longest; last-position logits [len(reqs), V]."""
+    def _load_prefix(self, req: _Request, row: int) -> int:
+        """Copy the longest cached prefix of req's prompt into `row`; how many tokens that was (or 0)."""
+        hit = self.prefix.lookup(req.lora.name if req.lora else None, req.prompt_ids)
+        if hit is None:
+            return 0
+        entry, start = hit
+        self.prefix.load(entry, start, self.cache, row)
+        return start
+
+    def _prefill_batch(self, reqs: list[_Request], rows: list[int], batch: list[tuple[int, int]]) -> dict:
+        """One forward over the uncached rest of each (request j, start) in `batch`, left-padded to the
+        longest; {j: its last-position logits [V]}."""
         dev = self.device
-        width = max(len(r.prompt_ids) for r in reqs)
-        pads = [width - len(r.prompt_ids) for r in reqs]
-        ids = [[0] * p + r.prompt_ids for p, r in zip(pads, reqs)]
+        rests = [reqs[j].prompt_ids[start:] for j, start in batch]
+        starts = [start for _, start in batch]
+        width = max(len(r) for r in rests)
+        pads = [width - len(r) for r in rests]
         pad_t = torch.tensor(pads, device=dev)
-        self.cache.set_prefill(torch.tensor(rows, device=dev), pad_t, width)
-        self.lora.set_rows([r.lora.name if r.lora else None for r in reqs for _ in range(width)], dev)
+        self.cache.set_prefill(torch.tensor([rows[j] for j, _ in batch], device=dev), pad_t, width, starts)
+        names = [reqs[j].lora.name if reqs[j].lora else None for j, _ in batch]
+        self.lora.set_rows([name for name in names for _ in range(width)], dev)
         positions = (torch.arange(width, device=dev)[None, :] - pad_t[:, None]).clamp(min=0)
         kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
         out = self.model(
-            input_ids=torch.tensor(ids, device=dev),
-            position_ids=positions,
-            attention_mask=self.masks.prefill(pad_t, width),
+            input_ids=torch.tensor([[0] * p + r for p, r in zip(pads, rests)], device=dev),
+            position_ids=positions + torch.tensor(starts, device=dev)[:, None],
+            attention_mask=self.masks.prefill(pad_t, width, starts),
             past_key_values=self.cache,
             use_cache=True,
             **kwargs,
         )
-        return out.logits[:, -1]
+        return {j: row_logits for (j, _), row_logits in zip(batch, out.logits[:, -1])}
 
     def _prefill_chunked(self, req: _Request, row: int, cached: int = 0) -> torch.Tensor:
         """The prompt from position `cached` on (0, or a reused prefix's length), chunk by chunk over
