@@ -93,7 +93,7 @@ async def generate(body: GenerateRequest, request: Request, backend: BackendDep)
 
 
 def _generate_choice(backend: Backend, index: int, r: ChoiceResult, logprobs: bool) -> dict[str, Any]:
-    text = TokenText(backend.tokenizer)
+    text = TokenText.for_tokenizer(backend.tokenizer)
     return {
         "index": index,
         "token_ids": r.token_ids,

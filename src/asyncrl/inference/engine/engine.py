@@ -3,10 +3,14 @@
 One background thread owns the model. Each loop iteration it (1) runs queued control operations
 (weight swaps, adapter loads) — so no forward ever mixes weights, (2) admits waiting requests that
 fit the batch and KV budget and prefills their prompts together in one packed forward, (3) runs one
-decode step for every active sequence, then hands each request its new tokens. Sequences in flight
-during a weight swap keep their KV cache and continue with the new weights from the next step.
-A prompt that starts with tokens a finished sequence already computed (the next turn of a
-conversation, a shared system prompt) copies that KV from the prefix cache and prefills only the rest.
+decode step for every active sequence, then hands each request its new tokens (a non-streaming
+request gets each sequence once, when it finishes). Sequences in flight during a weight swap keep
+their KV cache and continue with the new weights from the next step.
+While requests are still arriving (an RL batch lands over some ms of HTTP), admission waits for the
+burst to end (2 ms without an arrival, 20 ms at most), so requests sent together prefill together.
+Identical prompts admitted together prefill once and copy the KV row. A prompt that starts with
+tokens a finished sequence already computed (the next turn of a conversation, a shared system
+prompt) copies that KV from the prefix cache and prefills only the rest, in the same batch.
 """
 
 from __future__ import annotations
