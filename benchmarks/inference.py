@@ -1,12 +1,24 @@
-"""Inference throughput: completion tokens/s per backend x concurrency, on one tiny local model.
+"""Inference throughput: completion tokens/s per backend x concurrency, on one tiny local model,
+with batched HF `generate` on the same prompts as the reference, measured in the same run.
 
 Each backend runs as its own `inference` server process (the embedded engine in this env, vLLM in
 .venv-vllm via asyncrl.inference.vllm.launch). For each concurrency c, c clients each send `--rounds`
-chat requests back to back (distinct prompts of one fixed length, or one shared prompt with
-`--same-prompt`; `--max-tokens` completion tokens, eos ignored), and the table shows aggregate
-completion tokens/s, per-request median latency and the speed-up over the first level.
+chat requests back to back, and the table shows aggregate completion tokens/s (median of
+`--repeats`), per-request median latency and the speed-up over the first level. Two request shapes:
 
-    python benchmarks/inference.py                                # embedded, c = 1, 16, 64
+- `--shape rl` (default): what `rl --bench` sends. A system prompt plus a short word, each prompt
+  sent by a group of `--group-size` requests at once (the rollouts of one example), non-streaming,
+  with `logprobs` and `return_token_ids` as verifiers asks for them.
+- `--shape distinct`: one user message of `--prompt-chars` per request, every prompt different.
+
+Every completion runs the full `--max-tokens` (eos ignored), so tok/s compare across backends.
+`hf-generate` rows are one `model.generate` call over the same c prompts (left padding, do_sample,
+T=1, the same max/min new tokens), in this process with the engine's torch thread count, run
+interleaved with the server levels. Clients share one HTTP connection pool per 16 of them
+(httpx's pool costs O(connections) per request event; one pool of 256 makes the client the
+bottleneck, not the server).
+
+    python benchmarks/inference.py                                   # embedded, c = 64, 128, 256
     python benchmarks/inference.py --backends embedded,vllm --hidden-size 256 --num-layers 4
 """
 
@@ -19,11 +31,15 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from asyncrl.utils.process import free_port, serve, stop_group
+
+SYSTEM_PROMPT = "Reverse the text character by character."  # the rl --bench job's
+CLIENTS_PER_POOL = 16
 
 
 class EmbeddedServer:
@@ -61,94 +77,168 @@ def start(backend: str, model_dir: Path, log_dir: Path, max_batch_size: int, num
     raise SystemExit(f"unknown backend '{backend}' (choose from embedded, vllm)")
 
 
-async def run_level(
-    base_url: str, model: str, concurrency: int, rounds: int, prompt_chars: int, max_tokens: int, same_prompt: bool
-):
+@dataclass
+class Workload:
+    """What each request of a level asks for."""
+
+    shape: str  # "rl" | "distinct"
+    max_tokens: int
+    prompt_chars: int
+    group_size: int
+
+    def messages(self, k: int, salt: int) -> list[dict]:
+        """Messages of the k-th request of a level (`salt` keeps levels and repeats apart)."""
+        if self.shape == "rl":
+            word = _word(salt * 100_000 + k // self.group_size)
+            return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": word}]
+        filler = "abcdefghij" * (self.prompt_chars // 10 + 1)
+        return [{"role": "user", "content": f"{salt:04d}{k:06d} {filler}"[: self.prompt_chars]}]
+
+    def body(self, model: str, k: int, salt: int) -> dict:
+        body = {"model": model, "messages": self.messages(k, salt), "max_tokens": self.max_tokens,
+                "min_tokens": self.max_tokens, "ignore_eos": True, "temperature": 1.0}  # fmt: skip
+        if self.shape == "rl":
+            body.update(logprobs=True, return_token_ids=True)
+        return body
+
+
+def _word(i: int) -> str:
+    """A distinct 5-8 letter word per index (the reverse-text env's prompts are such words)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    for _ in range(5 + i % 4):
+        i, r = divmod(i * 7 + 3, 26)
+        out += letters[r]
+    return out
+
+
+async def run_level(base_url: str, model: str, concurrency: int, rounds: int, work: Workload, salt: int):
     """c closed-loop clients x rounds requests; returns (completion tokens, wall seconds, latencies)."""
-    filler = "abcdefghij" * (prompt_chars // 10 + 1)
-    body = {"model": model, "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 1.0}  # fmt: skip
     latencies: list[float] = []
-    tokens, sent = 0, 0
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+    tokens = 0
+    pools = [httpx.AsyncClient(base_url=base_url, timeout=600, limits=httpx.Limits(max_connections=CLIENTS_PER_POOL))
+             for _ in range(-(-concurrency // CLIENTS_PER_POOL))]  # fmt: skip
 
-        def request() -> dict:
-            nonlocal sent
-            sent += 1
-            text = filler if same_prompt else f"{sent:06d} {filler}"  # distinct prompts: no prefix reuse
-            return dict(body, messages=[{"role": "user", "content": text[:prompt_chars]}])
+    async def one_client(i: int) -> None:
+        nonlocal tokens
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            resp = await pools[i // CLIENTS_PER_POOL].post(
+                "/v1/chat/completions", json=work.body(model, r * concurrency + i, salt)
+            )
+            resp.raise_for_status()
+            latencies.append(time.perf_counter() - t0)
+            tokens += resp.json()["usage"]["completion_tokens"]
 
-        async def one_client() -> None:
-            nonlocal tokens
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                r = await client.post("/v1/chat/completions", json=request())
-                r.raise_for_status()
-                latencies.append(time.perf_counter() - t0)
-                tokens += r.json()["usage"]["completion_tokens"]
-
-        await client.post("/v1/chat/completions", json=dict(request(), max_tokens=4, min_tokens=4))  # warm-up
+    try:
+        await pools[0].post("/v1/chat/completions", json=dict(work.body(model, 0, -1), max_tokens=4, min_tokens=4))
         t0 = time.perf_counter()
-        await asyncio.gather(*[one_client() for _ in range(concurrency)])
+        await asyncio.gather(*[one_client(i) for i in range(concurrency)])
         wall = time.perf_counter() - t0
+    finally:
+        for pool in pools:
+            await pool.aclose()
     return tokens, wall, latencies
+
+
+class HFReference:
+    """Batched HF `generate` over the same chat prompts (left padding, sampling at T=1)."""
+
+    def __init__(self, model_dir: Path, num_threads: int):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(num_threads)
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def run(self, work: Workload, concurrency: int, salt: int) -> tuple[int, float]:
+        """(completion tokens, seconds) of one generate call over `concurrency` prompts."""
+        torch = self.torch
+        prompts = [self.prompt_ids(work.messages(k, salt)) for k in range(concurrency)]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                                      top_k=0, top_p=1.0, max_new_tokens=work.max_tokens,
+                                      min_new_tokens=work.max_tokens, pad_token_id=0)  # fmt: skip
+        return (out.shape[1] - width) * concurrency, time.perf_counter() - t0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="embedded", help="comma-separated: embedded, vllm")
-    ap.add_argument("--concurrency", default="1,16,64", help="comma-separated client counts")
-    ap.add_argument("--rounds", type=int, default=2, help="requests per client per level")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--prompt-chars", type=int, default=48, help="user message length (1 token per byte)")
-    ap.add_argument("--hidden-size", type=int, default=256)
+    ap.add_argument("--concurrency", default="64,128,256", help="comma-separated client counts")
+    ap.add_argument("--rounds", type=int, default=1, help="requests per client per level")
+    ap.add_argument("--repeats", type=int, default=3, help="measure each level this many times (median)")
+    ap.add_argument("--shape", choices=["rl", "distinct"], default="rl", help="request shape (see above)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=8, help="rl shape: requests sharing one prompt")
+    ap.add_argument("--prompt-chars", type=int, default=48, help="distinct shape: user message length")
+    ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--model-dir", type=Path, default=None, help="serve this model instead of building one")
-    ap.add_argument("--num-threads", type=int, default=None, help="embedded engine: torch threads")
-    ap.add_argument("--same-prompt", action="store_true", help="one prompt for all requests (prefix reuse)")
+    ap.add_argument("--num-threads", type=int, default=None, help="embedded engine (and HF reference): torch threads")
+    ap.add_argument("--no-hf-reference", action="store_true", help="skip the HF generate rows")
     args = ap.parse_args()
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    work = Path(tempfile.mkdtemp(prefix="asyncrl-bench-inference-"))
+    work = Workload(args.shape, args.max_tokens, args.prompt_chars, args.group_size)
+    tmp = Path(tempfile.mkdtemp(prefix="asyncrl-bench-inference-"))
     model_dir = args.model_dir
     if model_dir is None:
         from asyncrl.utils.tiny_model import build_tiny_model
 
-        model_dir = build_tiny_model(work / "model", hidden_size=args.hidden_size, num_layers=args.num_layers)
-    print(f"model {model_dir} (hidden {args.hidden_size}, {args.num_layers} layers), prompt {args.prompt_chars} "
-          f"chars ({'one prompt' if args.same_prompt else 'distinct prompts'}), {args.max_tokens} completion tokens, "
-          f"{args.rounds} rounds/client, {os.cpu_count()} CPUs, "
+        model_dir = build_tiny_model(tmp / "model", hidden_size=args.hidden_size, num_layers=args.num_layers,
+                                     num_heads=4, num_kv_heads=2, intermediate_size=4 * args.hidden_size)  # fmt: skip
+    threads = args.num_threads or max(1, (os.cpu_count() or 2) - 1)  # the engine's default on CPU
+    hf = None if args.no_hf_reference else HFReference(model_dir, threads)
+    print(f"model {model_dir}, shape {args.shape}, {args.max_tokens} completion tokens, {args.rounds} round(s)/client, "
+          f"{args.repeats} repeats, {os.cpu_count()} CPUs, {threads} torch thread(s), "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
 
-    rows = []
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (backend, c) -> [(tok/s, median latency)]
     for backend in args.backends.split(","):
-        server = start(backend, model_dir, work, max(levels), args.num_threads)
+        server = start(backend, model_dir, tmp, max(levels), args.num_threads)
         try:
-            base_tps = None
-            for c in levels:
-                tokens, wall, lat = asyncio.run(
-                    run_level(
-                        server.base_url,
-                        str(model_dir),
-                        c,
-                        args.rounds,
-                        args.prompt_chars,
-                        args.max_tokens,
-                        args.same_prompt,
-                    )  # fmt: skip
-                )
-                tps = tokens / wall
-                base_tps = base_tps or tps
-                rows.append((backend, c, tps, statistics.median(lat), tps / base_tps))
-                print(f"  {backend:9s} c={c:<3d} {tps:8.0f} tok/s", flush=True)
+            for rep in range(args.repeats):
+                for c in levels:
+                    salt = rep * 1000 + c
+                    if hf is not None and backend == args.backends.split(",")[0]:
+                        tokens, wall = hf.run(work, c * args.rounds, salt)
+                        samples.setdefault(("hf-generate", c), []).append((tokens / wall, wall))
+                        print(f"  hf-generate c={c:<3d} {tokens / wall:8.0f} tok/s", flush=True)
+                    tokens, wall, lat = asyncio.run(run_level(server.base_url, str(model_dir), c, args.rounds, work,
+                                                              salt))  # fmt: skip
+                    samples.setdefault((backend, c), []).append((tokens / wall, statistics.median(lat)))
+                    print(f"  {backend:11s} c={c:<3d} {tokens / wall:8.0f} tok/s", flush=True)
         finally:
             server.stop()
+    print_table(samples, levels)
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
 
-    print(f"\n| backend | concurrency | completion tok/s | median latency (s) | vs c={levels[0]} |")
-    print("|---|---:|---:|---:|---:|")
-    for backend, c, tps, lat, speedup in rows:
-        print(f"| {backend} | {c} | {tps:.0f} | {lat:.2f} | {speedup:.1f}x |")
+
+def print_table(samples: dict[tuple[str, int], list[tuple[float, float]]], levels: list[int]) -> None:
+    print(f"\n| backend | concurrency | completion tok/s (median) | runs | median latency (s) | vs c={levels[0]} |")
+    print("|---|---:|---:|---|---:|---:|")
+    for backend in dict.fromkeys(b for b, _ in samples):
+        base = None
+        for c in levels:
+            runs = samples.get((backend, c))
+            if not runs:
+                continue
+            tps = statistics.median(r[0] for r in runs)
+            base = base or tps
+            lat = statistics.median(r[1] for r in runs)
+            spread = ", ".join(f"{r[0]:.0f}" for r in runs)
+            print(f"| {backend} | {c} | {tps:.0f} | {spread} | {lat:.2f} | {tps / base:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -600,8 +600,8 @@ def test_disconnected_clients_free_their_rows(server, http):
     if server.engine is None:
         pytest.skip("needs an in-process engine to look at")
     body = {"model": server.model, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=0.5)
+    with pytest.raises(httpx.TimeoutException):  # well before the 400 tokens (~0.5 s non-streaming on 2 cores)
+        httpx.post(server.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=0.1)
     with http.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as r:
         next(r.iter_lines())
     deadline = time.monotonic() + 10

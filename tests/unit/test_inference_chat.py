@@ -153,3 +153,31 @@ def test_render_chat_errors(tokenizer):
         render_chat(tokenizer, [])
     with pytest.raises(TemplateError, match="image_url"):
         render_chat(tokenizer, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_render_chat_reuses_the_ids_of_identical_requests():
+    """The rollouts of one group send the same messages: rendered once; other messages, flags or
+    another tokenizer are rendered anew, and callers get their own list."""
+    from asyncrl.inference.api.chat import render_chat
+
+    class Tok:
+        chat_template = "x"
+
+        def __init__(self, offset):
+            self.offset, self.calls = offset, 0
+
+        def apply_chat_template(self, messages, add_generation_prompt, **kw):
+            self.calls += 1
+            return "".join(m["content"] for m in messages) + ("!" if add_generation_prompt else "")
+
+        def encode(self, text, add_special_tokens):
+            return [ord(c) + self.offset for c in text]
+
+    a, b = Tok(0), Tok(1)
+    msgs = [{"role": "user", "content": "hi"}]
+    first = render_chat(a, msgs)
+    first.append(0)
+    assert render_chat(a, [dict(m) for m in msgs]) == [104, 105, 33] and a.calls == 1
+    assert render_chat(a, msgs, add_generation_prompt=False) == [104, 105] and a.calls == 2
+    assert render_chat(a, [{"role": "user", "content": "ho"}]) == [104, 111, 33] and a.calls == 3
+    assert render_chat(b, msgs) == [105, 106, 34] and b.calls == 1

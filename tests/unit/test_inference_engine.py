@@ -74,9 +74,9 @@ def test_repeated_prompts_prefill_once(tiny_model_dir, hf_model):
     prefilled = []
     original = engine._prefill_batch
 
-    def counting(reqs, rows):
-        prefilled.append(len(reqs))
-        return original(reqs, rows)
+    def counting(reqs, rows, batch):
+        prefilled.append(len(batch))
+        return original(reqs, rows, batch)
 
     engine._prefill_batch = counting
     prompt = list(range(70, 90))
@@ -317,3 +317,106 @@ def test_masks():
 
     with pytest.raises(ValueError, match="vllm"):
         MaskBuilder(Hybrid(), torch.float32)
+
+
+def test_non_streaming_requests_get_one_delta_per_sequence(tiny_model_dir):
+    """stream=False: each sequence arrives whole, at its finish, equal to the streamed deltas joined (same seed)."""
+    engine = make_engine(tiny_model_dir)
+    params = SamplingParams(max_tokens=7, n=2, seed=3, logprobs=2, ignore_eos=True)
+
+    async def deltas(stream: bool):
+        return [d async for d in engine.generate([65, 66, 67], params, stream=stream)]
+
+    async def main():
+        await engine.start()
+        try:
+            return await deltas(True), await deltas(False)
+        finally:
+            await engine.shutdown()
+
+    streamed, whole = asyncio.run(main())
+    assert len(streamed) == 2 * 7 and len(whole) == 2
+    for d in whole:
+        parts = [s for s in streamed if s.index == d.index]
+        assert d.finish_reason == "length" and d.token_ids == [t for s in parts for t in s.token_ids]
+        assert d.logprobs == [x for s in parts for x in s.logprobs] and d.text == "".join(s.text for s in parts)
+        assert d.top_logprobs == [x for s in parts for x in s.top_logprobs]
+
+
+def _cache_with_rows(rows: int, length: int) -> SlotKVCache:
+    cache = SlotKVCache(2, torch.float32, torch.device("cpu"))
+    cache.ensure(rows, length)
+    cache.keys = [torch.randn(cache.slots, 1, cache.capacity, 2) for _ in range(2)]
+    cache.values = [torch.randn(cache.slots, 1, cache.capacity, 2) for _ in range(2)]
+    return cache
+
+
+def test_prefix_cache_index_finds_the_longest_prefix():
+    from asyncrl.inference.engine.prefix_cache import PrefixCache
+
+    cache, prefix = _cache_with_rows(3, 100), PrefixCache(2**20)
+    system = list(range(40))
+    a, b = system + [1] * 30, system + [2] * 50
+    prefix.store(None, a, cache, 0)
+    prefix.store(None, b, cache, 1)
+    prefix.store(None, a[:50], cache, 2)  # held inside `a`: not stored again
+    assert len(prefix) == 2
+    entry, n = prefix.lookup(None, a + [9])
+    assert n == len(a) and torch.equal(entry.keys[1], cache.keys[1][0, :, : len(a)])
+    assert prefix.lookup(None, b[:45] + [7] * 20)[1] == 45  # shares a full block, then 13 more tokens
+    assert prefix.lookup(None, system + [3] * 20)[1] == 40  # the shared system prompt of either entry
+    assert prefix.lookup("adapter", a + [9]) is None
+    assert prefix.lookup(None, a[:31] + [5] * 20) is None  # under min_tokens
+    assert (prefix.hits, prefix.reused_tokens) == (3, 70 + 45 + 40)
+
+
+def test_prefix_cache_evicts_least_recently_used():
+    from asyncrl.inference.engine.prefix_cache import PrefixCache
+
+    cache = _cache_with_rows(3, 64)
+    one = 2 * 2 * 1 * 64 * 2 * 4  # layers x (k, v) x heads x tokens x dim x bytes
+    prefix = PrefixCache(2 * one)
+    seqs = [[i] * 64 for i in range(3)]
+    prefix.store(None, seqs[0], cache, 0)
+    prefix.store(None, seqs[1], cache, 1)
+    assert prefix.lookup(None, seqs[0] + [1]) is not None  # seqs[0] is now the most recently used
+    prefix.store(None, seqs[2], cache, 2)  # evicts seqs[1]
+    assert prefix.nbytes == 2 * one and len(prefix) == 2
+    assert prefix.lookup(None, seqs[1] + [1]) is None and prefix.lookup(None, seqs[2] + [1]) is not None
+    prefix.clear()
+    assert prefix.nbytes == 0 and prefix.lookup(None, seqs[0] + [1]) is None
+
+
+def test_prompts_with_cached_prefixes_prefill_in_one_batch(tiny_model_dir, hf_model):
+    """Prompts reusing different cached prefix lengths, and one with none, prefill together in one
+    forward (each row over its own cached prefix) and still match HF exactly."""
+    engine = make_engine(tiny_model_dir)
+    system = list(range(40, 100))
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    batches = []
+    original = engine._prefill_batch
+
+    def counting(reqs, rows, batch):
+        batches.append(sorted(start for _, start in batch))
+        return original(reqs, rows, batch)
+
+    engine._prefill_batch = counting
+
+    async def drain(stream):
+        return [d async for d in stream]
+
+    async def run(prompts):
+        streams = [engine.generate(p, params) for p in prompts]  # queued first, so they are admitted together
+        await engine.start()
+        try:
+            return [[{"ids": [t for d in ds for t in d.token_ids], "lps": [x for d in ds for x in d.logprobs]}]
+                    for ds in await asyncio.gather(*[drain(s) for s in streams])]  # fmt: skip
+        finally:
+            await engine.shutdown()
+
+    [[first]] = asyncio.run(run([system + [5, 6, 7]]))
+    prompts = [system + [11, 12], system[:40] + [1] * 10, [90, 91, 92], system + [5, 6, 7] + first["ids"] + [8]]
+    results = asyncio.run(run(prompts))
+    assert batches[1:] == [[0, 40, 60, 68]]  # one forward; the turn reuses all but its first turn's last token
+    for prompt, [c] in zip(prompts, results):
+        assert torch.allclose(torch.tensor(c["lps"]), hf_logprobs(hf_model, prompt, c["ids"], 1.0), atol=1e-5)

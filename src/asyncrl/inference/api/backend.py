@@ -89,9 +89,12 @@ class Backend(ABC):
 
     @abstractmethod
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, lora_name: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, lora_name: str | None = None, stream: bool = True
     ) -> AsyncIterator[SeqDelta]:
         """Submit a request; the returned iterator streams deltas of its `params.n` sequences to the end.
+
+        With `stream=False` the caller only wants the end result: each sequence may come as one delta,
+        at its finish (same tokens, logprobs and text as the deltas joined).
 
         Called on the event loop. Raises InvalidRequest right away for a request the engine can never
         serve. Closing the iterator early (or abandoning it after starting it) aborts the request.

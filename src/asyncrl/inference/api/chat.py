@@ -7,6 +7,8 @@
 - `StreamingChatParser`: the same two parses incrementally, for SSE deltas.
 
 Messages that cannot be rendered raise `TemplateError`, an `InvalidRequest` (400) on `messages`.
+`render_chat` keeps the token ids of recently rendered requests (the rollouts of one RL group send
+the same messages together), keyed by the tokenizer and the request's canonical JSON.
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ from __future__ import annotations
 import json
 import re
 import uuid
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 from asyncrl.inference.api.errors import InvalidRequest
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
+_RENDERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {request JSON: ids}, LRU first
+_RENDERED_MAX = 1024  # per tokenizer
 _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)$", re.DOTALL)
 
 
@@ -75,7 +81,30 @@ def render_chat(
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template."""
+    """Token ids of `messages` rendered with the tokenizer's chat template (cached, see module docstring)."""
+    args = (messages, tools, add_generation_prompt, continue_final_message, chat_template_kwargs)
+    try:
+        key = json.dumps(args, sort_keys=True, ensure_ascii=False)
+        cache = _RENDERED.setdefault(tokenizer, OrderedDict())
+    except (TypeError, ValueError):  # not JSON (the template will say what is wrong), or no weakref
+        return _render(tokenizer, *args)
+    ids = cache.get(key)
+    if ids is None:
+        ids = cache[key] = _render(tokenizer, *args)
+        if len(cache) > _RENDERED_MAX:
+            cache.popitem(last=False)
+    cache.move_to_end(key)
+    return list(ids)
+
+
+def _render(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    chat_template_kwargs: dict[str, Any] | None,
+) -> list[int]:
     if not messages:
         raise TemplateError("messages must not be empty")
     if getattr(tokenizer, "chat_template", None) is None:

@@ -59,7 +59,17 @@ class ChoiceResult:
 
 
 class TokenText:
-    """Display strings of single tokens (for logprobs), cached per id."""
+    """Display strings of single tokens (for logprobs), cached per id; one per tokenizer (`for_tokenizer`)."""
+
+    _shared: dict[int, TokenText] = {}
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> TokenText:
+        """The shared instance of `tokenizer`, so its cache outlives one request."""
+        text = cls._shared.get(id(tokenizer))
+        if text is None or text.tokenizer is not tokenizer:
+            text = cls._shared[id(tokenizer)] = cls(tokenizer)
+        return text
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -255,10 +265,10 @@ async def serve_chat(
         model=body.model or backend.model_name,
         reasoning_parser=config.model.reasoning_parser,
         parse_tools=_tool_parsing(config, body),
-        text=TokenText(backend.tokenizer),
+        text=TokenText.for_tokenizer(backend.tokenizer),
         as_ids=as_token_ids(body),
     )
-    stream = backend.generate(prompt_ids, run.params, lora)
+    stream = backend.generate(prompt_ids, run.params, lora, stream=bool(body.stream))
     if body.stream:
         return StreamingResponse(run.sse(stream), media_type="text/event-stream")
     return JSONResponse(run.response(await collect(request, stream, run.params.n)))
@@ -299,7 +309,7 @@ async def completions(body: CompletionRequest, request: Request, backend: Backen
     lora = backend.resolve_model(body.model)
     prompts = _completion_prompts(backend, body)
     streams = await _start_all(backend, body, prompts, lora)
-    run = _CompletionRun(body, prompts, body.model or backend.model_name, TokenText(backend.tokenizer))
+    run = _CompletionRun(body, prompts, body.model or backend.model_name, TokenText.for_tokenizer(backend.tokenizer))
     if body.stream:
         return StreamingResponse(_stream_completions(streams, run), media_type="text/event-stream")
     return run.response(await asyncio.gather(*[collect(request, s, body.n) for s in streams]))
@@ -327,7 +337,7 @@ async def _start_all(
     streams = []
     try:
         for ids, p in zip(prompts, params):
-            streams.append(backend.generate(ids, p, lora))
+            streams.append(backend.generate(ids, p, lora, stream=bool(body.stream)))
     except Exception:
         for s in streams:
             await s.aclose()

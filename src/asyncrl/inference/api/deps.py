@@ -2,7 +2,8 @@
 
 `install_state` puts them on `app.state` once per app (ours or vLLM's; names prefixed `asyncrl_` so
 they never clash with vLLM's); routes read them per request, as parameters annotated `Engine`,
-`BackendDep`, `Config` or `WeightsLock`, and never close over them.
+`BackendDep`, `Config` or `WeightsLock`, and never close over them. The getters are `async def` so
+FastAPI runs them on the event loop (a plain `def` dependency costs a worker-thread hop per request).
 """
 
 from __future__ import annotations
@@ -22,20 +23,20 @@ def install_state(app: FastAPI, engine: TrainingEngine, config: InferenceConfig)
     app.state.asyncrl_weights_lock = asyncio.Lock()  # one weight or adapter change at a time
 
 
-def get_engine(request: Request) -> TrainingEngine:
+async def get_engine(request: Request) -> TrainingEngine:
     return request.app.state.asyncrl_engine
 
 
-def get_backend(request: Request) -> Backend:
+async def get_backend(request: Request) -> Backend:
     """The engine, for the routes only an engine that implements the whole `Backend` serves."""
     return request.app.state.asyncrl_engine
 
 
-def get_config(request: Request) -> InferenceConfig:
+async def get_config(request: Request) -> InferenceConfig:
     return request.app.state.asyncrl_config
 
 
-def get_weights_lock(request: Request) -> asyncio.Lock:
+async def get_weights_lock(request: Request) -> asyncio.Lock:
     return request.app.state.asyncrl_weights_lock
 
 

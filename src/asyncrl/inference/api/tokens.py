@@ -81,7 +81,7 @@ async def generate(body: GenerateRequest, request: Request, backend: BackendDep)
     sp.check_vocab(backend.vocab_size, "sampling_params.")
     max_tokens = resolve_max_tokens(sp.max_tokens, len(body.token_ids), backend.max_model_len)
     params = sp.to_params(max_tokens, sp.logprobs)
-    results = await collect(request, backend.generate(body.token_ids, params, lora), params.n)
+    results = await collect(request, backend.generate(body.token_ids, params, lora, stream=False), params.n)
     return {
         "request_id": f"gen-{uuid.uuid4().hex}",
         "created": int(time.time()),
@@ -93,7 +93,7 @@ async def generate(body: GenerateRequest, request: Request, backend: BackendDep)
 
 
 def _generate_choice(backend: Backend, index: int, r: ChoiceResult, logprobs: bool) -> dict[str, Any]:
-    text = TokenText(backend.tokenizer)
+    text = TokenText.for_tokenizer(backend.tokenizer)
     return {
         "index": index,
         "token_ids": r.token_ids,

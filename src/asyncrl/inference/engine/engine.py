@@ -3,10 +3,14 @@
 One background thread owns the model. Each loop iteration it (1) runs queued control operations
 (weight swaps, adapter loads) — so no forward ever mixes weights, (2) admits waiting requests that
 fit the batch and KV budget and prefills their prompts together in one packed forward, (3) runs one
-decode step for every active sequence, then hands each request its new tokens. Sequences in flight
-during a weight swap keep their KV cache and continue with the new weights from the next step.
-A prompt that starts with tokens a finished sequence already computed (the next turn of a
-conversation, a shared system prompt) copies that KV from the prefix cache and prefills only the rest.
+decode step for every active sequence, then hands each request its new tokens (a non-streaming
+request gets each sequence once, when it finishes). Sequences in flight during a weight swap keep
+their KV cache and continue with the new weights from the next step.
+While requests are still arriving (an RL batch lands over some ms of HTTP), admission waits for the
+burst to end (2 ms without an arrival, 20 ms at most), so requests sent together prefill together.
+Identical prompts admitted together prefill once and copy the KV row. A prompt that starts with
+tokens a finished sequence already computed (the next turn of a conversation, a shared system
+prompt) copies that KV from the prefix cache and prefills only the rest, in the same batch.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import concurrent.futures
 import inspect
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -37,6 +42,8 @@ from asyncrl.utils.errors import UserError
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _SEED_STRIDE = 1_000_003  # seeds of the n sequences of one seeded request: seed + i * stride
+_BURST_QUIET_S = 0.002  # admission waits until no request arrived for this long ...
+_BURST_MAX_S = 0.02  # ... but never longer than this per step
 
 
 @dataclass
@@ -47,6 +54,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     reserve: int  # context positions each of its sequences may reach
+    stream: bool = True  # False: deliver each sequence once, when it finishes
     seqs: list[Sequence] = field(default_factory=list)
     aborted: bool = False
 
@@ -156,6 +164,7 @@ class EmbeddedEngine(Backend):
         self._ops: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
         self._wake = threading.Condition()
         self._stop = False
+        self._last_arrival = 0.0
         self._thread: threading.Thread | None = None
         logger.info(
             f"embedded engine: {mcfg.name} on {self.device} ({self.dtype}), max_model_len={self.max_model_len}, "
@@ -185,6 +194,7 @@ class EmbeddedEngine(Backend):
     # ---- public API (event loop side) -------------------------------------------------------
     async def start(self) -> None:
         if self._thread is None:
+            self._stop = False  # a shut-down engine can start again (its prefix cache kept)
             if self.config.seed is not None:
                 torch.manual_seed(self.config.seed)
             self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
@@ -205,7 +215,7 @@ class EmbeddedEngine(Backend):
         return list(self.lora.adapters)
 
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, lora_name: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, lora_name: str | None = None, stream: bool = True
     ) -> AsyncIterator[SeqDelta]:
         lora = None
         if lora_name is not None:
@@ -223,9 +233,10 @@ class EmbeddedEngine(Backend):
                 param="max_tokens",
             )
         loop = asyncio.get_running_loop()
-        req = _Request(list(prompt_ids), params, lora, loop, asyncio.Queue(), reserve)
+        req = _Request(list(prompt_ids), params, lora, loop, asyncio.Queue(), reserve, stream)
         with self._wake:
             self._waiting.append(req)
+            self._last_arrival = time.monotonic()
             self._wake.notify()
         return _RequestStream(self, req)
 
@@ -264,6 +275,7 @@ class EmbeddedEngine(Backend):
                 with self._wake:
                     while not (self._stop or self._ops or self._waiting or self._active):
                         self._wake.wait()
+                    self._await_burst()
                     if self._stop:
                         break
                     ops = list(self._ops)
@@ -287,6 +299,20 @@ class EmbeddedEngine(Backend):
                     logger.exception("engine step failed; failing the requests in flight")
                     self._fail_all(e, admitted)
         self._fail_all(RuntimeError("the inference engine shut down"), list(self._waiting))
+
+    def _await_burst(self) -> None:
+        """Holding `_wake`: while requests are still arriving (an RL batch or a group sent over HTTP
+        lands over some ms) and the batch has room, wait until they stop (bounded), so they are
+        admitted and prefilled together and the event loop parses them without the engine competing
+        for the GIL."""
+        deadline = time.monotonic() + _BURST_MAX_S
+        while self._waiting and not (self._stop or self._ops):
+            now = time.monotonic()
+            quiet_left = self._last_arrival + _BURST_QUIET_S - now
+            wanted = len(self._active) + sum(r.params.n for r in self._waiting)
+            if quiet_left <= 0 or now >= deadline or wanted >= self.max_batch_size:
+                return
+            self._wake.wait(min(quiet_left, deadline - now))
 
     def _fail_all(self, error: BaseException, more: list[_Request] = ()) -> None:
         reqs = {id(r): r for r in [*(a.req for a in self._active), *more]}
@@ -336,8 +362,9 @@ class EmbeddedEngine(Backend):
 
     def _prefill(self, reqs: list[_Request]) -> None:
         """Prefill new prompts (left-padded batches of similar length, long ones in chunks), then
-        sample each request's first tokens. A request with n > 1, and any request whose prompt
-        another new request has too, copies the prefilled KV row instead of computing it again."""
+        sample each request's first tokens. A prompt that starts with a cached prefix copies it and
+        prefills only the rest, in the same batches. A request with n > 1, and any request whose
+        prompt another new request has too, copies the prefilled KV row instead of computing it again."""
         first_row = len(self._active)
         rows, row = [], first_row
         for req in reqs:
@@ -347,26 +374,24 @@ class EmbeddedEngine(Backend):
         first_of: dict[tuple, int] = {}
         for j, req in enumerate(reqs):
             first_of.setdefault((req.lora.name if req.lora else None, *req.prompt_ids), j)
-        unique = sorted(set(first_of.values()), key=lambda j: len(reqs[j].prompt_ids))
         last_logits: dict[int, torch.Tensor] = {}
-        batch: list[int] = []
-        for j in unique:
-            n_prompt = len(reqs[j].prompt_ids)
-            hit = self.prefix.lookup(reqs[j].lora.name if reqs[j].lora else None, reqs[j].prompt_ids)
-            if hit is not None:  # copy the shared prefix's KV, compute only the rest
-                entry, start = hit
-                self.prefix.load(entry, start, self.cache, rows[j])
+        pending: list[tuple[int, int]] = []  # (request, prompt tokens its row already holds)
+        for j in sorted(set(first_of.values())):
+            start = self._load_prefix(reqs[j], rows[j])
+            if len(reqs[j].prompt_ids) - start > self.max_prefill_tokens:
                 last_logits[j] = self._prefill_chunked(reqs[j], rows[j], start)
-                continue
-            if n_prompt > self.max_prefill_tokens:
-                last_logits[j] = self._prefill_chunked(reqs[j], rows[j])
-                continue
-            if batch and (len(batch) + 1) * n_prompt > self.max_prefill_tokens:  # padded size over budget
-                last_logits.update(zip(batch, self._prefill_batch([reqs[i] for i in batch], [rows[i] for i in batch])))
+            else:
+                pending.append((j, start))
+        pending.sort(key=lambda js: len(reqs[js[0]].prompt_ids) - js[1])
+        batch: list[tuple[int, int]] = []
+        for j, start in pending:
+            width = len(reqs[j].prompt_ids) - start  # the longest so far: batches are padded to it
+            if batch and (len(batch) + 1) * width > self.max_prefill_tokens:
+                last_logits.update(self._prefill_batch(reqs, rows, batch))
                 batch = []
-            batch.append(j)
+            batch.append((j, start))
         if batch:
-            last_logits.update(zip(batch, self._prefill_batch([reqs[i] for i in batch], [rows[i] for i in batch])))
+            last_logits.update(self._prefill_batch(reqs, rows, batch))
         new, expanded = [], []
         for j, req in enumerate(reqs):
             src = first_of[(req.lora.name if req.lora else None, *req.prompt_ids)]
@@ -382,26 +407,38 @@ class EmbeddedEngine(Backend):
         self._active.extend(new)
         self._sample_and_emit(torch.stack(expanded), first_row)
 
-    def _prefill_batch(self, reqs: list[_Request], rows: list[int]) -> torch.Tensor:
-        """One forward over the prompts, left-padded to the longest; last-position logits [len(reqs), V]."""
+    def _load_prefix(self, req: _Request, row: int) -> int:
+        """Copy the longest cached prefix of req's prompt into `row`; how many tokens that was (or 0)."""
+        hit = self.prefix.lookup(req.lora.name if req.lora else None, req.prompt_ids)
+        if hit is None:
+            return 0
+        entry, start = hit
+        self.prefix.load(entry, start, self.cache, row)
+        return start
+
+    def _prefill_batch(self, reqs: list[_Request], rows: list[int], batch: list[tuple[int, int]]) -> dict:
+        """One forward over the uncached rest of each (request j, start) in `batch`, left-padded to the
+        longest; {j: its last-position logits [V]}."""
         dev = self.device
-        width = max(len(r.prompt_ids) for r in reqs)
-        pads = [width - len(r.prompt_ids) for r in reqs]
-        ids = [[0] * p + r.prompt_ids for p, r in zip(pads, reqs)]
+        rests = [reqs[j].prompt_ids[start:] for j, start in batch]
+        starts = [start for _, start in batch]
+        width = max(len(r) for r in rests)
+        pads = [width - len(r) for r in rests]
         pad_t = torch.tensor(pads, device=dev)
-        self.cache.set_prefill(torch.tensor(rows, device=dev), pad_t, width)
-        self.lora.set_rows([r.lora.name if r.lora else None for r in reqs for _ in range(width)], dev)
+        self.cache.set_prefill(torch.tensor([rows[j] for j, _ in batch], device=dev), pad_t, width, starts)
+        names = [reqs[j].lora.name if reqs[j].lora else None for j, _ in batch]
+        self.lora.set_rows([name for name in names for _ in range(width)], dev)
         positions = (torch.arange(width, device=dev)[None, :] - pad_t[:, None]).clamp(min=0)
         kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
         out = self.model(
-            input_ids=torch.tensor(ids, device=dev),
-            position_ids=positions,
-            attention_mask=self.masks.prefill(pad_t, width),
+            input_ids=torch.tensor([[0] * p + r for p, r in zip(pads, rests)], device=dev),
+            position_ids=positions + torch.tensor(starts, device=dev)[:, None],
+            attention_mask=self.masks.prefill(pad_t, width, starts),
             past_key_values=self.cache,
             use_cache=True,
             **kwargs,
         )
-        return out.logits[:, -1]
+        return {j: row_logits for (j, _), row_logits in zip(batch, out.logits[:, -1])}
 
     def _prefill_chunked(self, req: _Request, row: int, cached: int = 0) -> torch.Tensor:
         """The prompt from position `cached` on (0, or a reused prefix's length), chunk by chunk over
@@ -457,8 +494,12 @@ class EmbeddedEngine(Backend):
         self._remove_rows(finished)
 
     def _deliver(self, group: list[_Active]) -> None:
+        """Hand new output to its requesters, one callback per event loop; a non-streaming request
+        gets each sequence's output once, at its finish."""
         per_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, SeqDelta]]] = {}
         for a in group:
+            if not a.req.stream and a.seq.finish_reason is None:
+                continue
             delta = a.seq.take_delta()
             if delta is not None:
                 per_loop.setdefault(a.req.loop, []).append((a.req, delta))

@@ -5,11 +5,13 @@ Buffers per layer are [slots, kv_heads, capacity, head_dim]. Active sequences al
 `buf[:B, :, :L]` without gathering. Forward modes:
 
 - prefill: new prompts as one left-padded batch [b, P]; real tokens' keys/values are scattered to
-  their slots at positions 0.., the forward attends over the fresh keys only (no prefix reuse), and
-  every row's last prompt token sits in the last column (one logits row each).
-- extend: one prompt longer than the prefill budget, or the rest of a prompt whose start was copied
-  from the prefix cache (`write_prefix`), chunk by chunk; each chunk attends over the row's cached
-  prefix and itself.
+  their slots at positions start.. (start 0, or the length of a prefix already copied into the row
+  from the prefix cache by `write_prefix`), and every row's last prompt token sits in the last
+  column (one logits row each). With all starts 0 the forward attends over the fresh keys only;
+  otherwise over each row's slot [0, max(start + length)), gathered, so the rest of a prompt sees
+  its cached prefix.
+- extend: one prompt longer than the prefill budget, chunk by chunk from position `start` on;
+  each chunk attends over the row's cached prefix and itself.
 - decode: one token per active row, written at that row's own position; the mask hides each row's
   stale tail, so rows of different lengths share one batched forward.
 
@@ -45,6 +47,7 @@ class SlotKVCache(Cache):
         self._batch = 0
         self._start = 0
         self._kv_len = 0
+        self._gather: torch.Tensor | None = None  # prefill over cached prefixes: the slots to attend over
 
     # ---- sizing -------------------------------------------------------------------------------
     @staticmethod
@@ -92,12 +95,17 @@ class SlotKVCache(Cache):
                 store[i][row, :, : src.shape[1]] = src
 
     # ---- per-forward modes --------------------------------------------------------------------
-    def set_prefill(self, rows: torch.Tensor, pads: torch.Tensor, width: int) -> None:
-        """Left-padded batch: input row i (pads[i] pad columns, then its prompt) fills slot rows[i]."""
+    def set_prefill(self, rows: torch.Tensor, pads: torch.Tensor, width: int, starts: list[int] | None = None) -> None:
+        """Left-padded batch: input row i (pads[i] pad columns, then its tokens) fills slot rows[i] from
+        position starts[i] on (default 0; a start > 0 means the slot already holds that prefix)."""
         cols = torch.arange(width, device=rows.device)
         real_i, real_c = (cols[None, :] >= pads[:, None]).nonzero(as_tuple=True)
         self._mode, self._rows, self._pos = "prefill", rows[real_i], real_c - pads[real_i]
-        self._real, self._flat = (real_i, real_c), {}
+        self._real, self._flat, self._gather = (real_i, real_c), {}, None
+        if starts is not None and any(starts):
+            start_t = torch.tensor(starts, device=rows.device)
+            self._pos = self._pos + start_t[real_i]
+            self._gather, self._kv_len = rows, max(s + width - int(p) for s, p in zip(starts, pads.tolist()))
 
     def set_extend(self, row: int, start: int, length: int) -> None:
         """Chunked prefill: `length` tokens at positions start.. of slot `row` (over its cached prefix)."""
@@ -138,7 +146,9 @@ class SlotKVCache(Cache):
         k_buf.view(-1, dim).index_copy_(0, flat, k_new.reshape(-1, dim))
         v_buf.view(-1, dim).index_copy_(0, flat, v_new.reshape(-1, dim))
         if self._mode == "prefill":
-            return key_states, value_states
+            if self._gather is None:
+                return key_states, value_states
+            return k_buf[self._gather, :, : self._kv_len], v_buf[self._gather, :, : self._kv_len]
         return k_buf[: self._batch, :, : self._kv_len], v_buf[: self._batch, :, : self._kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -193,11 +203,22 @@ class MaskBuilder:
         k = torch.arange(start + length, device=device)[None, None, None, :]
         return self._build(q, k, k <= q)
 
-    def prefill(self, pads: torch.Tensor, width: int):
+    def prefill(self, pads: torch.Tensor, width: int, starts: list[int] | None = None):
         """[b, 1, P, P] over a left-padded batch: causal among a row's real tokens; a pad column
-        only sees itself (a fully masked row would make sdpa return NaN)."""
+        only sees itself (a fully masked row would make sdpa return NaN). With `starts` (rows
+        continuing cached prefixes): [b, 1, P, K] over slot positions 0..K-1, row i's tokens at
+        positions starts[i].. seeing everything before them; a pad column sees position 0."""
+        if starts is not None and any(starts):
+            return self._prefill_over_prefix(pads, width, starts)
         cols = torch.arange(width, device=pads.device)
         q = (cols[None, :, None] - pads[:, None, None])[:, None]  # positions; pads are negative
         k = (cols[None, None, :] - pads[:, None, None])[:, None]
         allowed = ((k <= q) & (k >= 0)) | (cols[:, None] == cols[None, :])
         return self._build(q, k, allowed)
+
+    def _prefill_over_prefix(self, pads: torch.Tensor, width: int, starts: list[int]):
+        start_t = torch.tensor(starts, device=pads.device)
+        q = (start_t[:, None] + torch.arange(width, device=pads.device)[None, :] - pads[:, None])[:, None, :, None]
+        kv_len = int(q.max()) + 1
+        k = torch.arange(kv_len, device=pads.device)[None, None, None, :]
+        return self._build(q, k, (k <= q) | (k == 0))

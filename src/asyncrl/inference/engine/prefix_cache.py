@@ -7,77 +7,123 @@ last token, which was sampled and never fed back. Entries are keyed by LoRA adap
 recently used first, within a byte budget. A new prompt copies the longest common prefix it finds
 into its cache row and prefills only the rest. The engine clears the store on any weight or adapter
 change, since its KV belongs to the old weights.
+
+Finding a prefix costs O(prompt length), not O(entries): every entry is indexed under the chained
+hash of each of its full `BLOCK`-token prefixes. A lookup walks the prompt's blocks through that
+index to the deepest entry holding them (checked token by token, so a hash collision is only a
+miss), then extends the match token by token inside that entry. A match shorter than one block
+is not found, so `min_tokens` should be at least `BLOCK`.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from asyncrl.inference.engine.kv_cache import SlotKVCache
 
+BLOCK = 16  # tokens per indexed block
+
 
 @dataclass(eq=False)  # entries are compared by identity (their fields are tensors)
 class _Entry:
     adapter: str | None
-    tokens: torch.Tensor  # [L] int64, CPU
+    tokens: list[int]
     keys: list[torch.Tensor]  # per layer [kv_heads, L, head_dim]
     values: list[torch.Tensor]
     nbytes: int
+    hashes: list[int]  # chained hash of each full block prefix
+
+
+def block_hashes(tokens: list[int], adapter: str | None) -> list[int]:
+    """Chained hash of tokens[:BLOCK], tokens[:2 * BLOCK], ... (full blocks only)."""
+    out, h = [], hash(adapter)
+    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+        h = hash((h, *tokens[start : start + BLOCK]))
+        out.append(h)
+    return out
+
+
+def _common(a: list[int], b: list[int], start: int, limit: int) -> int:
+    """Length of the common prefix of a and b, known equal up to `start`, at most `limit`."""
+    n = start
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class PrefixCache:
     def __init__(self, budget_bytes: int, min_tokens: int = 32):
         self.budget = budget_bytes
         self.min_tokens = min_tokens
-        self._entries: list[_Entry] = []  # least recently used first
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by id, least recently used first
+        self._index: dict[int, dict[int, _Entry]] = {}  # block hash -> entries holding it (insertion order)
         self.nbytes = 0
         self.hits = self.reused_tokens = 0
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def clear(self) -> None:
         self._entries.clear()
+        self._index.clear()
         self.nbytes = 0
+
+    def _longest(self, adapter: str | None, tokens: list[int], limit: int) -> tuple[_Entry | None, int]:
+        """The entry sharing the longest prefix with tokens[:limit] found via the index, and that length."""
+        best, depth = None, 0
+        for k, h in enumerate(block_hashes(tokens[:limit], adapter)):
+            bucket = self._index.get(h)
+            entry = next(reversed(bucket.values())) if bucket else None
+            end = (k + 1) * BLOCK
+            checked = depth if entry is best else 0  # a different entry: check its whole prefix
+            if entry is None or entry.tokens[checked:end] != tokens[checked:end]:
+                break
+            best, depth = entry, end
+        if best is None:
+            return None, 0
+        return best, _common(best.tokens, tokens, depth, min(limit, len(best.tokens)))
 
     def store(self, adapter: str | None, tokens: list[int], cache: SlotKVCache, row: int) -> None:
         """Keep the KV of `tokens` (positions 0..len-1 of cache row `row`)."""
         n = len(tokens)
         if n < self.min_tokens or cache.keys[0] is None:
             return
-        keys = [k[row, :, :n] for k in cache.keys]  # views: nothing is copied unless it is kept
-        values = [v[row, :, :n] for v in cache.values]
-        nbytes = sum(x.numel() * x.element_size() for x in keys + values)
+        nbytes = 2 * sum(k[row, :, :n].numel() * k.element_size() for k in cache.keys)
         if nbytes > self.budget:  # includes budget 0 (off)
             return
-        t = torch.tensor(tokens, dtype=torch.long)
-        for e in self._entries:  # already held inside a longer entry: nothing new to keep
-            if e.adapter == adapter and len(e.tokens) >= n and torch.equal(e.tokens[:n], t):
-                return
-        keys, values = [k.clone() for k in keys], [v.clone() for v in values]
-        self._entries.append(_Entry(adapter, t, keys, values, nbytes))
+        if self._longest(adapter, tokens, n)[1] == n:  # already held inside a longer entry
+            return
+        keys = [k[row, :, :n].clone() for k in cache.keys]
+        values = [v[row, :, :n].clone() for v in cache.values]
+        entry = _Entry(adapter, list(tokens), keys, values, nbytes, block_hashes(tokens, adapter))
+        self._entries[id(entry)] = entry
+        for h in entry.hashes:
+            self._index.setdefault(h, {})[id(entry)] = entry
         self.nbytes += nbytes
         while self.nbytes > self.budget:
-            self.nbytes -= self._entries.pop(0).nbytes
+            self._evict(next(iter(self._entries.values())))
+
+    def _evict(self, entry: _Entry) -> None:
+        del self._entries[id(entry)]
+        for h in entry.hashes:
+            bucket = self._index[h]
+            del bucket[id(entry)]
+            if not bucket:
+                del self._index[h]
+        self.nbytes -= entry.nbytes
 
     def lookup(self, adapter: str | None, prompt: list[int]) -> tuple[_Entry, int] | None:
         """The entry sharing the longest prefix with `prompt` and that length, capped so at least the
         prompt's last token is computed (it gives the first logits); None below `min_tokens`."""
         if not self._entries or len(prompt) <= self.min_tokens:
             return None
-        p = torch.tensor(prompt, dtype=torch.long)
-        best, best_len = None, 0
-        for e in self._entries:
-            if e.adapter != adapter:
-                continue
-            n = min(len(e.tokens), len(p) - 1)
-            differ = (e.tokens[:n] != p[:n]).nonzero()
-            common = int(differ[0]) if len(differ) else n
-            if common > best_len:
-                best, best_len = e, common
+        best, best_len = self._longest(adapter, prompt, len(prompt) - 1)
         if best is None or best_len < self.min_tokens:
             return None
-        self._entries.remove(best)
-        self._entries.append(best)
+        self._entries.move_to_end(id(best))
         self.hits += 1
         self.reused_tokens += best_len
         return best, best_len
