@@ -193,13 +193,13 @@ def make_vf_client(cfg: ClientConfig, client_type: str = TOKEN_CLIENT) -> Any:
     from verifiers.clients import OpenAIChatCompletionsClient, OpenAIChatCompletionsTokenClient
 
     classes = {TOKEN_CLIENT: OpenAIChatCompletionsTokenClient, "openai_chat_completions": OpenAIChatCompletionsClient}
-    client = AsyncOpenAI(
-        api_key=os.environ.get(cfg.api_key_var) or "EMPTY",
-        base_url=cfg.url,
-        max_retries=2,
-        timeout=cfg.timeout,
-        http_client=DefaultAioHttpClient(timeout=cfg.timeout),
-    )
+    try:
+        http = DefaultAioHttpClient(timeout=cfg.timeout)
+    except RuntimeError as e:  # an openai build without its aiohttp transport: keep httpx's pool
+        logger.warning(f"rollouts go through httpx's connection pool, slower with many in flight ({e})")
+        http = None
+    key = os.environ.get(cfg.api_key_var) or "EMPTY"
+    client = AsyncOpenAI(api_key=key, base_url=cfg.url, max_retries=2, timeout=cfg.timeout, http_client=http)
     return classes[client_type](client)
 
 
