@@ -155,6 +155,6 @@ def test_rollout_client_uses_an_aiohttp_pool_with_the_api_key(monkeypatch):
     monkeypatch.setenv("MY_KEY", "secret")
     for kind in (TOKEN_CLIENT, PLAIN_CLIENT):
         client = make_vf_client(ClientConfig(port=8123, api_key_var="MY_KEY"), kind)
-        assert "Aiohttp" in type(client.client._client).__name__
+        assert "aiohttp" in type(client.client._client).__name__.lower()
         assert client.client.api_key == "secret" and str(client.client.base_url) == "http://localhost:8123/v1/"
         asyncio.run(client.close())
