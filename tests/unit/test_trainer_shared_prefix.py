@@ -168,6 +168,22 @@ def test_other_attention_gets_expanded_rows_logged_once(model, caplog_loguru):
         loop.mask_kwargs(mb, "flash_attention_2")
 
 
+def test_a_mask_over_budget_gets_expanded_rows_logged_once(model, caplog_loguru, monkeypatch):
+    import asyncrl.trainer.rl.loop as rl_loop
+
+    rows = shared_rows(model, 0.3)
+    sdpa = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+    loop = RLLoop(SimpleNamespace(config=TrainerConfig(), model=sdpa, ctx=SimpleNamespace(is_main=True)))
+    assert loop._shareable(rows) is rows  # within budget: shared as they are
+    longest = max(r["input_ids"].numel() for r in rows)
+    monkeypatch.setattr(rl_loop, "MASK_BUDGET_BYTES", longest**2 * len(rows) - 1)
+    for _ in range(2):
+        got = loop._shareable(rows)
+        assert [r["input_ids"].tolist() for r in got] == [expand(r)["input_ids"].tolist() for r in rows]
+    told = [m for m in caplog_loguru if "shared-prefix mask would take" in m]
+    assert len(told) == 1 and "lower trainer.data.micro_batch_size or seq_len" in told[0]
+
+
 def test_counts_are_the_tokens_computed(model):
     rows = shared_rows(model, 0.3)
     loop = RLLoop(SimpleNamespace(config=TrainerConfig(), flops=FlopModel(1000, 2, 4, 16)))

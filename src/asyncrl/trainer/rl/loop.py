@@ -45,6 +45,7 @@ from asyncrl.transport.batch import MicroBatch
 from asyncrl.transport.layout import is_stable
 
 MASKED_ATTENTION = ("sdpa", "eager")  # take an explicit 4D mask, so shared prefixes stay in one row
+MASK_BUDGET_BYTES = 2**30  # a dense [rows, 1, L, L] mask beyond this: expand the rows instead (L = 32k: 1 GiB)
 
 
 def train(config: TrainerConfig) -> list[dict]:
@@ -81,17 +82,25 @@ class RLLoop(Loop):
         return StepBatch(mbs, int(loss_tokens), int(tokens), int(samples), flops, timing={"wait_s": wait_s})
 
     def _shareable(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
-        """The rows as they are, or unshared when the attention takes no explicit mask (logged once)."""
+        """The rows as they are, or unshared when the attention takes no explicit mask or the dense mask
+        of one forward would pass MASK_BUDGET_BYTES (logged once)."""
         attn = self.session.model.config._attn_implementation
-        if attn in MASKED_ATTENTION or not any_shared(mbs):
+        if not any_shared(mbs):
+            return mbs
+        longest = max(mb["input_ids"].numel() for mb in mbs)
+        mask_bytes = longest**2 * min(self.config.data.micro_batch_size, len(mbs)) * (4 if attn == "eager" else 1)
+        if attn in MASKED_ATTENTION and mask_bytes <= MASK_BUDGET_BYTES:
             return mbs
         plain = unshare(mbs)
         if not self._told_unshare and self.session.ctx.is_main:
             before, after = (sum(mb["input_ids"].numel() for mb in x) for x in (mbs, plain))
-            logger.warning(
-                f"attention '{attn}' cannot share prefixes in one row; expanding shared prefixes "
-                f"({before:,} → {after:,} tokens per step on this rank)"
+            why = (
+                f"attention '{attn}' cannot share prefixes in one row"
+                if attn not in MASKED_ATTENTION
+                else f"the shared-prefix mask would take {mask_bytes / 2**30:.1f} GiB per forward "
+                f"(lower trainer.data.micro_batch_size or seq_len to keep sharing)"
             )
+            logger.warning(f"{why}; expanding shared prefixes ({before:,} → {after:,} tokens per step on this rank)")
         self._told_unshare = True
         return plain
 
