@@ -12,10 +12,10 @@ from asyncrl.trainer.loss import (
     LossOutput,
     get_loss_fn,
     mismatch_kl_sum,
-    sample_ids_from_positions,
     token_entropy,
     token_logprobs,
 )
+from asyncrl.transport.prefix import segments
 from asyncrl.utils.errors import UserError
 
 LN10, LN2 = math.log(10), math.log(2)
@@ -24,7 +24,8 @@ LN10, LN2 = math.log(10), math.log(2)
 def make_inputs(logmu_token1: float = -1.0) -> LossInputs:
     """Two samples [p, c, c][p, c, c]: ratios r = [1, 10 | 0.5, 1], advantages +1 and -2."""
     positions = torch.tensor([0, 1, 2, 0, 1, 2])
-    sample_ids, n = sample_ids_from_positions(positions)
+    seg = segments(positions)
+    sample_ids, n = seg.sample_ids, seg.num_samples
     logprobs = torch.tensor([0.0, -1.0, -2.0, 0.0, -0.5, -0.5], requires_grad=True)
     mu = torch.tensor([0.0, logmu_token1, -2.0 - LN10, 0.0, -0.5 + LN2, -0.5])
     adv = torch.tensor([0.0, 1.0, 1.0, 0.0, -2.0, -2.0])
@@ -39,8 +40,8 @@ def run(name: str, x: LossInputs, **cfg) -> tuple[LossOutput, torch.Tensor]:
 
 
 def test_sample_ids():
-    ids, n = sample_ids_from_positions(torch.tensor([0, 1, 2, 0, 0, 1]))
-    assert n == 3 and ids.tolist() == [0, 0, 0, 1, 2, 2]
+    s = segments(torch.tensor([0, 1, 2, 0, 0, 1]))
+    assert s.num_samples == 3 and s.sample_ids.tolist() == [0, 0, 0, 1, 2, 2]
 
 
 def test_aipo_hand_computed():
@@ -172,7 +173,8 @@ def test_same_weights_give_ratio_one_and_zero_kl(tiny_model):
         mu = token_logprobs(tiny_model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0], ids, t)
     logits = tiny_model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
     lp = token_logprobs(logits, ids, t)
-    sample_ids, n = sample_ids_from_positions(pos)
+    seg = segments(pos)
+    sample_ids, n = seg.sample_ids, seg.num_samples
     mask = pos >= 2
     x = LossInputs(lp, mu, torch.ones_like(lp), mask, sample_ids, n)
     ratio = torch.exp(lp.detach() - mu)[mask]

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from asyncrl.trainer.loss import sample_ids_from_positions
 from asyncrl.transport.prefix import attention_mask, check_shared, expand, segments
 
 DOC_ROW = [0, 1, 2, 3, 4, 5, 6, 7, 5, 6, 0, 1, 2, 3]  # the module docstring's example
@@ -32,7 +31,8 @@ def test_continuations_forking_at_different_positions():
 def test_plain_rows_read_as_before():
     pos = torch.tensor([0, 1, 2, 0, 0, 1, 2, 3])
     s = segments(pos)
-    ids, n = sample_ids_from_positions(pos)
+    # a new sample wherever the position restarts at 0, as plain packed rows always read
+    ids, n = torch.cumsum(pos == 0, 0) - 1, int((pos == 0).sum())
     assert not s.shared and s.num_samples == n and torch.equal(s.sample_ids, ids)
     assert s.parents.tolist() == [-1, 0, 1, -1, -1, 4, 5, 6]
     assert s.fork.tolist() == [0] * 8 and bool(s.first.all())

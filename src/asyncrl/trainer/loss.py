@@ -109,14 +109,6 @@ def _parent_entropy(logits, temperatures, chunk, parents) -> torch.Tensor:
     return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
 
 
-def sample_ids_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Packed-sample index of every token: a new sample starts wherever position_ids is 0."""
-    starts = position_ids == 0
-    starts[0] = True
-    ids = torch.cumsum(starts.long(), 0) - 1
-    return ids, int(ids[-1].item()) + 1
-
-
 def _per_sample_mean(values: torch.Tensor, mask: torch.Tensor, sample_ids: torch.Tensor, n: int) -> torch.Tensor:
     """Mean of `values` over each sample's loss-mask tokens (0 for samples without any)."""
     m = mask.to(values.dtype)

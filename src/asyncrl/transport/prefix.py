@@ -55,12 +55,12 @@ def segments(position_ids: torch.Tensor) -> RowSegments:
     group_ids = torch.cumsum(group_start.long(), 0) - 1
     sample_ids = torch.cumsum(seg_start.long(), 0) - 1
     first_of_group = idx[group_start][group_ids]
-    fork = pos[seg_start][sample_ids] * (~_in_first_segment(sample_ids, group_ids)).long()
+    first = _in_first_segment(sample_ids, group_ids)
+    fork = pos[seg_start][sample_ids] * (~first).long()
     parents = idx - 1
     branch_start = seg_start & ~group_start
     parents[branch_start] = first_of_group[branch_start] + pos[branch_start] - 1
     parents[group_start] = -1
-    first = _in_first_segment(sample_ids, group_ids)
     num = int(sample_ids[-1]) + 1 if n else 0
     return RowSegments(sample_ids, num, group_ids, parents, fork, first, bool(branch_start.any()))
 
@@ -74,10 +74,10 @@ def _in_first_segment(sample_ids: torch.Tensor, group_ids: torch.Tensor) -> torc
     return sample_ids == first_segment_of_group[group_ids]
 
 
-def check_shared(position_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
+def check_shared(position_ids: torch.Tensor, loss_mask: torch.Tensor, s: RowSegments | None = None) -> None:
     """ValueError unless every continuation forks inside its group's first sample, no shared token has loss,
-    and the row starts at position 0."""
-    s = segments(position_ids)
+    and the row starts at position 0. `s`: the row's `segments`, when the caller has them already."""
+    s = s or segments(position_ids)
     if not s.shared:
         return
     pos = position_ids.long()

@@ -14,7 +14,7 @@ Shared-prefix rows (continuations that reuse the first sample's prompt, see `tra
 continuation is a sample of its own, and when any row of a batch is shared the batch also carries
 `parents` (the token whose logits score each token, row-local; -1: none) and a [rows, 1, L, L] bool
 `attention_mask` (concatenated rows: block-diagonal). Batches of plain rows carry neither, and the
-forward pass is exactly the plain one. Attention that takes no such mask gets `unshare`d rows instead.
+forward pass is exactly the plain one. Attention that takes no such mask gets `expand`ed rows instead.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from asyncrl.config.base import BenchDataConfig
 from asyncrl.trainer.loss import LossInputs
 from asyncrl.transport.batch import FIELDS, MicroBatch, check_micro_batch, read_batch, read_meta, wait_for_batch
-from asyncrl.transport.prefix import attention_mask, check_shared, expand, segments
+from asyncrl.transport.prefix import attention_mask, check_shared, segments
 from asyncrl.utils.errors import UserError
 
 
@@ -49,8 +49,8 @@ class PackedRow:
 
 def prepare(mb: MicroBatch, device: torch.device) -> PackedRow:
     check_micro_batch(mb)
-    check_shared(mb["position_ids"], mb["loss_mask"])
     seg = segments(mb["position_ids"])
+    check_shared(mb["position_ids"], mb["loss_mask"], seg)
     # approximate FLOPs: a continuation's attention to its shared prefix (length x fork) is not counted
     lengths = torch.bincount(seg.sample_ids, minlength=seg.num_samples)
     t = {k: mb[k].to(device, non_blocking=True) for k in FIELDS}
@@ -67,15 +67,6 @@ def prepare(mb: MicroBatch, device: torch.device) -> PackedRow:
         parents=seg.parents.to(device),
         shared=seg.shared,
     )
-
-
-def unshare(mbs: list[MicroBatch]) -> list[MicroBatch]:
-    """The rows with every shared prefix copied back in front of its continuations (`transport.prefix.expand`)."""
-    return [expand(mb) for mb in mbs]
-
-
-def any_shared(mbs: list[MicroBatch]) -> bool:
-    return any(segments(mb["position_ids"]).shared for mb in mbs)
 
 
 @dataclass

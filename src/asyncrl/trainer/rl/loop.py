@@ -35,14 +35,13 @@ from asyncrl.trainer.rl.data import (
     PackedRow,
     RolloutSource,
     RowBatch,
-    any_shared,
     micro_batches,
     prepare,
-    unshare,
 )
 from asyncrl.trainer.session import Loop, StepBatch, TrainSession, run_training
 from asyncrl.transport.batch import MicroBatch
 from asyncrl.transport.layout import is_stable
+from asyncrl.transport.prefix import expand, segments
 
 MASKED_ATTENTION = ("sdpa", "eager")  # take an explicit 4D mask, so shared prefixes stay in one row
 MASK_BUDGET_BYTES = 2**30  # a dense [rows, 1, L, L] mask beyond this: expand the rows instead (L = 32k: 1 GiB)
@@ -85,13 +84,13 @@ class RLLoop(Loop):
         """The rows as they are, or unshared when the attention takes no explicit mask or the dense mask
         of one forward would pass MASK_BUDGET_BYTES (logged once)."""
         attn = self.session.model.config._attn_implementation
-        if not any_shared(mbs):
+        if not any(segments(mb["position_ids"]).shared for mb in mbs):
             return mbs
         longest = max(mb["input_ids"].numel() for mb in mbs)
         mask_bytes = longest**2 * min(self.config.data.micro_batch_size, len(mbs)) * (4 if attn == "eager" else 1)
         if attn in MASKED_ATTENTION and mask_bytes <= MASK_BUDGET_BYTES:
             return mbs
-        plain = unshare(mbs)
+        plain = [expand(mb) for mb in mbs]
         if not self._told_unshare and self.session.ctx.is_main:
             before, after = (sum(mb["input_ids"].numel() for mb in x) for x in (mbs, plain))
             why = (
