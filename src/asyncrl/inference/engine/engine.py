@@ -58,6 +58,11 @@ class _Request:
     seqs: list[Sequence] = field(default_factory=list)
     aborted: bool = False
 
+    @property
+    def adapter(self) -> str | None:
+        """Its LoRA adapter's name (None: the base model)."""
+        return self.lora.name if self.lora else None
+
 
 @dataclass
 class _Active:
@@ -344,7 +349,7 @@ class EmbeddedEngine(Backend):
                 kv = self._kv_bytes(max(new_slots, self.cache.slots), new_reserve)
                 if new_slots > self.max_batch_size or kv > self.kv_budget:
                     break
-                key = (req.lora.name if req.lora else None, *req.prompt_ids)
+                key = (req.adapter, *req.prompt_ids)
                 new_tokens = 0 if key in seen else len(req.prompt_ids)  # repeated prompts prefill once
                 if admitted and tokens + new_tokens > self.max_prefill_tokens:
                     break
@@ -373,7 +378,7 @@ class EmbeddedEngine(Backend):
         # identical prompts (e.g. the samples of one RL group sent as separate requests) prefill once
         first_of: dict[tuple, int] = {}
         for j, req in enumerate(reqs):
-            first_of.setdefault((req.lora.name if req.lora else None, *req.prompt_ids), j)
+            first_of.setdefault((req.adapter, *req.prompt_ids), j)
         last_logits: dict[int, torch.Tensor] = {}
         pending: list[tuple[int, int]] = []  # (request, prompt tokens its row already holds)
         for j in sorted(set(first_of.values())):
@@ -394,7 +399,7 @@ class EmbeddedEngine(Backend):
             last_logits.update(self._prefill_batch(reqs, rows, batch))
         new, expanded = [], []
         for j, req in enumerate(reqs):
-            src = first_of[(req.lora.name if req.lora else None, *req.prompt_ids)]
+            src = first_of[(req.adapter, *req.prompt_ids)]
             last_logits[j] = last_logits[src]
             for i in range(req.params.n):
                 if (src, i) != (j, 0):
@@ -409,7 +414,7 @@ class EmbeddedEngine(Backend):
 
     def _load_prefix(self, req: _Request, row: int) -> int:
         """Copy the longest cached prefix of req's prompt into `row`; how many tokens that was (or 0)."""
-        hit = self.prefix.lookup(req.lora.name if req.lora else None, req.prompt_ids)
+        hit = self.prefix.lookup(req.adapter, req.prompt_ids)
         if hit is None:
             return 0
         entry, start = hit
@@ -426,7 +431,7 @@ class EmbeddedEngine(Backend):
         pads = [width - len(r) for r in rests]
         pad_t = torch.tensor(pads, device=dev)
         self.cache.set_prefill(torch.tensor([rows[j] for j, _ in batch], device=dev), pad_t, width, starts)
-        names = [reqs[j].lora.name if reqs[j].lora else None for j, _ in batch]
+        names = [reqs[j].adapter for j, _ in batch]
         self.lora.set_rows([name for name in names for _ in range(width)], dev)
         positions = (torch.arange(width, device=dev)[None, :] - pad_t[:, None]).clamp(min=0)
         kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
@@ -444,7 +449,7 @@ class EmbeddedEngine(Backend):
         """The prompt from position `cached` on (0, or a reused prefix's length), chunk by chunk over
         what row `row` already holds; its last-position logits [V]."""
         dev, chunk, prompt = self.device, self.max_prefill_tokens, req.prompt_ids
-        name = req.lora.name if req.lora else None
+        name = req.adapter
         for start in range(cached, len(prompt), chunk):
             piece = prompt[start : start + chunk]
             self.lora.set_rows([name] * len(piece), dev)
@@ -466,7 +471,7 @@ class EmbeddedEngine(Backend):
         positions = torch.tensor(lengths, device=dev) - 1  # the newest token is not cached yet
         kv_len = max(lengths)
         self.cache.set_decode(len(lengths), positions, kv_len)
-        self.lora.set_rows([a.req.lora.name if a.req.lora else None for a in self._active], dev)
+        self.lora.set_rows([a.req.adapter for a in self._active], dev)
         tokens = torch.tensor([[a.seq.output_ids[-1]] for a in self._active], device=dev)
         out = self.model(
             input_ids=tokens,
@@ -489,7 +494,7 @@ class EmbeddedEngine(Backend):
                 finished.append(first_row + k)
                 if a.weights_version == self._weights_version:  # its last token was never fed back: not cached
                     tokens = (a.req.prompt_ids + a.seq.output_ids)[:-1]
-                    self.prefix.store(a.req.lora.name if a.req.lora else None, tokens, self.cache, first_row + k)
+                    self.prefix.store(a.req.adapter, tokens, self.cache, first_row + k)
         self._deliver(group)
         self._remove_rows(finished)
 
