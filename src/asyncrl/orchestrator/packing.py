@@ -212,17 +212,22 @@ def pack(
     template = min(rows, key=lambda r: len(r["input_ids"])) if rows else None  # cheapest dummy
     temperature = items[0].temperature if items else 1.0
     for mbs in per_rank:
-        while len(mbs) < max(1, -(-len(rows) // num_ranks)):
+        while len(mbs) < slots_per_rank(len(rows), num_ranks):
             mbs.append(dummy_row(template, temperature))
             stats.num_dummies += 1
     return per_rank, stats
+
+
+def slots_per_rank(num_rows: int, num_ranks: int) -> int:
+    """Micro-batches every rank gets: ceil(rows / ranks), at least one."""
+    return max(1, -(-num_rows // num_ranks))
 
 
 def spread(rows: list[MicroBatch], num_ranks: int) -> list[list[MicroBatch]]:
     """Rows over ranks, largest first, each to the least-loaded rank with a free slot (ceil(rows/ranks) each)."""
     per_rank: list[list[MicroBatch]] = [[] for _ in range(num_ranks)]
     tokens = [0] * num_ranks
-    per_rank_count = max(1, -(-len(rows) // num_ranks))
+    per_rank_count = slots_per_rank(len(rows), num_ranks)
     for row in sorted(rows, key=lambda r: -len(r["input_ids"])):
         rank = min((r for r in range(num_ranks) if len(per_rank[r]) < per_rank_count), key=lambda r: tokens[r])
         per_rank[rank].append(row)
