@@ -60,7 +60,7 @@ class PolicyGate:
             best = Policy(0, None)
         return best
 
-    async def wait(self, step: int, poll: float = 0.1, timeout: float | None = None) -> tuple[Policy, float]:
+    async def wait(self, step: int, poll: float = 0.005, timeout: float | None = None) -> tuple[Policy, float]:
         """Wait until step `step` may generate; returns the policy to use and the seconds waited."""
         start = time.monotonic()
         while True:

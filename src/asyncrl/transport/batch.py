@@ -71,7 +71,7 @@ def wait_for_batch(
     output_dir: str | Path,
     step: int,
     timeout: float | None = None,
-    poll: float = 0.05,
+    poll: float = 0.005,
     should_stop: Callable[[], bool] | None = None,
 ) -> Path:
     """Block until step `step`'s batch exists; TimeoutError after `timeout` seconds."""

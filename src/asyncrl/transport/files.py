@@ -57,7 +57,7 @@ def wait_for(
     ready: Callable[[], bool],
     what: str,
     timeout: float | None = None,
-    poll: float = 0.05,
+    poll: float = 0.005,
     should_stop: Callable[[], bool] | None = None,
 ) -> None:
     """Poll `ready()`; TimeoutError naming `what` after `timeout` s, InterruptedError when `should_stop()`."""
