@@ -56,10 +56,17 @@ def synthetic_rows(model_dir: Path, samples: list[list[int]], seed: int) -> list
     return rows
 
 
-def write_steps(model_dir: Path, out: Path, steps: range, ranks: int, layout: list[list[int]]) -> None:
+def write_steps(model_dir: Path, out: Path, steps: range, ranks: int, layout: list[list[int]], **rank_layouts) -> None:
+    """Every rank's rows packed as `layout`, or rank r's as `rank_layouts[f"rank{r}"]` where given."""
     for step in steps:
-        per_rank = [synthetic_rows(model_dir, layout, seed=1000 * step + r) for r in range(ranks)]
+        layouts = [rank_layouts.get(f"rank{r}", layout) for r in range(ranks)]
+        per_rank = [synthetic_rows(model_dir, layouts[r], seed=1000 * step + r) for r in range(ranks)]
         write_batch(out, step, per_rank)
+
+
+# rank 1's rows differ so much in length that it plans a forward per row while rank 0 plans one for both:
+# both must run as many forwards (the larger count), or FSDP's collectives would hang
+RANK1 = [[100], [4]]
 
 
 def config(model_dir: Path, out: Path, **overrides) -> TrainerConfig:
@@ -256,7 +263,7 @@ def read_metrics(out: Path) -> dict[int, dict]:
 
 def test_two_process_fsdp_trains_checkpoints_resumes_exactly(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    write_steps(tiny_model_dir, out, range(3), 2, [[9, 7], [12]])
+    write_steps(tiny_model_dir, out, range(3), 2, [[9, 7], [12]], rank1=RANK1)
     common = [
         "--model.name",
         str(tiny_model_dir),
@@ -270,22 +277,25 @@ def test_two_process_fsdp_trains_checkpoints_resumes_exactly(tiny_model_dir, tmp
         "1e-3",
         "--recv-timeout",
         "60",
+        "--data.micro-batch-size",
+        "2",
     ]
     torchrun(out, common + ["--ckpt.interval", "2", "--ckpt.save-async"])
     first = read_metrics(out)
-    assert first[0]["mismatch_kl"] < 1e-10 and first[0]["loss_tokens"] == 2 * (6 + 4 + 9)
+    assert first[0]["mismatch_kl"] < 1e-10 and first[0]["loss_tokens"] == (6 + 4 + 9) + (97 + 1)
     assert sorted(step_dirs(out / "checkpoints")) == [2, 3]
     final = load_file(str(RunLayout(out).broadcast_dir(3) / "model.safetensors"))
     load_exported(RunLayout(out).weights_dir(2))
 
     # the same step-0 samples on one rank give the same loss and gradient (normalisation across ranks)
     one = tmp_path / "one"
-    write_batch(one, 0, [[mb for r in range(2) for mb in synthetic_rows(tiny_model_dir, [[9, 7], [12]], seed=r)]])
+    rows = synthetic_rows(tiny_model_dir, [[9, 7], [12]], seed=0) + synthetic_rows(tiny_model_dir, RANK1, seed=1)
+    write_batch(one, 0, [rows])
     alone = run_train(config(tiny_model_dir, one, max_steps=1))[0]
     assert alone["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)
     assert alone["grad_norm"] == pytest.approx(first[0]["grad_norm"], rel=1e-4)
 
-    write_steps(tiny_model_dir, out, range(2, 3), 2, [[9, 7], [12]])
+    write_steps(tiny_model_dir, out, range(2, 3), 2, [[9, 7], [12]], rank1=RANK1)
     torchrun(out, common + ["--ckpt.resume-step", "2"])
     resumed = read_metrics(out)
     assert resumed[2]["loss"] == first[2]["loss"] and resumed[2]["grad_norm"] == first[2]["grad_norm"]

@@ -15,7 +15,7 @@ import torch
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.trainer.loss import token_logprobs
 from asyncrl.trainer.model import check_packing
-from asyncrl.trainer.rl.data import PackedRow, micro_batches, prepare, stack_rows
+from asyncrl.trainer.rl.data import PackedRow, micro_batches, plan_forwards, prepare, split_to, stack_rows
 from asyncrl.trainer.rl.loop import RLLoop
 
 CPU = torch.device("cpu")
@@ -83,13 +83,15 @@ def test_rows_of_a_batch_keep_their_own_logprobs(model, rows, stack):
             at += n
 
 
-def run_step(model, rows: list[PackedRow], loss: str, size: int, stack: bool) -> tuple[dict, list[torch.Tensor]]:
+def run_step(
+    model, rows: list[PackedRow], loss: str, size: int, stack: bool, sizes: list[int] | None = None
+) -> tuple[dict, list[torch.Tensor]]:
     """The loop's forward/backward over every micro-batch: summed metrics and the accumulated gradients."""
     model.zero_grad(set_to_none=True)
     loop = RLLoop(SimpleNamespace(config=TrainerConfig(loss={"type": loss}), model=model))
     scale = 1.0 / sum(int(r.loss_mask.sum()) for r in rows)
     sums: dict = defaultdict(float)
-    for mb in micro_batches(rows, size, stack):
+    for mb in micro_batches(rows, size, stack, sizes):
         for key, value in loop.forward_backward_step(mb, scale).items():
             sums[key] += float(value)
     return dict(sums), [p.grad.clone() for p in model.parameters()]
@@ -100,13 +102,42 @@ def test_micro_batch_size_keeps_loss_metrics_and_gradients(model, rows, loss):
     model.train()
     one_sums, one_grads = run_step(model, rows, loss, 1, True)
     assert one_sums["loss"] != 0 and one_sums.get("clipped_frac", one_sums["masked_frac"]) > 0  # not trivial
-    for size, stack in [(2, True), (4, True), (8, True), (4, False)]:
-        sums, grads = run_step(model, rows, loss, size, stack)
+    for size, stack, sizes in [
+        (2, True, None),
+        (4, True, None),
+        (8, True, None),
+        (4, False, None),
+        (4, True, [1, 3, 1]),
+    ]:
+        sums, grads = run_step(model, rows, loss, size, stack, sizes)
         assert sums.keys() == one_sums.keys()
         for key in sums:
             assert sums[key] == pytest.approx(one_sums[key], rel=1e-5, abs=1e-6), (key, size, stack)
         for got, want in zip(grads, one_grads):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+def cost(length: int) -> float:
+    return length * (1 + length / 512)  # per row: linear layers plus attention over the padded length
+
+
+def test_plan_forwards_keeps_short_rows_apart_from_long_ones():
+    # two groups per 256-token row for some rows, one for the rest: one stacked forward pads 8 rows by ~105
+    assert plan_forwards([256] * 4 + [151] * 8, 16, cost, cost(64)) == [4, 8]
+    assert plan_forwards([256] * 12, 16, cost, cost(64)) == [12]  # equal rows: one pass, nothing to save
+    assert plan_forwards([200, 190, 180, 30], 16, cost, cost(64)) == [3, 1]
+    # never more than micro_batch_size rows in one pass (memory), as few passes as that allows
+    sizes = plan_forwards([100] * 10, 4, cost, cost(64))
+    assert sum(sizes) == 10 and max(sizes) <= 4 and len(sizes) == 3
+    assert plan_forwards([], 4, cost, cost(64)) == []
+
+
+def test_split_to_gives_every_rank_as_many_forwards():
+    assert split_to([4, 8], 2) == [4, 8]
+    assert split_to([12], 3) == [3, 3, 6]
+    assert split_to([1, 1, 2], 4) == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="cannot split 2 rows into 3"):
+        split_to([1, 1], 3)
 
 
 class RowwiseOnly(torch.nn.Module):

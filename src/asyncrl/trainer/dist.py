@@ -37,6 +37,13 @@ class DistContext:
             dist.all_reduce(out)
         return out.cpu()
 
+    def all_reduce_max(self, value: int) -> int:
+        """The largest `value` over ranks."""
+        out = torch.tensor([value], dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return int(out.item())
+
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -2,7 +2,8 @@
 
 Both give each rank a list of packed rows in the `transport.batch` format; `prepare` turns one row into
 device tensors plus the sample index and logit parent of every token (`transport.prefix.segments`), and
-`micro_batches` groups `data.micro_batch_size` rows into one forward pass (`RowBatch`).
+`micro_batches` groups up to `data.micro_batch_size` rows into one forward pass (`RowBatch`), rows of
+similar length together when `plan_forwards` finds that pads less than it costs in extra passes.
 
 Invariants of a `RowBatch`: rows are stacked into [rows, longest row], a shorter row padded by a
 pseudo-sample with its own positions (0, 1, ...) and no loss, so attention keeps every sample to itself;
@@ -19,7 +20,9 @@ forward pass is exactly the plain one. Attention that takes no such mask gets `e
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -144,10 +147,50 @@ def _with_sharing(batch: RowBatch, rows: list[PackedRow], stack: bool) -> RowBat
     return batch
 
 
-def micro_batches(rows: list[PackedRow], size: int, stack: bool = True) -> list[RowBatch]:
-    """`size` rows per forward pass (the last may hold fewer), longest rows first to pad little."""
-    rows = sorted(rows, key=lambda r: -r.input_ids.numel())  # stable: the orchestrator's order already is
-    return [stack_rows(rows[i : i + size], stack) for i in range(0, len(rows), size)]
+def plan_forwards(lengths: list[int], size: int, row_cost: Callable[[int], float], overhead: float) -> list[int]:
+    """How many rows each forward pass takes, for rows sorted longest first and stacked (each forward
+    padded to its first row): consecutive runs of at most `size` rows minimizing the total cost, a
+    forward of k rows of length L costing k * row_cost(L) + overhead. Rows of very different lengths
+    then go to different forwards instead of padding short rows to the longest."""
+    n = len(lengths)
+    best, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(max(0, j - size), j):
+            cost = best[i] + (j - i) * row_cost(lengths[i]) + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    sizes, j = [], n
+    while j > 0:
+        sizes.append(j - cut[j])
+        j = cut[j]
+    return sizes[::-1]
+
+
+def split_to(sizes: list[int], count: int) -> list[int]:
+    """`sizes` with the largest run halved until there are `count` runs (ranks must run as many forwards)."""
+    sizes = list(sizes)
+    while len(sizes) < count:
+        i = max(range(len(sizes)), key=lambda k: sizes[k])
+        if sizes[i] < 2:
+            raise ValueError(f"cannot split {sum(sizes)} rows into {count} forward passes")
+        sizes[i : i + 1] = [sizes[i] - sizes[i] // 2, sizes[i] // 2]
+    return sizes
+
+
+def longest_first(rows: list[PackedRow]) -> list[PackedRow]:
+    return sorted(rows, key=lambda r: -r.input_ids.numel())  # stable: the orchestrator's order already is
+
+
+def micro_batches(
+    rows: list[PackedRow], size: int, stack: bool = True, sizes: list[int] | None = None
+) -> list[RowBatch]:
+    """Forward passes over `rows`, longest first: `sizes[i]` rows in the i-th (see `plan_forwards`), or
+    `size` rows each (the last may hold fewer)."""
+    rows = longest_first(rows)
+    if sizes is None:
+        sizes = [min(size, len(rows) - i) for i in range(0, len(rows), size)]
+    starts = [0, *itertools.accumulate(sizes)]
+    return [stack_rows(rows[a:b], stack) for a, b in zip(starts, starts[1:])]
 
 
 class RolloutSource:

@@ -1,9 +1,10 @@
 """The RL loop: step n turns the packed rollouts `rollouts/step_n` into the policy `broadcast/step_{n+1}`.
 
 Step n: wait for this rank's rows of `rollouts/step_n`, count the step's loss-mask tokens over all
-ranks (one all-reduce before the first forward), run the rows forward/backward `data.micro_batch_size`
-at a time (`rl.data.RowBatch`) with the policy-gradient loss (`trainer.loss`); the session clips and
-steps. Every rank has as many rows, hence as many micro-batches: FSDP's collectives stay in step.
+ranks (one all-reduce before the first forward), run the rows forward/backward at most
+`data.micro_batch_size` at a time (`rl.data.RowBatch`; rows of similar length together, see
+`rl.data.plan_forwards`) with the policy-gradient loss (`trainer.loss`); the session clips and steps.
+Every rank runs as many forward passes (the most any rank planned): FSDP's collectives stay in step.
 Shared-prefix rows (`transport.prefix`) are computed once per prompt: sdpa and eager attention get the
 rows' explicit 4D mask (bool for sdpa, additive 0 / dtype-min for eager, which adds it to the scores) and
 logprobs are read at each token's logit parent; any other attention gets the rows expanded back to
@@ -19,6 +20,7 @@ or under torchrun.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -35,8 +37,11 @@ from asyncrl.trainer.rl.data import (
     PackedRow,
     RolloutSource,
     RowBatch,
+    longest_first,
     micro_batches,
+    plan_forwards,
     prepare,
+    split_to,
 )
 from asyncrl.trainer.session import Loop, StepBatch, TrainSession, run_training
 from asyncrl.transport.batch import MicroBatch
@@ -44,6 +49,8 @@ from asyncrl.transport.layout import is_stable
 from asyncrl.transport.prefix import expand, segments
 
 MASKED_ATTENTION = ("sdpa", "eager")  # take an explicit 4D mask, so shared prefixes stay in one row
+# a forward pass's fixed cost, as the FLOPs of this many tokens (CPU, tiny model: ~64; the plan is not sensitive)
+FORWARD_OVERHEAD_TOKENS = 64
 MASK_BUDGET_BYTES = 2**30  # a dense [rows, 1, L, L] mask beyond this: expand the rows instead (L = 32k: 1 GiB)
 
 
@@ -77,8 +84,17 @@ class RLLoop(Loop):
         rows = [prepare(mb, ctx.device) for mb in self._shareable(self.source.get(step))]
         wait_s = time.perf_counter() - start
         loss_tokens, tokens, samples, flops = ctx.all_reduce_sum(self._counts(rows)).tolist()
-        mbs = micro_batches(rows, self.config.data.micro_batch_size, self.session.lm.stackable)
+        size, stack = self.config.data.micro_batch_size, self.session.lm.stackable
+        mbs = micro_batches(rows, size, stack, self._plan(rows) if stack else None)
         return StepBatch(mbs, int(loss_tokens), int(tokens), int(samples), flops, timing={"wait_s": wait_s})
+
+    def _plan(self, rows: list[PackedRow]) -> list[int]:
+        """Rows per forward pass: padding-aware (`plan_forwards`), as many passes on every rank."""
+        flops = self.session.flops
+        lengths = [r.input_ids.numel() for r in longest_first(rows)]
+        cost = functools.cache(lambda n: flops.row_flops(torch.tensor([n])))
+        sizes = plan_forwards(lengths, self.config.data.micro_batch_size, cost, cost(FORWARD_OVERHEAD_TOKENS))
+        return split_to(sizes, self.session.ctx.all_reduce_max(len(sizes)))
 
     def _shareable(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
         """The rows as they are, or unshared when the attention takes no explicit mask or the dense mask
