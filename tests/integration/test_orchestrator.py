@@ -260,3 +260,34 @@ def test_bench_reports_throughput(server, tmp_path, capsys):
     total = [line for line in out.splitlines() if line.strip().startswith("total ")]
     assert total and float(total[0].split()[3]) > 0 and float(total[0].split()[4]) > 0
     assert not (tmp_path / "rollouts").exists()  # bench writes no batches
+
+
+def test_a_group_goes_out_as_one_request_and_each_rollout_keeps_its_own_answer(server):
+    """verifiers sends a group's rollouts as separate identical requests; the client merges them into one
+    n = 4 request, and every rollout still gets its own sampled tokens and logprobs."""
+    from asyncrl.config.orchestrator import ClientConfig, EnvConfig
+    from asyncrl.orchestrator.envs import EnvMixture, group_inputs, make_vf_client, verifiers_run_group
+
+    url, model_dir = server
+    mixture = EnvMixture.load([EnvConfig(id="reverse-text", args=ENVS["reverse-text"][0])], 256)
+
+    async def go(merge: bool):
+        vf_client = make_vf_client(ClientConfig(base_url=url, merge_requests=merge))
+        try:
+            slot, row = mixture.draw()
+            outputs = await verifiers_run_group(vf_client, str(model_dir))(
+                slot, group_inputs(row, 4), {"temperature": 1.0, "max_tokens": 16}
+            )
+            return outputs, vf_client.client._client._transport
+        finally:
+            await vf_client.close()
+
+    outputs, transport = asyncio.run(go(True))
+    assert (transport.sent, transport.merged) == (1, 4)
+    steps = [o["trajectory"][0]["tokens"] for o in outputs if o["trajectory"]]  # an empty reply has none
+    assert len(steps) >= 3
+    assert len({tuple(s["prompt_ids"]) for s in steps}) == 1  # one prompt ...
+    assert len({tuple(s["completion_ids"]) for s in steps}) > 1  # ... sampled four times independently
+    assert all(len(s["completion_logprobs"]) == len(s["completion_ids"]) > 0 for s in steps)
+    _, plain = asyncio.run(go(False))
+    assert not hasattr(plain, "merged")  # merge_requests = false: the client's own transport, untouched

@@ -19,6 +19,11 @@ class ClientConfig(BaseConfig):
     api_key_var: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
     timeout: float = Field(1200.0, gt=0, description="request timeout in seconds")
     health_timeout: float = Field(600.0, gt=0, description="seconds to wait for the server's /health at startup")
+    merge_requests: bool = Field(
+        True,
+        description="send identical chat requests in flight together (a group's rollouts) as one request "
+        "with n = k; each rollout still gets its own independently sampled answer",
+    )
 
     @property
     def url(self) -> str:

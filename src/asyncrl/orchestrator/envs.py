@@ -185,19 +185,24 @@ def make_vf_client(cfg: ClientConfig, client_type: str = TOKEN_CLIENT) -> Any:
     `eval`/`synthesize` pass client_type="openai_chat_completions": no token ids, any OpenAI-compatible server.
     aiohttp, not verifiers' default httpx pool: httpcore scans every open connection on each request it
     starts or ends, which with one connection per rollout in flight (128 in the bench job) took most of the
-    orchestrator's CPU and made it, not the server, the bottleneck of generation.
+    orchestrator's CPU and made it, not the server, the bottleneck of generation. With
+    `cfg.merge_requests`, the rollouts of a group go out as one request (`coalesce.MergingTransport`).
     """
     import os
 
-    from openai import AsyncOpenAI, DefaultAioHttpClient
+    from openai import AsyncOpenAI, DefaultAioHttpClient, DefaultAsyncHttpxClient
     from verifiers.clients import OpenAIChatCompletionsClient, OpenAIChatCompletionsTokenClient
+
+    from asyncrl.orchestrator.coalesce import MergingTransport
 
     classes = {TOKEN_CLIENT: OpenAIChatCompletionsTokenClient, "openai_chat_completions": OpenAIChatCompletionsClient}
     try:
         http = DefaultAioHttpClient(timeout=cfg.timeout)
     except RuntimeError as e:  # an openai build without its aiohttp transport: keep httpx's pool
         logger.warning(f"rollouts go through httpx's connection pool, slower with many in flight ({e})")
-        http = None
+        http = DefaultAsyncHttpxClient(timeout=cfg.timeout)
+    if cfg.merge_requests:
+        http._transport = MergingTransport(http._transport)  # the client's one transport (no proxy mounts here)
     key = os.environ.get(cfg.api_key_var) or "EMPTY"
     client = AsyncOpenAI(api_key=key, base_url=cfg.url, max_retries=2, timeout=cfg.timeout, http_client=http)
     return classes[client_type](client)

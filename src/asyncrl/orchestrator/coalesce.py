@@ -1,0 +1,182 @@
+"""Identical chat requests in flight together go out as one request with n = k (the HTTP transport layer).
+
+verifiers runs every rollout of a group as its own request, so one step of 16 prompts x 8 rollouts is
+128 requests although only 16 bodies differ: 128 times the client's and the server's per-request work
+(building, sending, parsing, admitting) for what one `n = 8` request asks. `MergingTransport` wraps the
+OpenAI client's transport: a chat request whose body (bytes) and target equal another's that is still
+waiting to be sent joins it; the merged request asks for `n = k` and each requester gets a response that
+reads exactly like the answer to its own request (one choice, index 0, its own completion token count,
+an id of its own). The server samples the k choices independently (vLLM and the embedded engine do),
+so the rollouts are distributed as if sent one by one, and it prefills the prompt once.
+
+Invariants:
+- Only POSTs to `.../chat/completions` or `.../chat/completions/tokens` whose JSON body asks for one
+  non-streamed choice without a seed merge (k seeded requests would give k equal samples, one seeded
+  n = k request k different ones); anything else passes through untouched.
+- A request waits `MERGE_WINDOW_S` for identical ones (a group's rollouts reach the transport within
+  well under a millisecond of each other), then goes out with the at most `max_merge` that came.
+- A merged request that fails in any way (an HTTP error, a malformed or short answer) is sent again one
+  request at a time, so every requester sees exactly what it would have seen alone.
+- Cancelling a requester cancels the merged request once every requester of it has gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx2
+
+MERGEABLE_PATHS = ("/chat/completions", "/chat/completions/tokens")
+MERGE_WINDOW_S = 0.002  # how long a new request waits for identical ones (the other rollouts of its group)
+_DROPPED_HEADERS = {b"content-length", b"content-encoding", b"transfer-encoding"}
+
+
+class _Merge:
+    """Identical requests about to go out as one."""
+
+    def __init__(self) -> None:
+        self.requests: list[httpx2.Request] = []
+        self.waiters: list[asyncio.Future] = []
+        self.task: asyncio.Task | None = None
+
+    def join(self, request: httpx2.Request) -> asyncio.Future:
+        waiter = asyncio.get_running_loop().create_future()
+        self.requests.append(request)
+        self.waiters.append(waiter)
+        return waiter
+
+
+class MergingTransport(httpx2.AsyncBaseTransport):
+    def __init__(self, inner: httpx2.AsyncBaseTransport, max_merge: int = 64) -> None:
+        self.inner = inner
+        self.max_merge = max_merge
+        self._open: dict[tuple, _Merge] = {}
+        self.sent = 0  # HTTP requests that went out for mergeable requests (merged or not)
+        self.merged = 0  # requests answered by a merged request
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        key = mergeable_key(request)
+        if key is None:
+            return await self.inner.handle_async_request(request)
+        merge = self._open.get(key)
+        if merge is None or len(merge.requests) >= self.max_merge:
+            merge = self._open[key] = _Merge()
+            merge.task = asyncio.ensure_future(self._send(key, merge))
+        waiter = merge.join(request)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if all(w.done() for w in merge.waiters) and merge.task is not None:
+                merge.task.cancel()  # nobody is waiting for its answer any more
+            raise
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def _send(self, key: tuple, merge: _Merge) -> None:
+        await asyncio.sleep(MERGE_WINDOW_S)
+        if self._open.get(key) is merge:
+            del self._open[key]
+        live = [(r, w) for r, w in zip(merge.requests, merge.waiters) if not w.done()]
+        if not live:
+            return
+        try:
+            results = await self._answers([r for r, _ in live])
+        except BaseException as e:  # noqa: BLE001 - every requester gets it (cancellation included)
+            for _, waiter in live:
+                if not waiter.done():
+                    waiter.cancel() if isinstance(e, asyncio.CancelledError) else waiter.set_exception(e)
+            raise
+        for (_, waiter), result in zip(live, results):
+            if waiter.done():
+                continue
+            if isinstance(result, BaseException):
+                waiter.set_exception(result)
+            else:
+                waiter.set_result(result)
+
+    async def _answers(self, requests: list[httpx2.Request]) -> list[httpx2.Response | BaseException]:
+        if len(requests) > 1:
+            split = await self._send_merged(requests)
+            if split is not None:
+                self.sent += 1
+                self.merged += len(requests)
+                return split
+        self.sent += len(requests)
+        return await asyncio.gather(*(self.inner.handle_async_request(r) for r in requests), return_exceptions=True)
+
+    async def _send_merged(self, requests: list[httpx2.Request]) -> list[httpx2.Response] | None:
+        """One request with n = len(requests), split into one response per requester; None if it failed."""
+        first = requests[0]
+        body = json.loads(first.content)
+        body["n"] = len(requests)
+        merged = httpx2.Request(
+            first.method,
+            first.url,
+            headers=[(k, v) for k, v in first.headers.raw if k.lower() not in _DROPPED_HEADERS],
+            content=json.dumps(body).encode(),
+            extensions=first.extensions,
+        )
+        try:
+            response = await self.inner.handle_async_request(merged)
+            content = await response.aread()
+            await response.aclose()
+        except Exception:  # noqa: BLE001 - sent again one by one, where the error shows as it would alone
+            return None
+        if response.status_code != 200:
+            return None
+        answers = split_answer(content, len(requests))
+        if answers is None:
+            return None
+        headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _DROPPED_HEADERS]
+        return [
+            httpx2.Response(200, headers=headers, content=json.dumps(a).encode(), request=r)
+            for a, r in zip(answers, requests)
+        ]
+
+
+def mergeable_key(request: httpx2.Request) -> tuple | None:
+    """What identical requests share (target, credentials, body), or None if this one must go alone."""
+    if request.method != "POST" or not request.url.path.endswith(MERGEABLE_PATHS):
+        return None
+    try:
+        content = request.content
+        body = json.loads(content)
+    except (httpx2.RequestNotRead, ValueError):
+        return None
+    if not isinstance(body, dict) or body.get("stream") or body.get("n", 1) != 1 or body.get("seed") is not None:
+        return None
+    return str(request.url), request.headers.get("authorization"), content
+
+
+def split_answer(content: bytes, k: int) -> list[dict[str, Any]] | None:
+    """The answer to an n = k chat request as k answers of one choice each; None if it has not k choices."""
+    try:
+        data = json.loads(content)
+        choices = sorted(data["choices"], key=lambda c: c["index"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    if len(choices) != k:
+        return None
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
+    answers = []
+    for i, choice in enumerate(choices):
+        one = {**data, "id": f"{data.get('id', 'merged')}-{i}", "choices": [{**choice, "index": 0}]}
+        if usage is not None:
+            completion = completion_tokens(choice, usage, k)
+            prompt = usage.get("prompt_tokens", 0)
+            one["usage"] = {**usage, "completion_tokens": completion, "total_tokens": prompt + completion}
+        answers.append(one)
+    return answers
+
+
+def completion_tokens(choice: dict, usage: dict, k: int) -> int:
+    """One choice's completion tokens: its token ids, else its logprob entries, else an even share."""
+    if isinstance(choice.get("token_ids"), list):
+        return len(choice["token_ids"])
+    content = (choice.get("logprobs") or {}).get("content")
+    if isinstance(content, list):
+        return len(content)
+    return int(usage.get("completion_tokens", 0)) // k
