@@ -84,11 +84,12 @@ class MergingTransport(httpx2.AsyncBaseTransport):
             return
         try:
             results = await self._answers([r for r, _ in live])
-        except BaseException as e:  # noqa: BLE001 - every requester gets it (cancellation included)
+        except asyncio.CancelledError:  # every requester has gone
             for _, waiter in live:
-                if not waiter.done():
-                    waiter.cancel() if isinstance(e, asyncio.CancelledError) else waiter.set_exception(e)
+                waiter.cancel()
             raise
+        except Exception as e:  # noqa: BLE001 - handed to every requester, as its own request would raise it
+            results = [e] * len(live)
         for (_, waiter), result in zip(live, results):
             if waiter.done():
                 continue
