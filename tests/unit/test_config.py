@@ -237,6 +237,26 @@ def test_rl_contradicting_model_names(tmp_path):
         rl(["--ckpt.interval", "5", "--trainer.ckpt.interval", "6"])
 
 
+def test_rl_command_line_wins_over_component_files(tmp_path):
+    """The seeds' split-run recipe, verbatim, with component files that set max_steps (as the seeds' do)."""
+    t = write(tmp_path, "train.toml", 'max_steps = 20\n[model]\nname = "m"\n[ckpt]\ninterval = 50\n')
+    o = write(tmp_path, "orch.toml", "max_steps = 20\nbatch_size = 8\nrollouts_per_example = 2\n")
+    run1 = rl(["--trainer", "@", t, "--orchestrator", "@", o, "--max-steps", "10", "--ckpt"])
+    assert run1.trainer.max_steps == run1.orchestrator.max_steps == 10
+    run2 = rl(["--trainer", "@", t, "--orchestrator", "@", o, "--max-steps", "20", "--ckpt.resume-step", "10"])
+    assert run2.trainer.max_steps == run2.orchestrator.max_steps == 20
+    assert run2.trainer.ckpt.resume_step == run2.orchestrator.ckpt.resume_step == 10
+    # a flag in one component also wins over the files, and reaches the other components
+    cfg = rl(["--trainer", "@", t, "--orchestrator", "@", o, "--orchestrator.max-steps", "7"])
+    assert cfg.trainer.max_steps == cfg.orchestrator.max_steps == 7
+    # shared sections too: --ckpt.interval beats the trainer file's [ckpt] interval
+    assert rl(["--trainer", "@", t, "--ckpt.interval", "5"]).trainer.ckpt.interval == 5
+    # two files that disagree stay a contradiction (which one is meant is unknowable)
+    o2 = write(tmp_path, "orch2.toml", "max_steps = 30\nbatch_size = 8\nrollouts_per_example = 2\n")
+    with pytest.raises(UserError, match=r"contradicting max_steps: .* \(in the config files\)"):
+        rl(["--trainer", "@", t, "--orchestrator", "@", o2])
+
+
 def test_rl_trainer_resume_implies_orchestrator_resume():
     cfg = rl(["--trainer.ckpt.resume-step", "50"])
     assert cfg.orchestrator.ckpt.resume_step == 50

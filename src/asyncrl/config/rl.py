@@ -1,8 +1,10 @@
 """Config of the `rl` launcher: the three component configs plus shared fields set once at the top.
 
 Shared fields (`model`, `max_steps`, `seq_len`, `max_async_level`, `output_dir`, `wandb`, `ckpt`, `log`) are
-propagated into every component that has them. A value may be set at the top or in any one component;
-two different explicit values for the same shared field are an error, never a silent overwrite.
+propagated into every component that has them. A value may be set at the top or in any one component.
+A value given on the command line wins over every config file (the seeds' precedence: CLI > files >
+env > defaults); two files, or two flags, that set different values are an error, never a silent
+overwrite.
 With `bench`, the benchmark job's settings (`asyncrl.bench.job`) fill in whatever the user left unset.
 """
 
@@ -81,42 +83,63 @@ def _same(a: Any, b: Any) -> bool:
     return str(a) == str(b) if isinstance(a, (str, Path)) or isinstance(b, (str, Path)) else a == b
 
 
-def propagate(raw: dict) -> dict:
-    """Fill shared fields into components; raise UserError on contradicting explicit values."""
+def _explicit(raw: dict, top: tuple[str, ...], where: dict[str, tuple[str, ...] | None]) -> list[tuple[str, Any]]:
+    """(where, value) of every explicit setting of one shared field in `raw`: the top level first."""
+    found = [("top level", loader.get_path(raw, top))]
+    found += [
+        (c, loader.get_path(raw[c], p)) for c, p in where.items() if p is not None and isinstance(raw.get(c), dict)
+    ]
+    return [(name, value) for name, value in found if value is not None]
+
+
+def _agreed(field: str, values: list[tuple[str, Any]], where: dict, origin: str) -> Any:
+    """The one value all `values` agree on; UserError naming two that do not."""
+    (first, value), key = values[0], (lambda n: field if n == "top level" else f"{n}.{'.'.join(where[n])}")
+    for name, other in values[1:]:
+        if not _same(other, value):
+            raise UserError(
+                f"contradicting {field}: {key(first)} = {value!r} but {key(name)} = {other!r} ({origin}); "
+                "set it once (at the top level)"
+            )
+    return value
+
+
+def propagate(raw: dict, cli: dict | None = None) -> dict:
+    """Fill shared fields into components. A shared value given on the command line (`cli`, at the top or
+    in one component) wins over every file, as in the seeds' precedence; two files, or two command-line
+    flags, that set different values are a contradiction (UserError)."""
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     raw.setdefault("trainer", {})
     raw.setdefault("orchestrator", {})
+    cli = cli or {}
     components = [c for c in ("trainer", "orchestrator", "inference") if isinstance(raw.get(c), dict)]
 
     for shared, where in SHARED.items():
-        top = loader.get_path(raw, tuple(shared.split(".")))
-        explicit = {"top level": top} if top is not None else {}
-        for comp in components:
-            path = where[comp]
-            if path is not None and loader.get_path(raw[comp], path) is not None:
-                explicit[comp] = loader.get_path(raw[comp], path)
-        values = list(explicit.items())
-        for name, value in values[1:]:
-            if not _same(value, values[0][1]):
-                first = values[0][0]
-                first_key = shared if first == "top level" else f"{first}.{'.'.join(where[first])}"
-                raise UserError(
-                    f"contradicting {shared}: {first_key} = {values[0][1]!r} but "
-                    f"{name}.{'.'.join(where[name])} = {value!r}; set it once (at the top level)"
-                )
+        top = tuple(shared.split("."))
+        given = _explicit(cli, top, where)
+        values = given or _explicit(raw, top, where)
         if values:
+            value = _agreed(shared, values, where, "on the command line" if given else "in the config files")
             for comp in components:
                 if where[comp] is not None:
-                    loader.set_path(raw[comp], where[comp], values[0][1])
+                    loader.set_path(raw[comp], where[comp], value)
 
     for section in SHARED_SECTIONS:
         top = raw.get(section)
         if top is None:
             continue
         for comp in ("trainer", "orchestrator") if section != "log" else components:
-            own = raw[comp].get(section) or {}
+            own = dict(raw[comp].get(section) or {})
+            top_flags, own_flags = cli.get(section) or {}, (cli.get(comp) or {}).get(section) or {}
             for key, value in top.items():
-                if key in own and not _same(own[key], value) and not (section == "wandb" and key == "name"):
+                if key in top_flags and key in own_flags and not _same(top_flags[key], own_flags[key]):
+                    raise UserError(
+                        f"contradicting {section}.{key}: --{section}.{key} {top_flags[key]!r} but "
+                        f"--{comp}.{section}.{key} {own_flags[key]!r} on the command line; set it once"
+                    )
+                if key in top_flags or key in own_flags:  # the command line wins over the files
+                    own[key] = own_flags.get(key, top_flags.get(key))
+                elif key in own and not _same(own[key], value) and not (section == "wandb" and key == "name"):
                     raise UserError(
                         f"contradicting {section}.{key}: top level = {value!r} but {comp}.{section}.{key} = "
                         f"{own[key]!r}; set it once"
@@ -151,7 +174,7 @@ def propagate(raw: dict) -> dict:
 def resolve_rl(raw: dict, args: loader.ParsedArgs | None = None) -> RLConfig:
     if raw.get("bench"):
         raw = bench_job.apply_defaults(raw)
-    raw = propagate(raw)
+    raw = propagate(raw, args.cli if args is not None else None)
     if raw.get("exp_id"):
         base = raw.get("output_dir") or loader.get_path(raw["trainer"], ("output_dir",)) or "outputs"
         out = str(Path(base) / raw["exp_id"])
