@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+from loguru import logger
 from pydantic import Field, model_validator
 
 from asyncrl.bench import job as bench_job
@@ -42,6 +43,12 @@ class RLConfig(BaseConfig):
     log: LogConfig | None = Field(None, description="shared: log level of all components")
     inference_gpu_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the inference server")
     trainer_gpu_ids: list[int] = Field(default_factory=lambda: [1], description="GPUs of the trainer (one rank each)")
+    inference_gpus: int | None = Field(
+        None, ge=1, description="older spelling: the first N GPUs serve inference (sets inference_gpu_ids)"
+    )
+    trainer_gpus: int | None = Field(
+        None, ge=1, description="older spelling: the N GPUs after the inference ones train (sets trainer_gpu_ids)"
+    )
     trainer_cpu_processes: int = Field(1, ge=1, description="trainer ranks when running on CPU")
     cpu_placement: Literal["split", "pinned", "shared"] = Field(
         "split",
@@ -171,7 +178,27 @@ def propagate(raw: dict, cli: dict | None = None) -> dict:
     return raw
 
 
+def gpu_counts_to_ids(raw: dict) -> dict:
+    """The older `--inference-gpus M --trainer-gpus N`: inference on GPUs 0..M-1, the trainer on the next N."""
+    inference, trainer = raw.pop("inference_gpus", None), raw.pop("trainer_gpus", None)
+    if inference is None and trainer is None:
+        return raw
+    if "inference_gpu_ids" in raw or "trainer_gpu_ids" in raw:
+        raise UserError("set GPUs by count (--inference-gpus/--trainer-gpus) or by id (*_gpu_ids), not both")
+    inference, trainer = int(inference or 1), int(trainer or 1)
+    logger.warning(
+        f"--inference-gpus/--trainer-gpus are older spellings: using inference_gpu_ids = {list(range(inference))}, "
+        f"trainer_gpu_ids = {list(range(inference, inference + trainer))}"
+    )
+    return {
+        **raw,
+        "inference_gpu_ids": list(range(inference)),
+        "trainer_gpu_ids": list(range(inference, inference + trainer)),
+    }
+
+
 def resolve_rl(raw: dict, args: loader.ParsedArgs | None = None) -> RLConfig:
+    raw = gpu_counts_to_ids(raw)
     if raw.get("bench"):
         raw = bench_job.apply_defaults(raw)
     raw = propagate(raw, args.cli if args is not None else None)

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from asyncrl.config.trainer import TrainerModelConfig
 from asyncrl.trainer.lora import apply_lora
-from asyncrl.utils.errors import UserError
+from asyncrl.utils.errors import UserError, model_hint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -40,11 +40,13 @@ def _load_hf(name: str, attn: str, trust_remote_code: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
-        raise UserError(f"model directory '{name}' does not exist (check --model.name)")
+        raise UserError(
+            f"model directory '{name}' does not exist (check --model.name; asyncrl-tiny-model DIR builds a tiny one)"
+        )
     try:
         hf_config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot load model config '{name}': {str(e).splitlines()[0]} (check --model.name)") from e
+        raise UserError(f"cannot load model config '{name}': {str(e).splitlines()[0]} ({model_hint(name)})") from e
     export_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
     if isinstance(export_dtype, str):
         export_dtype = getattr(torch, export_dtype)

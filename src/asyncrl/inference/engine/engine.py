@@ -38,7 +38,7 @@ from asyncrl.inference.engine.prefix_cache import PrefixCache
 from asyncrl.inference.engine.sampling import RowSampler, sample
 from asyncrl.inference.engine.sequence import Sequence
 from asyncrl.inference.engine.weight_loading import copy_into, load_matching_weights
-from asyncrl.utils.errors import UserError
+from asyncrl.utils.errors import UserError, model_hint
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _SEED_STRIDE = 1_000_003  # seeds of the n sequences of one seeded request: seed + i * stride
@@ -116,7 +116,7 @@ def _load(config: InferenceConfig, device: torch.device):
         except ValueError:  # an architecture without sdpa support
             model = AutoModelForCausalLM.from_pretrained(mcfg.name, dtype=dtype, attn_implementation="eager", **kw)
     except OSError as e:
-        raise UserError(f"cannot load model '{mcfg.name}': {e}. Pass a HF model id or a local model dir") from e
+        raise UserError(f"cannot load model '{mcfg.name}': {str(e).splitlines()[0]} ({model_hint(mcfg.name)})") from e
     return tokenizers[0], tokenizers[1], model.to(device).eval()
 
 

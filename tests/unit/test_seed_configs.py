@@ -1,0 +1,107 @@
+"""The config files the seeds name exist at the seeds' paths and resolve; the seeds' lines parse as written.
+
+Every file under `configs/` resolves (what `--dry-run` prints) as the entrypoint its directory names.
+The seeds' command lines that use them are copied verbatim from `../shared/seeds/` (the `uv run`
+prefix dropped) and must resolve too. A hub model that cannot be reached says what it needs and where
+the CPU twins are. (The CPU twins run for real in tests/integration/test_seed_twins.py.)
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import loader
+from asyncrl.config.eval import EvalConfig
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.config.rl import RLConfig, resolve_rl
+from asyncrl.config.trainer import TrainerConfig
+from asyncrl.utils.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").rglob("*.toml"))
+KINDS = {"trainer": TrainerConfig, "orchestrator": OrchestratorConfig, "inference": InferenceConfig, "eval": EvalConfig}
+
+# the seeds' commands that name shipped configs (readme.md, rl-architecture.md, prime-rl-docs.md)
+SEED_COMMANDS = [
+    "trainer @ configs/trainer/debug.toml",
+    "inference @ configs/inference/debug.toml",
+    "orchestrator @ configs/orchestrator/debug.toml",
+    "rl --trainer @ configs/trainer/reverse_text.toml --orchestrator @ configs/orchestrator/reverse_text.toml "
+    "--inference @ configs/inference/reverse_text.toml",
+    "rl --trainer @ configs/trainer/hendrycks_math/1b.toml "
+    "--orchestrator @ configs/orchestrator/hendrycks_math/1b.toml "
+    "--inference @ configs/inference/hendrycks_math/1b.toml --trainer-gpus 2 --inference-gpus 6",
+    "rl --trainer @ configs/trainer/intellect_math/1b.toml "
+    "--orchestrator @ configs/orchestrator/intellect_math/1b.toml "
+    "--inference @ configs/inference/intellect_math/1b.toml --trainer-gpus 2 --inference-gpus 6",
+    "rl --trainer @ configs/trainer/reverse_text.toml --orchestrator @ configs/orchestrator/reverse_text.toml "
+    "--inference @ configs/inference/reverse_text.toml --exp-id exp-1",
+    "rl --trainer @ configs/trainer/reverse_text.toml --orchestrator @ configs/orchestrator/reverse_text.toml "
+    "--inference @ configs/inference/reverse_text.toml --inference.server.port 8001 --orchestrator.client.port 8001 "
+    "--exp-id exp-2",
+    "inference @ configs/inference/reverse_text.toml",
+    "rl --trainer @ configs/trainer/reverse_text.toml --orchestrator @ configs/orchestrator/reverse_text.toml",
+    "trainer @ configs/trainer/reverse_text.toml --ckpt.interval 10",
+    "trainer @ configs/trainer/reverse_text.toml --ckpt.resume_step 10",
+    "orchestrator @ configs/orchestrator/reverse_text.toml --bench",
+    "trainer @ configs/trainer/reverse_text.toml --bench --data.fake "
+    "\"{'micro_batch_size': 8, 'batch_size': 128, 'seq_len': 128}\"",
+    "rl --trainer @ examples/reverse_text/rl/train.toml --orchestrator @ examples/reverse_text/rl/orch.toml "
+    "--inference @ examples/reverse_text/rl/infer.toml",
+    "inference @ examples/reverse_text/rl/infer.toml",
+    "rl --trainer @ examples/reverse_text/rl/train.toml --orchestrator @ examples/reverse_text/rl/orch.toml",
+    "orchestrator @ examples/reverse_text/rl/orch.toml",
+    "trainer @ examples/reverse_text/rl/train.toml",
+    "inference @ examples/reverse_text/rl/infer.toml --api-key $INFERENCE_SERVER_API_KEY",
+    "eval @ configs/debug/eval/single_env.toml",
+    "eval @ configs/debug/eval/multi_env.toml",
+    "eval @ configs/debug/eval/local_model.toml --client.base-url http://localhost:8000/v1",
+]
+ENTRYPOINTS = {**KINDS, "rl": RLConfig}
+
+
+def resolve(entrypoint: str, argv: list[str]):
+    model = ENTRYPOINTS[entrypoint]
+    raw, args = loader.collect_raw(model, argv, {})
+    return resolve_rl(raw, args) if model is RLConfig else loader.validate(model, raw)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO / "configs")))
+def test_every_shipped_config_resolves_as_its_entrypoint(path):
+    kind = next(k for k in KINDS if k in path.relative_to(REPO / "configs").parts)
+    assert path.read_text().startswith("#"), f"{path}: say in a comment what runs it and what it needs"
+    resolve(kind, ["@", str(path)])
+
+
+@pytest.mark.parametrize("command", SEED_COMMANDS)
+def test_seed_commands_resolve_as_written(command, monkeypatch):
+    monkeypatch.chdir(REPO)
+    entrypoint, *argv = shlex.split(command.replace("$INFERENCE_SERVER_API_KEY", "secret"))
+    resolve(entrypoint, argv)
+
+
+def test_seed_paths_all_exist():
+    named = {tok for c in SEED_COMMANDS for tok in shlex.split(c) if tok.endswith(".toml")}
+    assert all((REPO / p).is_file() for p in named)
+    assert len(named) == 18  # debug x3, reverse_text x3, the two math runs x3, eval x3, examples/reverse_text/rl x3
+
+
+def test_gpu_counts_are_the_older_spelling_of_gpu_ids():
+    cfg = resolve("rl", ["--trainer-gpus", "2", "--inference-gpus", "6"])
+    assert cfg.inference_gpu_ids == [0, 1, 2, 3, 4, 5] and cfg.trainer_gpu_ids == [6, 7]
+    with pytest.raises(UserError, match="by count .* or by id"):
+        resolve("rl", ["--trainer-gpus", "2", "--trainer-gpu-ids", "[1]"])
+
+
+def test_an_unreachable_hub_model_names_the_cpu_twins(monkeypatch):
+    from asyncrl.trainer.model import _load_hf
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match=r"hub id: it needs network access .* configs/debug/cpu/"):
+        _load_hf("nobody-has/this-model-0", "sdpa", False)
+    with pytest.raises(UserError, match=r"does not exist .* asyncrl-tiny-model DIR builds"):
+        _load_hf("./no/such/dir", "sdpa", False)
