@@ -18,6 +18,7 @@ from asyncrl.config.eval import EvalConfig
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.rl import RLConfig, resolve_rl
+from asyncrl.config.sft import SFTConfig
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.utils.errors import UserError
 
@@ -61,7 +62,7 @@ SEED_COMMANDS = [
     "eval @ configs/debug/eval/multi_env.toml",
     "eval @ configs/debug/eval/local_model.toml --client.base-url http://localhost:8000/v1",
 ]
-ENTRYPOINTS = {**KINDS, "rl": RLConfig}
+ENTRYPOINTS = {**KINDS, "rl": RLConfig, "sft": SFTConfig}
 
 
 def resolve(entrypoint: str, argv: list[str]):
@@ -105,3 +106,37 @@ def test_an_unreachable_hub_model_names_the_cpu_twins(monkeypatch):
         _load_hf("nobody-has/this-model-0", "sdpa", False)
     with pytest.raises(UserError, match=r"does not exist .* asyncrl-tiny-model DIR builds"):
         _load_hf("./no/such/dir", "sdpa", False)
+
+
+def test_seed_lines_with_older_or_shorthand_flags():
+    cfg = resolve(
+        "sft", shlex.split("sft --data.seq-len 4096 --data.batch-size 64 --data.micro-batch-size 2 --bench")[1:]
+    )
+    assert cfg.data.type == "fake" and cfg.data.seq_len == 4096  # --bench alone means fake data
+    cfg = resolve("eval", ["--model.name", "Qwen/Qwen3-0.6B", "--benchmarks", "math500,aime24,aime25"])
+    assert cfg.environment_ids == ["math500", "aime24", "aime25"]
+    assert resolve("eval", ["--env.id", "reverse-text"]).environment_ids == ["reverse-text"]
+    argv = "--monitor.wandb.project p --ckpt.resume-step 10 --monitor.wandb.id t --orchestrator.monitor.wandb.id o"
+    cfg = resolve("rl", ["--trainer", "@", "configs/trainer/reverse_text.toml", *argv.split()])
+    assert (cfg.trainer.wandb.project, cfg.trainer.wandb.id, cfg.orchestrator.wandb.id) == ("p", "t", "o")
+    assert resolve("trainer", ["--monitor.wandb.id", "t"]).wandb.id == "t"
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "flag", "says"),
+    [
+        (
+            "trainer",
+            "--orchestrator.monitor.wandb.id",
+            "configures the orchestrator: pass it to `orchestrator` or `rl`",
+        ),
+        ("trainer", "--ckpt.path", "checkpoints always live in {output_dir}/checkpoints"),
+        ("rl", "--trainer.ckpt.path", "checkpoints always live in {output_dir}/checkpoints"),
+        ("trainer", "--model.cp", "context parallelism is not implemented"),
+    ],
+)
+def test_seed_flags_that_cannot_work_here_say_why(entrypoint, flag, says, monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(UserError) as e:
+        resolve(entrypoint, [flag, "x"])
+    assert says in str(e.value) and "unknown option" not in str(e.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import Field, model_validator
 
@@ -35,6 +36,8 @@ class EnvRunConfig(BaseConfig):
 
 
 class EvalConfig(EnvRunConfig):
+    cli_aliases: ClassVar[dict[str, str]] = {"env.id": "environment_ids", "benchmarks": "environment_ids"}
+
     weights_dir: Path | None = Field(None, description="evaluate every weights/step_N found here")
     steps: list[int] | None = Field(None, description="only these steps of weights_dir, e.g. 10,50")
     eval_base: bool = Field(True, description="also evaluate the base model (with weights_dir)")

@@ -30,6 +30,7 @@ import difflib
 import functools
 import json
 import os
+import sys
 import tomllib
 import types
 import typing
@@ -118,15 +119,51 @@ def suggest(model: type[BaseModel], wrong: str) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+# options the seeds show that do not exist here: what to do instead
+NOT_HERE = {
+    "ckpt.path": "checkpoints always live in {output_dir}/checkpoints here; choose where with --output-dir",
+    "model.cp": "context parallelism is not implemented (it splits one sequence over several GPUs); "
+    "lower seq_len or set data.micro_batch_size 1 to fit long sequences",
+}
+COMPONENTS = ("trainer", "orchestrator", "inference")
+
+
 def unknown_option(model: type[BaseModel], flag: str) -> str:
     """The message for `--flag` that names no option (CLI parsing and vLLM pass-through share it)."""
-    return f"unknown option --{flag}{suggest(model, flag.replace('-', '_'))}"
+    key = flag.replace("-", "_")
+    for name, fix in NOT_HERE.items():
+        if key == name or key.endswith(f".{name}"):
+            return f"--{flag}: {fix}"
+    head = key.split(".", 1)[0]
+    if head in COMPONENTS and not any(k.startswith(f"{head}.") for k in schema(model)):
+        return f"--{flag} configures the {head}: pass it to `{head}` or `rl`, not to this entrypoint"
+    return f"unknown option --{flag}{suggest(model, key)}"
+
+
+# older spellings the seeds use, as dotted prefixes -> today's (one note each, then accepted)
+OLDER_SPELLINGS = {"monitor.wandb": "wandb"}
+_noted: set[str] = set()
+
+
+def unalias(model: type[BaseModel], key: str) -> str:
+    """`key` with an alias prefix (the model's `cli_aliases`, or an older spelling at any depth) replaced."""
+    aliases = getattr(model, "cli_aliases", {})
+    if key in aliases:
+        return aliases[key]
+    for old, new in OLDER_SPELLINGS.items():
+        at = key.find(old)
+        if (at == 0 or key[at - 1 : at] == ".") and (key == key[: at + len(old)] or key[at + len(old)] == "."):
+            renamed = key[:at] + new + key[at + len(old) :]
+            if old not in _noted:
+                _noted.add(old)
+                print(f"note: --{old}.* is the older spelling of --{new}.*", file=sys.stderr)
+            return renamed
+    return key
 
 
 def resolve(model: type[BaseModel], dotted: str) -> Leaf | None:
-    """The option 'a.b-c' names (dashes or underscores, or a model's `cli_aliases`); None if unknown."""
-    key = dotted.replace("-", "_")
-    return schema(model).get(getattr(model, "cli_aliases", {}).get(key, key))
+    """The option 'a.b-c' names (dashes or underscores, an alias or an older spelling); None if unknown."""
+    return schema(model).get(unalias(model, dotted.replace("-", "_")))
 
 
 # ---------------------------------------------------------------- dicts from files

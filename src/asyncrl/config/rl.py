@@ -84,6 +84,7 @@ SHARED: dict[str, dict[str, tuple[str, ...] | None]] = {
     "output_dir": {"trainer": ("output_dir",), "orchestrator": ("output_dir",), "inference": ("output_dir",)},
 }
 SHARED_SECTIONS = ("wandb", "ckpt", "log")
+PER_RUN = {("wandb", "name"), ("wandb", "id")}  # each component logs its own W&B run: its own value wins
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -139,14 +140,15 @@ def propagate(raw: dict, cli: dict | None = None) -> dict:
             own = dict(raw[comp].get(section) or {})
             top_flags, own_flags = cli.get(section) or {}, (cli.get(comp) or {}).get(section) or {}
             for key, value in top.items():
-                if key in top_flags and key in own_flags and not _same(top_flags[key], own_flags[key]):
+                per_run = (section, key) in PER_RUN  # a component's own value is meant to differ
+                if key in top_flags and key in own_flags and not _same(top_flags[key], own_flags[key]) and not per_run:
                     raise UserError(
                         f"contradicting {section}.{key}: --{section}.{key} {top_flags[key]!r} but "
                         f"--{comp}.{section}.{key} {own_flags[key]!r} on the command line; set it once"
                     )
                 if key in top_flags or key in own_flags:  # the command line wins over the files
                     own[key] = own_flags.get(key, top_flags.get(key))
-                elif key in own and not _same(own[key], value) and not (section == "wandb" and key == "name"):
+                elif key in own and not _same(own[key], value) and not per_run:
                     raise UserError(
                         f"contradicting {section}.{key}: top level = {value!r} but {comp}.{section}.{key} = "
                         f"{own[key]!r}; set it once"

@@ -55,4 +55,16 @@ class SFTConfig(BaseConfig):
     output_dir: Path = Field(default_factory=default_output_dir, description="where weights/, checkpoints/, logs/ go")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda if available, else cpu (gloo)")
     seed: int = Field(0, description="random seed")
-    bench: bool = Field(False, description="benchmark a few steps and print throughput/MFU")
+    bench: bool = Field(
+        False, description="benchmark a few steps and print throughput/MFU (fake data unless data.name)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bench_means_fake_data(cls, raw: object) -> object:
+        """`sft ... --data.seq-len 4096 --bench` (the seeds' line) benchmarks on fake data of that shape."""
+        if isinstance(raw, dict) and raw.get("bench") and isinstance(raw.get("data"), dict):
+            data = raw["data"]
+            if "type" not in data and not data.get("name"):
+                return {**raw, "data": {**data, "type": "fake"}}
+        return raw
