@@ -24,6 +24,17 @@ def test_gpus_become_visible_devices(monkeypatch):
     assert "PYTHONSTARTUP" not in place.trainer_env() and "OMP_NUM_THREADS" not in place.inference_env()
 
 
+def test_gpu_ids_count_within_an_inherited_mask(monkeypatch):
+    """The seeds' second experiment on one node: CUDA_VISIBLE_DEVICES=2,3 rl ... uses GPUs 2 and 3."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    place = Placement(_config(), cuda=True)  # default ids: inference [0], trainer [1]
+    assert place.inference_env()["CUDA_VISIBLE_DEVICES"] == "2"
+    assert place.trainer_env()["CUDA_VISIBLE_DEVICES"] == "3"
+    place = Placement(_config("--trainer-gpu-ids", "[1,2]"), cuda=True)
+    with pytest.raises(UserError, match=r"GPU id 2 is outside CUDA_VISIBLE_DEVICES=2,3 \(2 GPUs visible\)"):
+        place.trainer_env()
+
+
 def _cores(monkeypatch, n: int) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("asyncrl.launcher.placement.usable_cores", lambda: list(range(n)))

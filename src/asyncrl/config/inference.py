@@ -18,7 +18,9 @@ class InferenceModelConfig(ModelConfig):
     enforce_eager: bool = Field(False, description="vLLM: disable CUDA graphs / compilation")
     trust_remote_code: bool = Field(False, description="allow custom modelling code from the model dir")
     enable_auto_tool_choice: bool = Field(False, description="parse tool calls from generated text")
-    tool_call_parser: Literal["hermes"] | None = Field(None, description="tool-call format to parse")
+    tool_call_parser: str | None = Field(
+        None, description="tool-call format to parse (embedded engine: hermes; vLLM: any of its parsers)"
+    )
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
         None, description="split <think>...</think> into reasoning_content"
     )
@@ -28,6 +30,9 @@ class InferenceModelConfig(ModelConfig):
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. --model.tool-call-parser hermes)")
         return self
+
+
+EMBEDDED_TOOL_PARSERS = ("hermes",)
 
 
 class ServerConfig(BaseConfig):
@@ -57,7 +62,13 @@ class InferenceConfig(BaseConfig):
     seed: int | None = Field(
         None, description="seed the engine's random generator once at start (per-request seeds win)"
     )
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM: fraction of GPU memory to use")
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="vLLM: fraction of GPU memory to use (default 0.9 on GPU; on CPU, where vLLM reads it as a "
+        "fraction of RAM, half of what is free)",
+    )
     data_parallel_size: int = Field(1, ge=1, description="vLLM: data-parallel engines")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: tensor-parallel size")
     vllm_args: list[str] = Field(
@@ -68,6 +79,16 @@ class InferenceConfig(BaseConfig):
 
     # `inference --max-model-len N` (as in PRIME-RL's eval example) means `--model.max-model-len N`.
     cli_aliases: ClassVar[dict[str, str]] = {"max_model_len": "model.max_model_len"}
+
+    @model_validator(mode="after")
+    def _embedded_tool_parsers(self) -> InferenceConfig:
+        parser = self.model.tool_call_parser
+        if self.backend == "embedded" and parser is not None and parser not in EMBEDDED_TOOL_PARSERS:
+            raise ValueError(
+                f"the embedded engine parses {', '.join(EMBEDDED_TOOL_PARSERS)} tool calls only, not '{parser}'; "
+                "serve with --backend vllm for vLLM's parsers"
+            )
+        return self
 
     @model_validator(mode="after")
     def _passthrough_only_for_vllm(self) -> InferenceConfig:

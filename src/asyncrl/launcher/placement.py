@@ -1,7 +1,8 @@
 """Placement of the `rl` children: which GPUs or CPU cores and threads each one gets.
 
 With CUDA, the inference server and the trainer each see only their configured GPU ids
-(CUDA_VISIBLE_DEVICES) and the trainer runs one rank per GPU. Without CUDA the trainer runs
+(CUDA_VISIBLE_DEVICES; the ids count within the launcher's own CUDA_VISIBLE_DEVICES when it has one)
+and the trainer runs one rank per GPU. Without CUDA the trainer runs
 `trainer_cpu_processes` ranks and `cpu_placement` decides how it shares the cores with the embedded
 inference engine:
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 
 from asyncrl.config.rl import RLConfig
+from asyncrl.utils.errors import UserError
 
 
 def cuda_available() -> bool:
@@ -80,5 +82,20 @@ class Placement:
         env = dict(os.environ)
         env.pop("PYTHONSTARTUP", None)
         if self.cuda and gpu_ids is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
         return env
+
+
+def visible_devices(gpu_ids: list[int], inherited: str | None) -> str:
+    """A child's CUDA_VISIBLE_DEVICES: `gpu_ids` index into the launcher's own mask when it has one
+    (`CUDA_VISIBLE_DEVICES=2,3 rl ...` with ids [0] and [1] runs on GPUs 2 and 3, as in the seeds)."""
+    if not inherited or not inherited.strip():
+        return ",".join(str(g) for g in gpu_ids)
+    mask = [d.strip() for d in inherited.split(",") if d.strip()]
+    outside = [g for g in gpu_ids if g >= len(mask)]
+    if outside:
+        raise UserError(
+            f"GPU id {outside[0]} is outside CUDA_VISIBLE_DEVICES={inherited} ({len(mask)} GPUs visible); "
+            "inference_gpu_ids and trainer_gpu_ids count within it"
+        )
+    return ",".join(mask[g] for g in gpu_ids)

