@@ -98,6 +98,24 @@ def test_gpu_counts_are_the_older_spelling_of_gpu_ids():
         resolve("rl", ["--trainer-gpus", "2", "--trainer-gpu-ids", "[1]"])
 
 
+def test_vllm_serves_on_every_inference_gpu(monkeypatch):
+    monkeypatch.chdir(REPO)
+    files = [f"--{c} @ configs/{c}/hendrycks_math/1b.toml" for c in ("trainer", "orchestrator", "inference")]
+    cfg = resolve("rl", shlex.split(" ".join(files)) + ["--trainer-gpus", "2", "--inference-gpus", "6"])
+    assert cfg.inference.backend == "vllm" and cfg.inference.data_parallel_size == 6
+    tp2 = ["--inference.tensor-parallel-size", "2"]
+    assert (
+        resolve("rl", shlex.split(" ".join(files)) + ["--inference-gpus", "6", *tp2]).inference.data_parallel_size == 3
+    )
+    set_dp = ["--inference.data-parallel-size", "2"]
+    assert (
+        resolve("rl", shlex.split(" ".join(files)) + ["--inference-gpus", "6", *set_dp]).inference.data_parallel_size
+        == 2
+    )
+    with pytest.raises(UserError, match="6 inference GPUs do not split into tensor-parallel groups of 4"):
+        resolve("rl", shlex.split(" ".join(files)) + ["--inference-gpus", "6", "--inference.tensor-parallel-size", "4"])
+
+
 def test_an_unreachable_hub_model_names_the_cpu_twins(monkeypatch):
     from asyncrl.trainer.model import _load_hf
 

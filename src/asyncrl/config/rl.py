@@ -199,8 +199,23 @@ def gpu_counts_to_ids(raw: dict) -> dict:
     }
 
 
+def vllm_data_parallel(raw: dict) -> dict:
+    """vLLM serves on every inference GPU: data_parallel_size = len(inference_gpu_ids) / tensor_parallel_size,
+    unless set."""
+    inference = raw.get("inference")
+    if not isinstance(inference, dict) or inference.get("backend") != "vllm" or "data_parallel_size" in inference:
+        return raw
+    gpus, tp = len(raw.get("inference_gpu_ids") or [0]), int(inference.get("tensor_parallel_size", 1))
+    if gpus % tp:
+        raise UserError(
+            f"{gpus} inference GPUs do not split into tensor-parallel groups of {tp}; "
+            "change inference_gpu_ids or inference.tensor_parallel_size"
+        )
+    return {**raw, "inference": {**inference, "data_parallel_size": gpus // tp}}
+
+
 def resolve_rl(raw: dict, args: loader.ParsedArgs | None = None) -> RLConfig:
-    raw = gpu_counts_to_ids(raw)
+    raw = vllm_data_parallel(gpu_counts_to_ids(raw))
     if raw.get("bench"):
         raw = bench_job.apply_defaults(raw)
     raw = propagate(raw, args.cli if args is not None else None)
