@@ -30,6 +30,7 @@ import difflib
 import functools
 import json
 import os
+import re
 import sys
 import tomllib
 import types
@@ -140,23 +141,27 @@ def unknown_option(model: type[BaseModel], flag: str) -> str:
     return f"unknown option --{flag}{suggest(model, key)}"
 
 
-# older spellings the seeds use, as dotted prefixes -> today's (one note each, then accepted)
+# older spellings the seeds use, as dotted key parts -> today's (one note each, then accepted)
 OLDER_SPELLINGS = {"monitor.wandb": "wandb"}
 _noted: set[str] = set()
 
 
+def note_older_spelling(old: str, new: str) -> None:
+    """One stderr line, once per process, saying an accepted spelling is the older one."""
+    if old not in _noted:
+        _noted.add(old)
+        print(f"note: {old} is the older spelling of {new}", file=sys.stderr)
+
+
 def unalias(model: type[BaseModel], key: str) -> str:
-    """`key` with an alias prefix (the model's `cli_aliases`, or an older spelling at any depth) replaced."""
+    """`key` with a model's `cli_aliases` entry, or an older spelling at any depth, replaced."""
     aliases = getattr(model, "cli_aliases", {})
     if key in aliases:
         return aliases[key]
     for old, new in OLDER_SPELLINGS.items():
-        at = key.find(old)
-        if (at == 0 or key[at - 1 : at] == ".") and (key == key[: at + len(old)] or key[at + len(old)] == "."):
-            renamed = key[:at] + new + key[at + len(old) :]
-            if old not in _noted:
-                _noted.add(old)
-                print(f"note: --{old}.* is the older spelling of --{new}.*", file=sys.stderr)
+        renamed = re.sub(rf"(^|\.){re.escape(old)}(?=\.|$)", rf"\g<1>{new}", key)
+        if renamed != key:
+            note_older_spelling(f"--{old}.*", f"--{new}.*")
             return renamed
     return key
 

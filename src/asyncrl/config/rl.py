@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from loguru import logger
 from pydantic import Field, model_validator
 
 from asyncrl.bench import job as bench_job
@@ -120,7 +119,7 @@ def propagate(raw: dict, cli: dict | None = None) -> dict:
     raw.setdefault("trainer", {})
     raw.setdefault("orchestrator", {})
     cli = cli or {}
-    components = [c for c in ("trainer", "orchestrator", "inference") if isinstance(raw.get(c), dict)]
+    components = [c for c in loader.COMPONENTS if isinstance(raw.get(c), dict)]
 
     for shared, where in SHARED.items():
         top = tuple(shared.split("."))
@@ -188,15 +187,12 @@ def gpu_counts_to_ids(raw: dict) -> dict:
     if "inference_gpu_ids" in raw or "trainer_gpu_ids" in raw:
         raise UserError("set GPUs by count (--inference-gpus/--trainer-gpus) or by id (*_gpu_ids), not both")
     inference, trainer = int(inference or 1), int(trainer or 1)
-    logger.warning(
-        f"--inference-gpus/--trainer-gpus are older spellings: using inference_gpu_ids = {list(range(inference))}, "
-        f"trainer_gpu_ids = {list(range(inference, inference + trainer))}"
+    ids = {"inference_gpu_ids": list(range(inference)), "trainer_gpu_ids": list(range(inference, inference + trainer))}
+    loader.note_older_spelling(
+        "--inference-gpus/--trainer-gpus",
+        f"inference_gpu_ids = {ids['inference_gpu_ids']}, trainer_gpu_ids = {ids['trainer_gpu_ids']}",
     )
-    return {
-        **raw,
-        "inference_gpu_ids": list(range(inference)),
-        "trainer_gpu_ids": list(range(inference, inference + trainer)),
-    }
+    return {**raw, **ids}
 
 
 def vllm_data_parallel(raw: dict) -> dict:
@@ -222,7 +218,7 @@ def resolve_rl(raw: dict, args: loader.ParsedArgs | None = None) -> RLConfig:
     if raw.get("exp_id"):
         base = raw.get("output_dir") or loader.get_path(raw["trainer"], ("output_dir",)) or "outputs"
         out = str(Path(base) / raw["exp_id"])
-        for comp in ("trainer", "orchestrator", "inference"):
+        for comp in loader.COMPONENTS:
             if isinstance(raw.get(comp), dict):
                 raw[comp]["output_dir"] = out
         raw["output_dir"] = out
