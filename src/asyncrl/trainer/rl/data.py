@@ -177,16 +177,12 @@ def split_to(sizes: list[int], count: int) -> list[int]:
     return sizes
 
 
-def longest_first(rows: list[PackedRow]) -> list[PackedRow]:
-    return sorted(rows, key=lambda r: -r.input_ids.numel())  # stable: the orchestrator's order already is
-
-
 def micro_batches(
     rows: list[PackedRow], size: int, stack: bool = True, sizes: list[int] | None = None
 ) -> list[RowBatch]:
     """Forward passes over `rows`, longest first: `sizes[i]` rows in the i-th (see `plan_forwards`), or
     `size` rows each (the last may hold fewer)."""
-    rows = longest_first(rows)
+    rows = sorted(rows, key=lambda r: -r.input_ids.numel())  # stable: the orchestrator's order already is
     if sizes is None:
         sizes = [min(size, len(rows) - i) for i in range(0, len(rows), size)]
     starts = [0, *itertools.accumulate(sizes)]

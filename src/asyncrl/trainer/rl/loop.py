@@ -37,7 +37,6 @@ from asyncrl.trainer.rl.data import (
     PackedRow,
     RolloutSource,
     RowBatch,
-    longest_first,
     micro_batches,
     plan_forwards,
     prepare,
@@ -91,7 +90,7 @@ class RLLoop(Loop):
     def _plan(self, rows: list[PackedRow]) -> list[int]:
         """Rows per forward pass: padding-aware (`plan_forwards`), as many passes on every rank."""
         flops = self.session.flops
-        lengths = [r.input_ids.numel() for r in longest_first(rows)]
+        lengths = sorted((r.input_ids.numel() for r in rows), reverse=True)  # micro_batches' order
         cost = functools.cache(lambda n: flops.row_flops(torch.tensor([n])))
         sizes = plan_forwards(lengths, self.config.data.micro_batch_size, cost, cost(FORWARD_OVERHEAD_TOKENS))
         return split_to(sizes, self.session.ctx.all_reduce_max(len(sizes)))
