@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import loader
+from asyncrl.config import cli, loader
 from asyncrl.config.eval import EvalConfig
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.orchestrator import OrchestratorConfig
@@ -158,3 +158,80 @@ def test_seed_flags_that_cannot_work_here_say_why(entrypoint, flag, says, monkey
     with pytest.raises(UserError) as e:
         resolve(entrypoint, [flag, "x"])
     assert says in str(e.value) and "unknown option" not in str(e.value)
+
+
+def test_auto_backend_is_vllm_with_cuda_and_vllm_only(monkeypatch):
+    import importlib.util
+
+    import torch
+
+    from asyncrl.config import inference
+    from asyncrl.inference.vllm import launch
+
+    choose = inference.auto_backend.__wrapped__  # uncached
+    for has_vllm, cuda, engine, why in [
+        (False, True, "embedded", "vLLM is not installed"),
+        (True, False, "embedded", "no CUDA GPU"),
+        (True, True, "vllm", "vLLM is installed and a CUDA GPU is visible"),
+    ]:
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, has=has_vllm: object() if has else None)
+        monkeypatch.setattr(launch, "vllm_python", lambda: None)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert choose()[0] == engine and why in choose()[1]
+
+
+@pytest.fixture
+def gpu_with_vllm(monkeypatch):
+    """A machine where `backend = "auto"` picks vLLM."""
+    from asyncrl.config import inference
+
+    monkeypatch.setattr(inference, "auto_backend", lambda: ("vllm", "vLLM is installed and a CUDA GPU is visible"))
+
+
+def test_rl_and_inference_use_vllm_by_default_where_it_can_run(gpu_with_vllm, monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = resolve("inference", ["--model.name", "Qwen/Qwen3-0.6B"])
+    assert (cfg.backend, cfg.backend_why) == ("vllm", "auto: vLLM is installed and a CUDA GPU is visible")
+    assert resolve("inference", ["--backend", "embedded"]).backend_why == "set in the config"
+    cfg = resolve("rl", ["--inference.model.name", "m", "--inference-gpus", "4"])
+    assert cfg.inference.backend == "vllm" and cfg.inference.data_parallel_size == 4
+    # unknown flags go to vLLM when it is the engine, as with --backend vllm
+    raw, args = loader.collect_raw(InferenceConfig, ["--enable-prefix-caching"], {}, passthrough=True)
+    assert cli._pass_through(InferenceConfig, raw, args.passthrough)["vllm_args"] == ["--enable-prefix-caching"]
+
+
+def test_without_cuda_the_embedded_engine_runs_and_says_why():
+    cfg = resolve("inference", [])  # this machine: no CUDA GPU
+    assert cfg.backend == "embedded" and ("no CUDA GPU" in cfg.backend_why or "not installed" in cfg.backend_why)
+
+
+MULTI_NODE = {  # rl-architecture.md, "Multi-Node Inference", verbatim
+    "head": "inference --data-parallel-size 4 --tensor-parallel-size 4 --data-parallel-size-local 2 "
+    "--data-parallel-address $DATA_PARALLEL_ADDRESS --data-parallel-rpc-port 13345",
+    "node": "inference --data-parallel-size 4 --tensor-parallel-size 4 --data-parallel-size-local 2 "
+    "--data-parallel-address $DATA_PARALLEL_ADDRESS --data-parallel-rpc-port 13345 --data-parallel-start-rank 2 "
+    "--headless",
+}
+
+
+def test_seed_multi_node_inference_lines_become_vllm_flags(gpu_with_vllm):
+    from asyncrl.inference.vllm.server import build_vllm_argv
+
+    argv = build_vllm_argv(
+        resolve("inference", shlex.split(MULTI_NODE["node"].replace("$DATA_PARALLEL_ADDRESS", "h"))[1:])
+    )
+    flags = " ".join(argv)
+    assert "--data-parallel-size 4 --tensor-parallel-size 4" in flags
+    assert "--data-parallel-size-local 2 --data-parallel-address h --data-parallel-rpc-port 13345" in flags
+    assert argv[-3:] == ["--data-parallel-start-rank", "2", "--headless"]
+    head = build_vllm_argv(
+        resolve("inference", shlex.split(MULTI_NODE["head"].replace("$DATA_PARALLEL_ADDRESS", "h"))[1:])
+    )
+    assert "--headless" not in head and "--data-parallel-start-rank" not in head
+
+
+@pytest.mark.parametrize("node", MULTI_NODE)
+def test_seed_multi_node_lines_without_vllm_say_what_they_need(node):
+    says = r"multi-node data parallelism is vLLM's; serve with --backend vllm \(engine here: embedded, auto: "
+    with pytest.raises(UserError, match=says):
+        resolve("inference", shlex.split(MULTI_NODE[node].replace("$DATA_PARALLEL_ADDRESS", "10.0.0.1"))[1:])

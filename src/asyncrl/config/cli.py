@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from asyncrl.config import loader
+from asyncrl.config.inference import chosen_backend
 from asyncrl.utils.errors import UserError
 
 T = TypeVar("T", bound=BaseModel)
@@ -138,7 +139,7 @@ def _pass_through(model: type[BaseModel], raw: dict, unknown: list[str]) -> dict
     """Append unknown flags to `vllm_args` when the backend is vLLM; otherwise the first is an error."""
     if not unknown:
         return raw
-    if raw.get("backend") != "vllm":
+    if chosen_backend(raw) != "vllm":
         flag = unknown[0].removeprefix("--").split("=", 1)[0]
         raise UserError(
             f"{loader.unknown_option(model, flag)} (unknown flags are passed through to vLLM only, with --backend vllm)"

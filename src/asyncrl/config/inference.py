@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from asyncrl.config.base import BaseConfig, LogConfig, ModelConfig, default_output_dir
 
@@ -43,7 +45,9 @@ class ServerConfig(BaseConfig):
 class InferenceConfig(BaseConfig):
     model: InferenceModelConfig = Field(default_factory=InferenceModelConfig, description="model to serve")
     server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP server")
-    backend: Literal["embedded", "vllm"] = Field("embedded", description="engine behind the API")
+    backend: Literal["auto", "embedded", "vllm"] = Field(
+        "auto", description="engine behind the API (auto: vLLM when it is installed and a CUDA GPU is visible)"
+    )
     api_key: str | None = Field(None, description="require this bearer key on every endpoint but /health")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="embedded engine device")
     max_batch_size: int = Field(64, ge=1, description="embedded engine: sequences decoded together")
@@ -69,16 +73,51 @@ class InferenceConfig(BaseConfig):
         description="vLLM: fraction of GPU memory to use (default 0.9 on GPU; on CPU, where vLLM reads it as a "
         "fraction of RAM, half of what is free)",
     )
-    data_parallel_size: int = Field(1, ge=1, description="vLLM: data-parallel engines")
+    data_parallel_size: int = Field(1, ge=1, description="vLLM: data-parallel engines (all nodes)")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: tensor-parallel size")
+    data_parallel_size_local: int | None = Field(
+        None, ge=1, description="vLLM multi-node: data-parallel engines on this node"
+    )
+    data_parallel_address: str | None = Field(None, description="vLLM multi-node: the head node's address")
+    data_parallel_rpc_port: int | None = Field(
+        None, ge=1, le=65535, description="vLLM multi-node: the head node's port for engine coordination"
+    )
+    data_parallel_start_rank: int | None = Field(
+        None, ge=0, description="vLLM multi-node: the first data-parallel rank on this node (other nodes than the head)"
+    )
+    headless: bool = Field(False, description="vLLM multi-node: run this node's engines only, no API server")
     vllm_args: list[str] = Field(
         default_factory=list, description="extra vLLM CLI flags (unknown flags are passed through too)"
     )
     output_dir: Path = Field(default_factory=default_output_dir, description="where logs/ go")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
 
+    _backend_why: str = PrivateAttr("set in the config")  # or why `auto` chose it
+
     # `inference --max-model-len N` (as in PRIME-RL's eval example) means `--model.max-model-len N`.
     cli_aliases: ClassVar[dict[str, str]] = {"max_model_len": "model.max_model_len"}
+
+    @model_validator(mode="after")
+    def _choose_backend(self) -> InferenceConfig:  # first: the checks below see the engine that will run
+        if self.backend == "auto":
+            self.__dict__["backend"], why = auto_backend()  # (no re-validation of the whole model)
+            self._backend_why = f"auto: {why}"
+        return self
+
+    @property
+    def backend_why(self) -> str:
+        """Why this engine: "set in the config", or why `auto` chose it."""
+        return self._backend_why
+
+    @model_validator(mode="after")
+    def _multi_node_needs_vllm(self) -> InferenceConfig:
+        asked = [f"--{k.replace('_', '-')}" for k in MULTI_NODE_FIELDS if getattr(self, k) not in (None, False)]
+        if asked and self.backend != "vllm":
+            raise ValueError(
+                f"{' '.join(asked)}: multi-node data parallelism is vLLM's; serve with --backend vllm "
+                f"(engine here: embedded, {self._backend_why})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _embedded_tool_parsers(self) -> InferenceConfig:
@@ -98,3 +137,33 @@ class InferenceConfig(BaseConfig):
                 "(add --backend vllm) — check the spelling with --help"
             )
         return self
+
+
+MULTI_NODE_FIELDS = (
+    "data_parallel_size_local",
+    "data_parallel_address",
+    "data_parallel_rpc_port",
+    "data_parallel_start_rank",
+    "headless",
+)
+
+
+@functools.cache
+def auto_backend() -> tuple[str, str]:
+    """The engine `backend = "auto"` picks, and why: vLLM (PRIME-RL's engine) when it is installed, here or in
+    a vLLM environment beside this one, and a CUDA GPU is visible; otherwise the embedded engine."""
+    from asyncrl.inference.vllm.launch import vllm_python  # file checks only, never imports vllm
+
+    if importlib.util.find_spec("vllm") is None and vllm_python() is None:
+        return "embedded", "vLLM is not installed; scripts/install_vllm.sh installs it"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "embedded", "no CUDA GPU is visible; vLLM on CPU needs --backend vllm"
+    return "vllm", "vLLM is installed and a CUDA GPU is visible"
+
+
+def chosen_backend(raw: dict) -> str:
+    """The engine a raw (not yet validated) inference section will get."""
+    backend = raw.get("backend", "auto")
+    return auto_backend()[0] if backend == "auto" else backend

@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 from asyncrl.bench import job as bench_job
 from asyncrl.config import loader
 from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, ModelConfig, WandbConfig
-from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.inference import InferenceConfig, chosen_backend
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.utils.errors import UserError
@@ -199,7 +199,7 @@ def vllm_data_parallel(raw: dict) -> dict:
     """vLLM serves on every inference GPU: data_parallel_size = len(inference_gpu_ids) / tensor_parallel_size,
     unless set."""
     inference = raw.get("inference")
-    if not isinstance(inference, dict) or inference.get("backend") != "vllm" or "data_parallel_size" in inference:
+    if not isinstance(inference, dict) or "data_parallel_size" in inference or chosen_backend(inference) != "vllm":
         return raw
     gpus, tp = len(raw.get("inference_gpu_ids") or [0]), int(inference.get("tensor_parallel_size", 1))
     if gpus % tp:

@@ -14,6 +14,7 @@ from asyncrl.config.inference import InferenceConfig
 
 def serve(config: InferenceConfig) -> None:
     """Serve `config.model` with the configured engine until interrupted (blocking)."""
+    logger.info(f"engine: {config.backend} ({config.backend_why})")
     if config.backend == "vllm":
         from asyncrl.inference.vllm.server import run_vllm_server
 

@@ -131,6 +131,7 @@ class Launcher:
         py = sys.executable
         server = None
         if "inference" in paths:
+            logger.info(f"inference engine: {self.config.inference.backend} ({self.config.inference.backend_why})")
             server = self._spawn(
                 "inference",
                 [self._server_python(), "-m", "asyncrl.entrypoints.inference", "@", str(paths["inference"])],

@@ -11,13 +11,18 @@ used (and tested) without it.
 import asyncio
 import json
 import os
+import sys
+from pathlib import Path
 
 from loguru import logger
 
-from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.cli import to_toml
+from asyncrl.config.inference import MULTI_NODE_FIELDS, InferenceConfig
 from asyncrl.inference.api import training
 from asyncrl.inference.api.app import install_api
 from asyncrl.inference.vllm.shims import NullAssistantFieldsMiddleware
+from asyncrl.transport.files import write_text_atomic
+from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.errors import UserError
 
 WORKER_EXTENSION = "asyncrl.inference.vllm.worker.WeightReloadExtension"
@@ -58,6 +63,12 @@ def build_vllm_argv(config: InferenceConfig) -> list[str]:
         argv += ["--reasoning-parser", m.reasoning_parser]
     if config.seed is not None:
         argv += ["--seed", str(config.seed)]
+    for key in MULTI_NODE_FIELDS:
+        value = getattr(config, key)
+        if value is True:
+            argv.append(f"--{key.replace('_', '-')}")
+        elif value not in (None, False):
+            argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv + list(config.vllm_args)
 
 
@@ -180,20 +191,45 @@ async def _serve(args, config: InferenceConfig) -> None:
 
 
 def run_vllm_server(config: InferenceConfig) -> None:
-    """Serve `config.model` with vLLM until interrupted (blocks)."""
+    """Serve `config.model` with vLLM until interrupted (blocks). Without vllm in this environment, the same
+    command runs in the vLLM environment (scripts/install_vllm.sh) in place of this process."""
     try:
         import uvloop
-        import vllm  # noqa: F401
+        import vllm
     except ImportError as e:
-        raise UserError(
-            f"--backend vllm needs vLLM ({e}); install it with scripts/install_vllm.sh and run .venv-vllm/bin/inference"
-        ) from e
+        _exec_in_vllm_env(config, e)
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM's own CLI sets
     argv = build_vllm_argv(config)
     args = parse_vllm_args(argv, config.vllm_args)
     check_cpu_head_dim(config.model.name, config.model.trust_remote_code)
     logger.info(f"starting vLLM {vllm.__version__} for {config.model.name}: {json.dumps(argv)}")
     try:
-        uvloop.run(_serve(args, config))
+        if config.headless:
+            _run_headless(args)
+        else:
+            uvloop.run(_serve(args, config))
     except KeyboardInterrupt:
         logger.info("vLLM server stopped")
+
+
+def _exec_in_vllm_env(config: InferenceConfig, missing: ImportError) -> None:
+    """Replace this process by `inference @ <this resolved config>` under the vLLM environment's python."""
+    from asyncrl.inference.vllm.launch import INSTALL_HINT, vllm_python
+
+    python = vllm_python()
+    if python is None or Path(sys.prefix).resolve() == python.parent.parent.resolve():
+        raise UserError(f"--backend vllm needs vLLM ({missing}): {INSTALL_HINT}") from missing
+    path = RunLayout(config.output_dir).configs / "inference.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, to_toml(config))
+    logger.info(f"vllm is not in this environment: serving from {python.parent.parent} with {path}")
+    os.execv(python, [str(python), "-m", "asyncrl.entrypoints.inference", "@", str(path)])
+
+
+def _run_headless(args) -> None:
+    """This node's data-parallel engines only; they connect to the head node's (--data-parallel-address)."""
+    from vllm.entrypoints.cli.serve import run_headless
+
+    args.api_server_count = 0
+    logger.info(f"headless: {args.data_parallel_size_local} engine(s), head node {args.data_parallel_address}")
+    run_headless(args)
