@@ -395,3 +395,33 @@ def test_share_prefix_is_on_unless_turned_off():
     assert loader.load_config(OrchestratorConfig, ["--no-share-prefix"], {}).share_prefix is False
     assert rl([]).orchestrator.share_prefix is True
     assert rl(["--no-orchestrator.share-prefix"]).orchestrator.share_prefix is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "trainer_on", "distributions"),
+    [
+        (["--no-trainer.wandb.log-extras.distributions"], False, None),  # settings alone: W&B stays off
+        (["--wandb", "--no-trainer.wandb.log-extras.distributions"], True, False),
+        (["--trainer.wandb", "--trainer.wandb.log-extras.interval", "5"], True, True),
+        (["--trainer.wandb.project", "p", "--no-trainer.wandb.log-extras.distributions"], True, False),
+    ],
+)
+def test_wandb_extras_settings_alone_do_not_switch_wandb_on(argv, trainer_on, distributions):
+    from asyncrl.config.rl import RLConfig, resolve_rl
+
+    raw, args = loader.collect_raw(RLConfig, argv, {})
+    wandb = resolve_rl(raw, args).trainer.wandb
+    assert (wandb is not None) == trainer_on
+    assert wandb is None or wandb.log_extras.distributions == distributions
+
+
+def test_an_empty_wandb_table_or_env_switches_it_on(tmp_path):
+    from asyncrl.config.trainer import TrainerConfig
+
+    (tmp_path / "t.toml").write_text("[wandb]\n")
+    assert loader.load_config(TrainerConfig, ["@", str(tmp_path / "t.toml")], {}).wandb is not None
+    assert loader.load_config(TrainerConfig, [], {"PRIME_WANDB": ""}).wandb is not None
+    extras_only = tmp_path / "x.toml"
+    extras_only.write_text("[wandb.log_extras]\ninterval = 3\n")
+    assert loader.load_config(TrainerConfig, ["@", str(extras_only)], {}).wandb is None
+    assert loader.load_config(TrainerConfig, ["@", str(extras_only), "--wandb"], {}).wandb.log_extras.interval == 3

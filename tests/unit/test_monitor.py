@@ -40,3 +40,12 @@ def test_wandb_offline(tmp_path, monkeypatch):
     sink.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs and sink.run is None
+
+
+def test_extras_are_due_on_their_interval_with_wandb_on_only(tmp_path):
+    cfg = WandbConfig(log_extras={"distributions": False, "interval": 5})
+    sink = MetricsSink(tmp_path, "trainer", cfg, {}, enabled=False)
+    assert not sink.extras_due(0, "samples")  # W&B is not running (other rank / off)
+    sink.run = object()
+    assert [s for s in range(12) if sink.extras_due(s, "samples")] == [0, 5, 10]
+    assert not any(sink.extras_due(s, "distributions") for s in range(12))

@@ -157,3 +157,20 @@ class RowwiseOnly(torch.nn.Module):
 def test_check_packing_tells_whether_rows_can_be_stacked(model):
     assert check_packing(model) is True
     assert check_packing(RowwiseOnly(model)) is False  # the loop then concatenates rows
+
+
+def test_distributions_for_wandb_hold_every_loss_token(model, rows):
+    """`--trainer.wandb.log-extras.distributions`: per-token ratio, advantage and entropy of the step."""
+    loop = RLLoop(SimpleNamespace(config=TrainerConfig(), model=model))
+    loop._dists = defaultdict(list)  # what next_batch sets when the sink says they are due
+    for mb in micro_batches(rows, 2, True):
+        loop.forward_backward_step(mb, 1.0)
+    dists = {k: torch.cat(v) for k, v in loop.take_distributions().items()}
+    tokens = sum(int(r.loss_mask.sum()) for r in rows)
+    assert sorted(dists) == ["dist/advantage", "dist/entropy", "dist/importance_ratio"]
+    assert all(v.numel() == tokens for v in dists.values())
+    assert dists["dist/importance_ratio"].min() < 0.1  # the far-off token of make_row (mu + 3) is in there
+    assert sorted(dists["dist/advantage"].unique().tolist()) == sorted(
+        {float(a) for r in rows for a in r.advantages[r.loss_mask].unique()}
+    )
+    assert loop.take_distributions() == {}  # taken once; none collected until they are due again

@@ -13,6 +13,9 @@ Invariants:
 - Every source becomes a nested dict with snake_case keys checked against the schema; the dicts are
   deep-merged env < files (in the order given) < CLI values, whatever their position on the line, and
   pydantic validates the result once.
+- Settings alone do not switch W&B on: a `wandb` section that ends up holding only `log_extras` is off,
+  unless some source switched it on bare (`--wandb`, an empty `[wandb]`, `PRIME_WANDB=`); any other key
+  (`--wandb.project p`) switches it on.
 - A key that matches no option is a `UserError` naming the source and the closest valid key; no user
   mistake escapes as another exception.
 - The schema (`schema()`) is walked once per model and shared by lookups, suggestions and `--help`.
@@ -277,6 +280,35 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- sections that settings alone do not switch on
+
+SWITCHED_ON = "__switched_on__"  # a source switched the section on bare; removed before validation
+SETTINGS_ONLY = {"wandb": {"log_extras"}}  # section -> the keys that configure it without switching it on
+
+
+def mark_switched_on(source: dict) -> dict:
+    """In one source (before merging): mark each SETTINGS_ONLY section it gives bare (`{}`)."""
+    out = {}
+    for key, value in source.items():
+        if isinstance(value, dict):
+            value = {SWITCHED_ON: True} if key in SETTINGS_ONLY and not value else mark_switched_on(value)
+        out[key] = value
+    return out
+
+
+def settle_switches(raw: dict) -> dict:
+    """Drop the marks; a SETTINGS_ONLY section holding only its settings, never switched on, is off (absent)."""
+    out = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            switched = value.get(SWITCHED_ON, False)
+            value = settle_switches({k: v for k, v in value.items() if k != SWITCHED_ON})
+            if key in SETTINGS_ONLY and value and set(value) <= SETTINGS_ONLY[key] and not switched:
+                continue
+        out[key] = value
+    return out
+
+
 # ---------------------------------------------------------------- sources: files and environment
 
 
@@ -405,7 +437,10 @@ def _section(leaf: Leaf, key: str, value: str | None, tokens: deque[str], out: P
     elif follows is not None and follows.lstrip().startswith("{"):  # --data.fake "{'seq_len': 8}"
         set_path(out.cli, leaf.path, parse_value(leaf, tokens.popleft()))
     else:  # merges with values set elsewhere on the line
-        set_path(out.cli, leaf.path, get_path(out.cli, leaf.path) or {})
+        section = dict(get_path(out.cli, leaf.path) or {})
+        if leaf.path[-1] in SETTINGS_ONLY:
+            section[SWITCHED_ON] = True
+        set_path(out.cli, leaf.path, section)
 
 
 # ---------------------------------------------------------------- merge and validate
@@ -424,7 +459,7 @@ def format_validation_error(err: ValidationError) -> str:
 
 def validate(model: type[BaseModel], data: dict):
     try:
-        return model.model_validate(data)
+        return model.model_validate(settle_switches(data))
     except ValidationError as err:
         raise UserError(format_validation_error(err)) from None
 
@@ -437,10 +472,10 @@ def collect_raw(
 ) -> tuple[dict, ParsedArgs]:
     """Merge env < files (in order) < CLI into one raw dict (not yet validated)."""
     args = parse_argv(model, argv, passthrough=passthrough)
-    raw = from_env(model, os.environ if environ is None else environ)
+    raw = mark_switched_on(from_env(model, os.environ if environ is None else environ))
     for scope, path in args.files:
-        raw = deep_merge(raw, load_file(model, path, scope))
-    return deep_merge(raw, args.cli), args
+        raw = deep_merge(raw, mark_switched_on(load_file(model, path, scope)))
+    return deep_merge(raw, mark_switched_on(args.cli)), args
 
 
 def load_config(model: type[BaseModel], argv: list[str], environ: Mapping[str, str] | None = None):

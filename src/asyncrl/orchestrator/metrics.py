@@ -71,22 +71,22 @@ def group_metrics(used: list[Group], finished: list[Group], easy: float, hard: f
 
 def log_extras(sink: MetricsSink, step: int, rollouts: list[Rollout]) -> None:
     """W&B sample table and reward/advantage/length histograms, every log_extras.interval steps."""
-    extras = sink.wandb_cfg.log_extras if sink.wandb_cfg is not None else None
-    if sink.run is None or extras is None or step % extras.interval or not rollouts:
-        return
-    import wandb
+    if sink.extras_due(step, "samples") and rollouts:
+        import wandb
 
-    data: dict[str, Any] = {}
-    if extras.samples:
         table = wandb.Table(columns=["step", "env", "example_id", "reward", "advantage", "completion"])
         for r in rollouts[:32]:
             table.add_data(step, r.env, r.example_id, r.reward, r.advantage, r.text)
-        data["samples"] = table
-    if extras.distributions:
-        data["dist/reward"] = wandb.Histogram([r.reward for r in rollouts])
-        data["dist/advantage"] = wandb.Histogram([r.advantage for r in rollouts])
-        data["dist/completion_len"] = wandb.Histogram([r.completion_len for r in rollouts])
-    sink.run.log(data, step=step)
+        sink.run.log({"samples": table}, step=step)
+    if sink.extras_due(step, "distributions"):
+        sink.histograms(
+            step,
+            {
+                "dist/reward": [r.reward for r in rollouts],
+                "dist/advantage": [r.advantage for r in rollouts],
+                "dist/completion_len": [r.completion_len for r in rollouts],
+            },
+        )
 
 
 def console_line(r: dict[str, Any]) -> str:

@@ -101,6 +101,10 @@ class Loop:
         """Appended to the error of a non-finite loss at `step`."""
         raise NotImplementedError
 
+    def take_distributions(self) -> dict[str, list[torch.Tensor]]:
+        """Per-token values of the step just run, for W&B histograms (empty unless they were due)."""
+        return {}
+
     def log_line(self, step: int, m: dict) -> str:
         raise NotImplementedError
 
@@ -252,6 +256,8 @@ class TrainSession:
         if self.ctx.is_main:
             logger.info(self.loop.log_line(step, m))
             self.sink.log(step, m)
+            if dists := self.loop.take_distributions():
+                self.sink.histograms(step, {k: torch.cat(v).tolist() for k, v in dists.items()})
 
     # ---- the run -----------------------------------------------------------------------------------
 

@@ -58,6 +58,17 @@ class MetricsSink:
             numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             self.run.log(numbers, step=step)
 
+    def extras_due(self, step: int, kind: str) -> bool:
+        """W&B is on, `log_extras.<kind>` (samples / distributions) is on and `step` is on its interval."""
+        extras = self.wandb_cfg.log_extras if self.run is not None else None
+        return extras is not None and getattr(extras, kind) and step % extras.interval == 0
+
+    def histograms(self, step: int, values: dict[str, Any]) -> None:
+        """W&B histograms, one per key (a sequence of numbers; empty ones are skipped)."""
+        import wandb
+
+        self.run.log({k: wandb.Histogram(list(v)) for k, v in values.items() if len(v)}, step=step)
+
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()

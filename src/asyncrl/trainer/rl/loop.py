@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import defaultdict
 
 import torch
 from loguru import logger
@@ -66,6 +67,7 @@ class RLLoop(Loop):
         self.config: TrainerConfig = session.config
         self.loss_fn = get_loss_fn(self.config.loss)
         self._told_unshare = False
+        self._dists: dict[str, list[torch.Tensor]] | None = None  # this step's, when W&B distributions are due
 
     def start(self) -> None:
         s, cfg = self.session, self.config
@@ -79,6 +81,7 @@ class RLLoop(Loop):
 
     def next_batch(self, step: int) -> StepBatch:
         ctx = self.session.ctx
+        self._dists = defaultdict(list) if self.session.sink.extras_due(step, "distributions") else None
         start = time.perf_counter()
         rows = [prepare(mb, ctx.device) for mb in self._shareable(self.source.get(step))]
         wait_s = time.perf_counter() - start
@@ -144,6 +147,12 @@ class RLLoop(Loop):
             "entropy": self._entropy_sum(logits.detach(), mb),
             "mismatch_kl": mismatch_kl_sum(inputs),
         }
+        if self._dists is not None:  # rank 0's loss tokens
+            keep = inputs.loss_mask
+            self._dists["dist/importance_ratio"].append(
+                (inputs.logprobs.detach() - inputs.inference_logprobs)[keep].exp().cpu()
+            )
+            self._dists["dist/advantage"].append(inputs.advantages[keep].cpu())
         for key, value in out.metrics.items():
             sums[key] = sums.get(key, 0) + value.detach().float()
         return sums
@@ -160,11 +169,18 @@ class RLLoop(Loop):
             return {"attention_mask": additive.masked_fill_(~mb.attention_mask, torch.finfo(dtype).min)}
         raise ValueError(f"attention '{attn}' cannot run shared-prefix rows; they must be unshared first")
 
-    @staticmethod
-    def _entropy_sum(logits: torch.Tensor, mb: RowBatch) -> torch.Tensor:
+    def _entropy_sum(self, logits: torch.Tensor, mb: RowBatch) -> torch.Tensor:
         parents = mb.parents if mb.parents is not None else [None] * len(logits)
-        rows = zip(logits, mb.temperatures, mb.loss_mask, parents)
-        return sum((token_entropy(lg, t, parents=p) * m).sum() for lg, t, m, p in rows)
+        rows = [
+            (token_entropy(lg, t, parents=p), m) for lg, t, m, p in zip(logits, mb.temperatures, mb.loss_mask, parents)
+        ]
+        if self._dists is not None:
+            self._dists["dist/entropy"] += [e[m.bool()].cpu() for e, m in rows]
+        return sum((e * m).sum() for e, m in rows)
+
+    def take_distributions(self) -> dict[str, list[torch.Tensor]]:
+        dists, self._dists = self._dists or {}, None
+        return dists
 
     def bad_loss_hint(self, step: int) -> str:
         return (
