@@ -197,6 +197,18 @@ def test_lora_ac_bf16_export_merges(tiny_model_dir, tmp_path):
     assert changed and all("q_proj" in k or "v_proj" in k for k in changed)
 
 
+def test_ckpt_path_moves_the_checkpoints_and_resume_reads_them_there(tiny_model_dir, tmp_path):
+    write_steps(tiny_model_dir, tmp_path, range(3), 1, [[9, 7], [12]])
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-ckpts"  # absolute, outside the output dir
+    run_train(config(tiny_model_dir, tmp_path, max_steps=2, ckpt={"interval": 1, "path": str(elsewhere)}))
+    assert sorted(step_dirs(elsewhere)) == [1, 2] and not (tmp_path / "checkpoints").exists()
+    resumed = run_train(config(tiny_model_dir, tmp_path, ckpt={"path": str(elsewhere), "resume_step": -1}))
+    assert len(resumed) == 1  # step 2 of max_steps 3, from elsewhere/step_2
+    write_steps(tiny_model_dir, tmp_path, range(2), 1, [[9, 7], [12]])  # consumed by the first run
+    run_train(config(tiny_model_dir, tmp_path, max_steps=2, ckpt={"interval": 1, "path": "mine"}))
+    assert sorted(step_dirs(tmp_path / "mine")) == [1, 2]  # a relative path is under the output dir
+
+
 def test_single_process_resume_retention_and_bad_checkpoints(tiny_model_dir, tmp_path):
     write_steps(tiny_model_dir, tmp_path, range(4), 1, [[9, 7], [12]])
     first = run_train(

@@ -60,12 +60,16 @@ def _publish(out, step):
     publish_dir(RunLayout(out).broadcast_dir(step), lambda d: (d / "config.json").write_text("{}"))
 
 
-def test_checkpoint_and_resume_continue_where_the_run_stopped(tmp_path):
-    cfg = _config(tmp_path, k=3, max_steps=4, ckpt=CkptConfig(interval=2, keep_last=1))  # never waits
+@pytest.mark.parametrize("where", ["default", "ckpt.path"])
+def test_checkpoint_and_resume_continue_where_the_run_stopped(tmp_path, where):
+    path = {"default": "checkpoints", "ckpt.path": tmp_path / "elsewhere" / "ckpts"}[where]
+    saved = RunLayout(tmp_path, path)
+    cfg = _config(tmp_path, k=3, max_steps=4, ckpt=CkptConfig(path=path, interval=2, keep_last=1))  # never waits
     orch = Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer())
     asyncio.run(orch.run())
-    assert ckpt.saved_steps(tmp_path) == [4]  # step 2 saved, then pruned by keep_last=1
-    progress, buffer = ckpt.load(tmp_path, 4)
+    assert ckpt.saved_steps(saved) == [4]  # step 2 saved, then pruned by keep_last=1
+    assert (tmp_path / "checkpoints").exists() == (where == "default")
+    progress, buffer = ckpt.load(saved, 4)
     assert progress.step == 4 and progress.total_samples == 32 and progress.total_problems == 8
     assert progress.sampler["problems"] == orch.mixture.problems
 
@@ -77,7 +81,7 @@ def test_checkpoint_and_resume_continue_where_the_run_stopped(tmp_path):
     w.mkdir(parents=True)
     (w / "config.json").write_text("{}")
     server = FakeServer()
-    cfg2 = _config(tmp_path, max_steps=5, ckpt=CkptConfig(interval=2, resume_step=-1))
+    cfg2 = _config(tmp_path, max_steps=5, ckpt=CkptConfig(path=path, interval=2, resume_step=-1))
     orch2 = Orchestrator(cfg2, fake_mixture(), FakeRunner(), server)
     asyncio.run(orch2.run())
     assert not RunLayout(tmp_path).broadcast_dir(6).exists()
@@ -87,7 +91,7 @@ def test_checkpoint_and_resume_continue_where_the_run_stopped(tmp_path):
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert records[-1]["progress/total_samples"] == 40 and records[-1]["policy/step"] == 4
     assert (RunLayout(tmp_path).batch_dir(4) / "meta.json").exists() and not stale_batch.exists()
-    assert ckpt.saved_steps(tmp_path) == [4, 5]  # final step always saved
+    assert ckpt.saved_steps(saved) == [4, 5]  # final step always saved
 
 
 def test_resume_without_checkpoint_is_a_user_error(tmp_path):

@@ -148,8 +148,6 @@ def test_seed_lines_with_older_or_shorthand_flags():
             "--orchestrator.monitor.wandb.id",
             "configures the orchestrator: pass it to `orchestrator` or `rl`",
         ),
-        ("trainer", "--ckpt.path", "checkpoints always live in {output_dir}/checkpoints"),
-        ("rl", "--trainer.ckpt.path", "checkpoints always live in {output_dir}/checkpoints"),
         ("trainer", "--model.cp", "context parallelism is not implemented"),
     ],
 )
@@ -235,3 +233,11 @@ def test_seed_multi_node_lines_without_vllm_say_what_they_need(node):
     says = r"multi-node data parallelism is vLLM's; serve with --backend vllm \(engine here: embedded, auto: "
     with pytest.raises(UserError, match=says):
         resolve("inference", shlex.split(MULTI_NODE[node].replace("$DATA_PARALLEL_ADDRESS", "10.0.0.1"))[1:])
+
+
+def test_ckpt_path_is_the_checkpoint_directory_for_both_components(monkeypatch):
+    """readme.md: `--ckpt.path to change the checkpoint directory (default: checkpoints)`."""
+    monkeypatch.chdir(REPO)
+    assert str(resolve("trainer", ["--ckpt"]).ckpt.path) == "checkpoints"
+    cfg = resolve("rl", ["--trainer", "@", "configs/trainer/reverse_text.toml", "--ckpt.path", "/shared/ckpts"])
+    assert str(cfg.trainer.ckpt.path) == str(cfg.orchestrator.ckpt.path) == "/shared/ckpts"

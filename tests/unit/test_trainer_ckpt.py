@@ -2,8 +2,8 @@
 
 import pytest
 
-from asyncrl.trainer.ckpt import complete_steps, trainer_ckpt_dir
-from asyncrl.transport.layout import resolve_resume_step, steps_to_delete
+from asyncrl.trainer.ckpt import complete_steps
+from asyncrl.transport.layout import TRAINER, RunLayout, resolve_resume_step, steps_to_delete
 from asyncrl.utils.errors import UserError
 
 
@@ -21,7 +21,7 @@ def test_keep_last_plus_interval():
 
 
 def make_ckpt(root, step, complete=True):
-    d = trainer_ckpt_dir(root, step)
+    d = RunLayout(root).checkpoint_dir(step, TRAINER)
     d.mkdir(parents=True)
     (d / ".metadata").write_text("x")
     if complete:
@@ -33,31 +33,31 @@ def test_resolve_latest_skips_partial(tmp_path):
     make_ckpt(tmp_path, 4)
     make_ckpt(tmp_path, 6, complete=False)
     (tmp_path / "checkpoints" / "step_8" / "orchestrator").mkdir(parents=True)  # not ours
-    assert complete_steps(tmp_path) == [2, 4]
-    assert resolve_resume_step(tmp_path, -1) == 4
-    assert resolve_resume_step(tmp_path, 2) == 2
+    assert complete_steps(RunLayout(tmp_path)) == [2, 4]
+    assert resolve_resume_step(RunLayout(tmp_path), -1) == 4
+    assert resolve_resume_step(RunLayout(tmp_path), 2) == 2
 
 
 def test_resolve_missing_step_lists_available(tmp_path):
     make_ckpt(tmp_path, 2)
     with pytest.raises(UserError, match=r"no trainer checkpoint for step 3 .* available steps: \[2\]"):
-        resolve_resume_step(tmp_path, 3)
+        resolve_resume_step(RunLayout(tmp_path), 3)
 
 
 def test_resolve_partial_step_is_refused_by_name(tmp_path):
     make_ckpt(tmp_path, 6, complete=False)
     with pytest.raises(UserError, match=r"step_6/trainer is partial or corrupted"):
-        resolve_resume_step(tmp_path, 6)
+        resolve_resume_step(RunLayout(tmp_path), 6)
 
 
 def test_resolve_latest_without_any(tmp_path):
     with pytest.raises(UserError, match="no complete trainer checkpoint"):
-        resolve_resume_step(tmp_path, -1)
+        resolve_resume_step(RunLayout(tmp_path), -1)
 
 
 def test_resume_at_or_past_max_steps_is_refused_before_training(tmp_path):
     make_ckpt(tmp_path, 4)
-    assert resolve_resume_step(tmp_path, 4, max_steps=5) == 4
+    assert resolve_resume_step(RunLayout(tmp_path), 4, max_steps=5) == 4
     for max_steps in (4, 3):
         with pytest.raises(UserError, match=rf"resuming at step 4 but max_steps is {max_steps}: nothing to train"):
-            resolve_resume_step(tmp_path, -1, max_steps=max_steps)
+            resolve_resume_step(RunLayout(tmp_path), -1, max_steps=max_steps)

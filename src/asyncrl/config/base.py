@@ -46,6 +46,9 @@ class WandbConfig(BaseConfig):
 class CkptConfig(BaseConfig):
     """Checkpointing; absent (None) means off, as in PRIME-RL."""
 
+    path: Path = Field(
+        Path("checkpoints"), description="checkpoint directory (relative: under output_dir; or an absolute path)"
+    )
     interval: int = Field(50, ge=1, description="save every N steps")
     save_async: bool = Field(False, description="save in a background thread")
     keep_last: int | None = Field(None, ge=1, description="keep only the last N checkpoints")

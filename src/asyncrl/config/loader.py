@@ -125,7 +125,6 @@ def suggest(model: type[BaseModel], wrong: str) -> str:
 
 # options the seeds show that do not exist here: what to do instead
 NOT_HERE = {
-    "ckpt.path": "checkpoints always live in {output_dir}/checkpoints here; choose where with --output-dir",
     "model.cp": "context parallelism is not implemented (it splits one sequence over several GPUs); "
     "lower seq_len or set data.micro_batch_size 1 to fit long sequences",
 }

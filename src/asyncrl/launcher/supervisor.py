@@ -44,7 +44,8 @@ class Child:
 class Launcher:
     def __init__(self, config: RLConfig):
         self.config = config
-        self.layout = RunLayout(config.trainer.output_dir)
+        ckpt = config.trainer.ckpt
+        self.layout = RunLayout(config.trainer.output_dir, ckpt.path if ckpt else "checkpoints")
         self.placement = Placement(config)
         self.children: list[Child] = []
         self.steps = StepTailer(self.layout.metrics_file("orchestrator"))
@@ -103,7 +104,7 @@ class Launcher:
         ckpt = self.config.trainer.ckpt
         if ckpt is None or ckpt.resume_step is None:
             return 0
-        return resolve_resume_step(self.layout.root, ckpt.resume_step, self.config.trainer.max_steps)
+        return resolve_resume_step(self.layout, ckpt.resume_step, self.config.trainer.max_steps)
 
     def _server_python(self) -> str:
         """This interpreter, or the vLLM env's: vLLM lives in its own env (it conflicts with verifiers)."""

@@ -37,20 +37,16 @@ class Progress:
     sampler: dict = field(default_factory=dict)
 
 
-def ckpt_dir(output_dir: str | Path, step: int) -> Path:
-    return RunLayout(output_dir).checkpoint_dir(step, COMPONENT)
-
-
 def _complete(path: Path) -> bool:
     return (path / PROGRESS).exists()
 
 
-def save(output_dir: str | Path, progress: Progress, buffer: list[Group]) -> Path:
+def save(layout: RunLayout, progress: Progress, buffer: list[Group]) -> Path:
     def write(tmp: Path) -> None:
         (tmp / PROGRESS).write_text(json.dumps(asdict(progress), indent=1))
         (tmp / "buffer.json").write_text(json.dumps([asdict(g) for g in buffer]))
 
-    return publish_dir(ckpt_dir(output_dir, progress.step), write, marker=False)
+    return publish_dir(layout.checkpoint_dir(progress.step, COMPONENT), write, marker=False)
 
 
 def _group_from_dict(d: dict) -> Group:
@@ -63,8 +59,8 @@ def _group_from_dict(d: dict) -> Group:
     )
 
 
-def load(output_dir: str | Path, step: int) -> tuple[Progress, list[Group]]:
-    path = ckpt_dir(output_dir, step)
+def load(layout: RunLayout, step: int) -> tuple[Progress, list[Group]]:
+    path = layout.checkpoint_dir(step, COMPONENT)
     if not _complete(path):
         raise UserError(f"no orchestrator checkpoint at {path}; check --ckpt.resume-step and the output dir")
     progress = Progress(**json.loads((path / PROGRESS).read_text()))
@@ -75,25 +71,23 @@ def load(output_dir: str | Path, step: int) -> tuple[Progress, list[Group]]:
     return progress, buffer
 
 
-def saved_steps(output_dir: str | Path) -> list[int]:
-    return RunLayout(output_dir).complete_checkpoints(COMPONENT, _complete)
+def saved_steps(layout: RunLayout) -> list[int]:
+    return layout.complete_checkpoints(COMPONENT, _complete)
 
 
-def resolve_resume_step(output_dir: str | Path, resume_step: int) -> int:
+def resolve_resume_step(layout: RunLayout, resume_step: int) -> int:
     """`resume_step`, with -1 meaning the latest orchestrator checkpoint."""
     if resume_step >= 0:
         return resume_step
-    steps = saved_steps(output_dir)
+    steps = saved_steps(layout)
     if not steps:
-        raise UserError(
-            f"--ckpt.resume-step -1 (latest) but no orchestrator checkpoint under {RunLayout(output_dir).checkpoints}"
-        )
+        raise UserError(f"--ckpt.resume-step -1 (latest) but no orchestrator checkpoint under {layout.checkpoints}")
     return max(steps)
 
 
-def prune(output_dir: str | Path, config: CkptConfig) -> list[int]:
+def prune(layout: RunLayout, config: CkptConfig) -> list[int]:
     """Apply keep_last / keep_interval to the orchestrator's part of the checkpoints."""
-    removed = RunLayout(output_dir).prune_checkpoints(COMPONENT, config.keep_last, config.keep_interval, _complete)
+    removed = layout.prune_checkpoints(COMPONENT, config.keep_last, config.keep_interval, _complete)
     if removed:
         logger.debug(f"pruned orchestrator checkpoints {removed}")
     return removed

@@ -52,7 +52,7 @@ class Orchestrator:
         sink: MetricsSink | None = None,
     ):
         self.config = config
-        self.layout = RunLayout(config.output_dir)
+        self.layout = RunLayout(config.output_dir, config.ckpt.path if config.ckpt else "checkpoints")
         self.mixture = mixture
         self.eval_mixture = eval_mixture
         self.run_group = run_group
@@ -83,10 +83,10 @@ class Orchestrator:
         cfg = self.config
         if cfg.ckpt is None or cfg.ckpt.resume_step is None:
             return None
-        step = ckpt.resolve_resume_step(cfg.output_dir, cfg.ckpt.resume_step)
+        step = ckpt.resolve_resume_step(self.layout, cfg.ckpt.resume_step)
         if step == 0:
             return None
-        self.progress, self.collector.buffer = ckpt.load(cfg.output_dir, step)
+        self.progress, self.collector.buffer = ckpt.load(self.layout, step)
         self.mixture.load_state(self.progress.sampler)
         logger.info(
             f"resuming at step {step} ({self.progress.total_samples} samples so far, "
@@ -215,8 +215,8 @@ class Orchestrator:
         log_extras(self.sink, step, used)
         cfg = self.config.ckpt
         if cfg is not None and (p.step % cfg.interval == 0 or p.step == self.config.max_steps):
-            path = ckpt.save(self.config.output_dir, p, self.collector.buffer)
-            ckpt.prune(self.config.output_dir, cfg)
+            path = ckpt.save(self.layout, p, self.collector.buffer)
+            ckpt.prune(self.layout, cfg)
             logger.info(f"saved orchestrator checkpoint {path}")
         return record
 

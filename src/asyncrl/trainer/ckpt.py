@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import shutil
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,20 +37,16 @@ from asyncrl.utils.errors import UserError
 PROGRESS = "progress.json"
 
 
-def trainer_ckpt_dir(output_dir: str | Path, step: int) -> Path:
-    return RunLayout(output_dir).checkpoint_dir(step, TRAINER)
-
-
-def complete_steps(output_dir: str | Path) -> list[int]:
+def complete_steps(layout: RunLayout) -> list[int]:
     """Steps with a complete (STABLE) trainer checkpoint, ascending."""
-    return RunLayout(output_dir).complete_checkpoints(TRAINER)
+    return layout.complete_checkpoints(TRAINER)
 
 
 class CheckpointManager:
     """Saves (sync or async) and loads trainer checkpoints. Every method is collective over all ranks."""
 
-    def __init__(self, output_dir: str | Path, cfg: CkptConfig, rank: int) -> None:
-        self.output_dir = Path(output_dir)
+    def __init__(self, layout: RunLayout, cfg: CkptConfig, rank: int) -> None:
+        self.layout = layout
         self.cfg = cfg
         self.rank = rank
         self._group = dist.new_group(backend="gloo")  # async writes must not share the training group
@@ -63,7 +58,7 @@ class CheckpointManager:
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
         """Checkpoint the state after `step` steps; `extra` (JSON-able progress, scheduler) goes to progress.json."""
         self.wait()
-        path = trainer_ckpt_dir(self.output_dir, step)
+        path = self.layout.checkpoint_dir(step, TRAINER)
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)
         dist.barrier(group=self._group)
@@ -89,7 +84,7 @@ class CheckpointManager:
     def _finish(self, step: int, extra: dict[str, Any]) -> None:
         dist.barrier(group=self._group)  # every rank's shards are written
         if self.rank == 0:
-            path = trainer_ckpt_dir(self.output_dir, step)
+            path = self.layout.checkpoint_dir(step, TRAINER)
             (path / PROGRESS).write_text(json.dumps(extra, indent=1))
             mark_stable(path)
             logger.info(f"saved checkpoint {path}")
@@ -97,13 +92,13 @@ class CheckpointManager:
         dist.barrier(group=self._group)
 
     def _apply_retention(self) -> None:
-        deleted = RunLayout(self.output_dir).prune_checkpoints(TRAINER, self.cfg.keep_last, self.cfg.keep_interval)
+        deleted = self.layout.prune_checkpoints(TRAINER, self.cfg.keep_last, self.cfg.keep_interval)
         if deleted:
             logger.debug(f"deleted trainer checkpoints {deleted} (retention)")
 
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model + optimizer in place from step `step`; returns its progress.json."""
-        path = trainer_ckpt_dir(self.output_dir, step)
+        path = self.layout.checkpoint_dir(step, TRAINER)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         try:

@@ -133,7 +133,7 @@ class TrainSession:
         hf_logging.disable_progress_bar()
         self.config, self.ctx = config, ctx
         self.out = Path(config.output_dir)
-        self.layout = RunLayout(self.out)
+        self.layout = RunLayout(self.out, config.ckpt.path if config.ckpt else "checkpoints")
         self.max_steps = config.max_steps if config.max_steps or not config.bench else BENCH_STEPS
         self.loop = loop_cls(self)
         self.resume_step = self._resume_step()  # a bad one fails before the (slow) model load
@@ -141,7 +141,7 @@ class TrainSession:
         self.loop.start()
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.scheduler, self.loop.planned_steps())
-        self.ckpt = CheckpointManager(self.out, config.ckpt, ctx.rank) if self._checkpoints else None
+        self.ckpt = CheckpointManager(self.layout, config.ckpt, ctx.rank) if self._checkpoints else None
         self.progress = {"step": 0, "tokens": 0, "samples": 0}
         self.sink = MetricsSink(
             self.out, self.loop.metrics_name, config.wandb, config.model_dump(mode="json"), ctx.is_main
@@ -153,7 +153,7 @@ class TrainSession:
 
     def _resume_step(self) -> int | None:
         requested = self.config.ckpt.resume_step if self._checkpoints else None
-        return resolve_resume_step(self.out, requested, self.max_steps) if requested is not None else None
+        return resolve_resume_step(self.layout, requested, self.max_steps) if requested is not None else None
 
     def _load_model(self) -> None:
         torch.manual_seed(self.config.seed)

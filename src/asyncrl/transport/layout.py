@@ -8,7 +8,8 @@ On disk (under `output_dir`)::
     weights/step_{n}/ (+ STABLE)                same HF format, kept at checkpoint steps and at the end
     checkpoints/step_{n}/trainer/               DCP shards, progress.json, STABLE (written last)
     checkpoints/step_{n}/orchestrator/          progress.json, buffer.json
-                                                (a run resumes at a step with a complete trainer checkpoint)
+                                                (a run resumes at a step with a complete trainer checkpoint;
+                                                `ckpt.path` moves checkpoints/ elsewhere)
     logs/<component>.log, <component>.stdout    each process's log; what the launcher caught of its output
     metrics/<component>.jsonl                   one JSON row per step
     configs/<component>.toml                    the resolved config the launcher gave each process
@@ -72,12 +73,12 @@ def steps_to_delete(steps: Iterable[int], keep_last: int | None, keep_interval: 
 class RunLayout:
     """The paths of one run; every method that deletes only ever touches `step_N` dirs."""
 
-    def __init__(self, output_dir: str | Path):
+    def __init__(self, output_dir: str | Path, checkpoints: str | Path = "checkpoints"):
         self.root = Path(output_dir)
         self.rollouts = self.root / "rollouts"
         self.broadcast = self.root / "broadcast"
         self.weights = self.root / "weights"
-        self.checkpoints = self.root / "checkpoints"
+        self.checkpoints = self.root / checkpoints  # `ckpt.path`: relative to the output dir, or absolute
         self.logs = self.root / "logs"
         self.metrics = self.root / "metrics"
         self.configs = self.root / "configs"
@@ -151,17 +152,16 @@ def _remove_steps(root: Path, doomed: Callable[[int], bool]) -> list[Path]:
     return removed
 
 
-def resolve_resume_step(output_dir: str | Path, requested: int, max_steps: int | None = None) -> int:
+def resolve_resume_step(layout: RunLayout, requested: int, max_steps: int | None = None) -> int:
     """-1 -> the latest complete checkpoint; N -> N if complete. Clear errors otherwise, including a
     checkpoint at or past `max_steps` (nothing would be left to train)."""
-    step = _find_resume_step(output_dir, requested)
+    step = _find_resume_step(layout, requested)
     if max_steps is not None and step >= max_steps:
         raise UserError(f"resuming at step {step} but max_steps is {max_steps}: nothing to train; raise --max-steps")
     return step
 
 
-def _find_resume_step(output_dir: str | Path, requested: int) -> int:
-    layout = RunLayout(output_dir)
+def _find_resume_step(layout: RunLayout, requested: int) -> int:
     root, complete, all_dirs = layout.checkpoints, layout.complete_checkpoints(TRAINER), layout.checkpoints_of(TRAINER)
     if requested == -1:
         if not complete:

@@ -207,7 +207,7 @@ class RLLoop(Loop):
     def _prune(self, step: int) -> None:
         """Rank 0: drop broadcast dirs outside the async window (except around kept checkpoints), consumed batches."""
         layout, k = self.session.layout, self.config.max_async_level
-        keep = {s for c in complete_steps(layout.root) for s in range(c - k, c + 1)} if self.session.ckpt else set()
+        keep = {s for c in complete_steps(layout) for s in range(c - k, c + 1)} if self.session.ckpt else set()
         layout.prune_broadcast(keep_from_step=step - k, keep=keep)
         layout.prune_batches(keep_from_step=step - 1)
 
