@@ -29,6 +29,9 @@ import echo_twice  # noqa: E402
 import reverse_text  # noqa: E402
 import tool_calc  # noqa: E402
 
+from asyncrl.config import loader  # noqa: E402
+from asyncrl.utils.errors import UserError  # noqa: E402
+
 # ---------------------------------------------------------------- helpers
 
 
@@ -493,3 +496,34 @@ def test_tool_calc_sft_cli(tmp_path):
         cwd=ENV_DIR / "tool_calc",
     )
     assert bad.returncode == 2 and "n must be >= 1" in bad.stderr and not never.exists()
+
+
+@pytest.mark.parametrize("env_id", ["math500", "aime2024", "aime2025", "gpqa", "hendrycks-math", "intellect-math"])
+def test_the_seeds_hub_environments_say_how_to_install_them(env_id):
+    from asyncrl.config.orchestrator import EnvConfig
+    from asyncrl.orchestrator.envs import load_env
+
+    with pytest.raises(
+        UserError, match=rf"install it with `prime env install primeintellect/{env_id}` .*needs network"
+    ):
+        load_env(EnvConfig(id=env_id))
+
+
+def test_every_missing_environment_is_named_at_once():
+    from asyncrl.config.orchestrator import EnvConfig
+    from asyncrl.orchestrator.envs import EnvMixture
+
+    configs = [EnvConfig(id=i) for i in ("math500", "reverse-text", "no-such-env")]
+    with pytest.raises(UserError) as e:
+        EnvMixture.load(configs, seq_len=None)
+    message = str(e.value)
+    assert message.startswith("environments not installed: math500, no-such-env; install them with math500: ")
+    assert "`prime env install primeintellect/math500`" in message
+    assert "no-such-env: `uv pip install -e environments/no_such_env`" in message
+
+
+def test_the_seeds_older_benchmark_names():
+    from asyncrl.config.eval import EvalConfig
+
+    cfg = loader.load_config(EvalConfig, ["--benchmarks", "math500,aime24,aime25"], {})
+    assert cfg.environment_ids == ["math500", "aime2024", "aime2025"]

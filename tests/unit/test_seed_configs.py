@@ -132,7 +132,7 @@ def test_seed_lines_with_older_or_shorthand_flags():
     )
     assert cfg.data.type == "fake" and cfg.data.seq_len == 4096  # --bench alone means fake data
     cfg = resolve("eval", ["--model.name", "Qwen/Qwen3-0.6B", "--benchmarks", "math500,aime24,aime25"])
-    assert cfg.environment_ids == ["math500", "aime24", "aime25"]
+    assert cfg.environment_ids == ["math500", "aime2024", "aime2025"]  # the hub ids of the older names
     assert resolve("eval", ["--env.id", "reverse-text"]).environment_ids == ["reverse-text"]
     argv = "--monitor.wandb.project p --ckpt.resume-step 10 --monitor.wandb.id t --orchestrator.monitor.wandb.id o"
     cfg = resolve("rl", ["--trainer", "@", "configs/trainer/reverse_text.toml", *argv.split()])

@@ -5,10 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from asyncrl.config import loader
 from asyncrl.config.base import BaseConfig, LogConfig, ModelConfig, WandbConfig, default_output_dir
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
+
+# the seeds' `--benchmarks math500,aime24,aime25` names the AIME environments the older way
+OLDER_BENCHMARK_NAMES = {"aime24": "aime2024", "aime25": "aime2025"}
 
 
 class EnvRunConfig(BaseConfig):
@@ -24,6 +28,13 @@ class EnvRunConfig(BaseConfig):
     max_concurrent: int | None = Field(None, ge=1, description="cap on requests in flight")
     server_wait: float = Field(30.0, ge=0, description="seconds to wait for the server to answer before failing")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
+
+    @field_validator("environment_ids")
+    @classmethod
+    def _older_benchmark_names(cls, ids: list[str]) -> list[str]:
+        for old in (i for i in dict.fromkeys(ids) if i in OLDER_BENCHMARK_NAMES):
+            loader.note_older_spelling(old, OLDER_BENCHMARK_NAMES[old])
+        return [OLDER_BENCHMARK_NAMES.get(i, i) for i in ids]
 
     @model_validator(mode="after")
     def _some_env(self) -> EnvRunConfig:

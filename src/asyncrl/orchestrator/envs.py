@@ -42,17 +42,43 @@ def env_module(env_id: str) -> str:
     return env_id.replace("-", "_").split("/")[-1]
 
 
+# The seeds' benchmark and math environments: verifiers environments on Prime Intellect's Environments Hub
+# (not on PyPI), by the id the seeds use.
+HUB_ENVIRONMENTS = {
+    "math500": "primeintellect/math500",
+    "aime2024": "primeintellect/aime2024",
+    "aime2025": "primeintellect/aime2025",
+    "gpqa": "primeintellect/gpqa",
+    "hendrycks-math": "primeintellect/hendrycks-math",
+    "intellect-math": "primeintellect/intellect-math",
+}
+
+
 def install_hint(env_id: str) -> str:
-    if "/" in env_id:
-        owner, name = env_id.split("/", 1)
+    network = " (needs network)" if env_id in HUB_ENVIRONMENTS or "/" in env_id else ""
+    then = f', then use id = "{env_id.split("/", 1)[1]}"' if "/" in env_id else ""
+    return f"install it with {install_commands(env_id)}{network}{then}"
+
+
+def install_commands(env_id: str) -> str:
+    """How to install an environment: from the Environments Hub (owner/name, or one of the seeds'), else locally."""
+    hub_id = HUB_ENVIRONMENTS.get(env_id, env_id if "/" in env_id else None)
+    if hub_id is not None:
+        owner, name = hub_id.split("/", 1)
         return (
-            f"install it with `prime env install {env_id}` or `uv pip install {name} "
-            f'--extra-index-url https://hub.primeintellect.ai/{owner}/simple/`, then use id = "{name}"'
+            f"`prime env install {hub_id}` or `uv pip install {name} "
+            f"--extra-index-url https://hub.primeintellect.ai/{owner}/simple/`"
         )
-    return (
-        f"install it with `uv pip install -e environments/{env_module(env_id)}` (a local environment) "
-        f"or `pip install {env_id}`"
-    )
+    return f"`uv pip install -e environments/{env_module(env_id)}` (a local environment) or `pip install {env_id}`"
+
+
+def check_installed(env_ids: list[str]) -> None:
+    """Every missing environment in one error, rather than one per attempt (a single one: `load_env` says it)."""
+    missing = [i for i in dict.fromkeys(env_ids) if importlib.util.find_spec(env_module(i)) is None]
+    if len(missing) < 2:
+        return
+    hints = "; ".join(f"{i}: {install_commands(i)}" for i in missing)
+    raise UserError(f"environments not installed: {', '.join(missing)}; install them with {hints}")
 
 
 def load_env(cfg: EnvConfig) -> Any:
@@ -114,6 +140,7 @@ class EnvMixture:
 
     @classmethod
     def load(cls, configs: list[EnvConfig], seq_len: int | None, seed: int = 0, eval_split: bool = False) -> EnvMixture:
+        check_installed([c.id for c in configs])
         slots = []
         for cfg in configs:
             env = load_env(cfg)
