@@ -148,7 +148,7 @@ def test_seed_lines_with_older_or_shorthand_flags():
             "--orchestrator.monitor.wandb.id",
             "configures the orchestrator: pass it to `orchestrator` or `rl`",
         ),
-        ("trainer", "--model.cp", "context parallelism is not implemented"),
+        ("trainer", "--model.cp", "context parallelism (one sequence split over several GPUs) is not implemented"),
     ],
 )
 def test_seed_flags_that_cannot_work_here_say_why(entrypoint, flag, says, monkeypatch):

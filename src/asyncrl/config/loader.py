@@ -125,8 +125,9 @@ def suggest(model: type[BaseModel], wrong: str) -> str:
 
 # options the seeds show that do not exist here: what to do instead
 NOT_HERE = {
-    "model.cp": "context parallelism is not implemented (it splits one sequence over several GPUs); "
-    "lower seq_len or set data.micro_batch_size 1 to fit long sequences",
+    "model.cp": "context parallelism (one sequence split over several GPUs) is not implemented: PyTorch's "
+    "context-parallel attention needs CUDA GPUs (it has no CPU kernel), so it could not be built and tested here; "
+    "to fit long sequences use --model.ac (activation checkpointing), data.micro_batch_size 1 or a lower seq_len",
 }
 COMPONENTS = ("trainer", "orchestrator", "inference")
 
