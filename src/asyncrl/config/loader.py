@@ -138,9 +138,9 @@ def unknown_option(model: type[BaseModel], flag: str) -> str:
     for name, fix in NOT_HERE.items():
         if key == name or key.endswith(f".{name}"):
             return f"--{flag}: {fix}"
-    head = key.split(".", 1)[0]
+    head, _, rest = key.partition(".")
     if head in COMPONENTS and not any(k.startswith(f"{head}.") for k in schema(model)):
-        return f"--{flag} configures the {head}: pass it to `{head}` or `rl`, not to this entrypoint"
+        return f"unknown option --{flag}: the {head} has no option '{rest}'{suggest(_component_model(head), rest)}"
     return f"unknown option --{flag}{suggest(model, key)}"
 
 
@@ -151,9 +151,29 @@ _noted: set[str] = set()
 
 def note_older_spelling(old: str, new: str) -> None:
     """One stderr line, once per process, saying an accepted spelling is the older one."""
-    if old not in _noted:
-        _noted.add(old)
-        print(f"note: {old} is the older spelling of {new}", file=sys.stderr)
+    note_once(old, f"note: {old} is the older spelling of {new}")
+
+
+def note_once(key: str, line: str) -> None:
+    if key not in _noted:
+        _noted.add(key)
+        print(line, file=sys.stderr)
+
+
+def _other_components_option(model: type[BaseModel], key: str) -> Leaf | None:
+    """The option `--component.x` names in another component's config (one this model has no section for)."""
+    head, _, rest = key.replace("-", "_").partition(".")
+    if head not in COMPONENTS or not rest or any(k.startswith(f"{head}.") for k in schema(model)):
+        return None
+    return resolve(_component_model(head), rest)
+
+
+def _component_model(name: str) -> type[BaseModel]:
+    from asyncrl.config.inference import InferenceConfig
+    from asyncrl.config.orchestrator import OrchestratorConfig
+    from asyncrl.config.trainer import TrainerConfig
+
+    return {"trainer": TrainerConfig, "orchestrator": OrchestratorConfig, "inference": InferenceConfig}[name]
 
 
 def unalias(model: type[BaseModel], key: str) -> str:
@@ -399,6 +419,13 @@ def _option(model: type[BaseModel], tok: str, tokens: deque[str], out: ParsedArg
     key, eq, inline = tok[2:].partition("=")
     value = inline if eq else None
     leaf, negated = _flag(model, key)
+    other = _other_components_option(model, key) if leaf is None else None
+    if other is not None:  # e.g. the seeds' `trainer ... --orchestrator.monitor.wandb.id ID`
+        head = key.split(".", 1)[0]
+        note_once(key, f"note: --{key} configures the {head}; this entrypoint ignores it (the {head} reads it)")
+        if value is None and not other.is_bool and not other.is_section:
+            _value(tokens, f"--{key}")
+        return
     if leaf is None and not passthrough:
         raise UserError(unknown_option(model, key))
     if leaf is None:  # kept for vLLM, with its value if one follows
