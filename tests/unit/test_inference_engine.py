@@ -11,6 +11,7 @@ from asyncrl.inference.api.backend import SamplingParams
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.engine import EmbeddedEngine
 from asyncrl.inference.engine.kv_cache import MaskBuilder, SlotKVCache
+from asyncrl.utils.errors import UserError
 
 
 def make_engine(model_dir, **kw) -> EmbeddedEngine:
@@ -420,3 +421,14 @@ def test_prompts_with_cached_prefixes_prefill_in_one_batch(tiny_model_dir, hf_mo
     assert batches[1:] == [[0, 40, 60, 68]]  # one forward; the turn reuses all but its first turn's last token
     for prompt, [c] in zip(prompts, results):
         assert torch.allclose(torch.tensor(c["lps"]), hf_logprobs(hf_model, prompt, c["ids"], 1.0), atol=1e-5)
+
+
+def test_gpu_memory_utilization_caps_the_embedded_engine_on_a_gpu():
+    from asyncrl.inference.engine.engine import kv_budget_on_gpu
+
+    gib = 2**30
+    assert kv_budget_on_gpu(free=60 * gib, total=80 * gib, utilization=None) == 30 * gib  # half the free memory
+    # the seeds' single-GPU mode: 0.5 of 80 GiB in all, 20 GiB already used (weights) -> 20 GiB of KV
+    assert kv_budget_on_gpu(free=60 * gib, total=80 * gib, utilization=0.5) == 20 * gib
+    with pytest.raises(UserError, match=r"gpu_memory_utilization 0.2 leaves no room .* 20.0 of 80.0 GiB are in use"):
+        kv_budget_on_gpu(free=60 * gib, total=80 * gib, utilization=0.2)

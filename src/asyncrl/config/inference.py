@@ -70,8 +70,8 @@ class InferenceConfig(BaseConfig):
         None,
         gt=0,
         le=1,
-        description="vLLM: fraction of GPU memory to use (default 0.9 on GPU; on CPU, where vLLM reads it as a "
-        "fraction of RAM, half of what is free)",
+        description="fraction of GPU memory to use (vLLM: default 0.9; on CPU vLLM reads it as a fraction of RAM, "
+        "default half of what is free; embedded engine on a GPU: caps weights + KV cache, default half the free)",
     )
     data_parallel_size: int = Field(1, ge=1, description="vLLM: data-parallel engines (all nodes)")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: tensor-parallel size")

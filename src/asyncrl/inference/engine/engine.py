@@ -160,7 +160,7 @@ class EmbeddedEngine(Backend):
         self.lora = LoraManager(self.model)
         self.max_batch_size = config.max_batch_size
         self.max_prefill_tokens = max(config.max_prefill_tokens, 1)
-        self.kv_budget = self._kv_budget_bytes(config.kv_cache_gb)
+        self.kv_budget = self._kv_budget_bytes(config.kv_cache_gb, config.gpu_memory_utilization)
         self._bytes_per_token = self._estimate_bytes_per_token()
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
@@ -177,13 +177,10 @@ class EmbeddedEngine(Backend):
         )
 
     # ---- sizing ---------------------------------------------------------------------------------
-    def _kv_budget_bytes(self, gb: float | None) -> int:
-        if gb is not None:
-            return int(gb * 2**30)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.5)
-        return 4 * 2**30
+    def _kv_budget_bytes(self, gb: float | None, utilization: float | None) -> int:
+        if gb is None and self.device.type == "cuda":
+            return kv_budget_on_gpu(*torch.cuda.mem_get_info(self.device), utilization)
+        return int((gb or 4) * 2**30)
 
     def _estimate_bytes_per_token(self) -> int:
         cfg = self.model.config
@@ -563,3 +560,17 @@ class _RequestStream:
 def _put_all(items: list[tuple[_Request, SeqDelta]]) -> None:
     for req, delta in items:
         req.queue.put_nowait(delta)
+
+
+def kv_budget_on_gpu(free: int, total: int, utilization: float | None) -> int:
+    """KV bytes on a GPU, the weights already loaded: half of what is free, or, with `gpu_memory_utilization`
+    (the seeds' way to share a GPU with the trainer), what keeps all use of the GPU under that fraction."""
+    if utilization is None:
+        return int(free * 0.5)
+    budget = int(utilization * total) - (total - free)
+    if budget <= 0:
+        raise UserError(
+            f"gpu_memory_utilization {utilization} leaves no room for the KV cache: {(total - free) / 2**30:.1f} of "
+            f"{total / 2**30:.1f} GiB are in use already (weights included); raise it or set kv_cache_gb"
+        )
+    return budget
