@@ -148,6 +148,10 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     assert "[rl] done" in first.stdout
     assert len(list((out / "wandb").glob("offline-run-*"))) == 2  # W&B offline: a trainer and an orchestrator run
     assert_no_processes_left(str(out))
+    status = states(out)
+    assert (
+        status["rl"] == status["trainer"] == status["orchestrator"] == "finished" and status["inference"] == "stopped"
+    )
 
     resumed = run_rl(rl_args(warm_model, out, steps + 2, free_port()) + ["--ckpt.resume-step", str(steps)])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -157,6 +161,14 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     assert rows[steps]["policy/step"] >= steps - 1
     assert (out / "weights" / f"step_{steps + 2}").is_dir()
     assert_no_processes_left(str(out))
+
+
+def states(out: Path) -> dict[str, str]:
+    """`asyncrl status`'s state column, by process."""
+    from asyncrl.report.status import status_lines
+
+    rows = [line.split(None, 1) for line in status_lines(out)[1:] if line.startswith("  ")]
+    return {name: rest.split("  ")[0].strip() for name, rest in rows}
 
 
 def start_rl_until(args: list[str], marker: Path, timeout: float = 300) -> subprocess.Popen:
@@ -189,6 +201,9 @@ def test_rl_stops_everything_when_the_trainer_dies(tiny_model_dir, tmp_path):
     assert proc.returncode not in (0, None)
     assert "trainer died" in stderr, stderr[-2000:]
     assert_no_processes_left(str(out))
+    status = states(out)
+    assert status["trainer"] == "killed (no exit recorded)" and status["rl"] == "failed (exit 2)"
+    assert status["orchestrator"] == status["inference"] == "stopped"
 
 
 def test_rl_ctrl_c_stops_cleanly(tiny_model_dir, tmp_path):
@@ -202,6 +217,7 @@ def test_rl_ctrl_c_stops_cleanly(tiny_model_dir, tmp_path):
             proc.kill()
     assert proc.returncode == 130
     assert_no_processes_left(str(out))
+    assert states(out)["rl"] == "interrupted"
 
 
 def test_rl_without_server_says_how_to_start_one(tiny_model_dir, tmp_path):

@@ -20,6 +20,7 @@ from pydantic_core import PydanticUndefined
 
 from asyncrl.config import loader
 from asyncrl.config.inference import chosen_backend
+from asyncrl.utils import runstate
 from asyncrl.utils.errors import UserError
 
 T = TypeVar("T", bound=BaseModel)
@@ -148,11 +149,21 @@ def _pass_through(model: type[BaseModel], raw: dict, unknown: list[str]) -> dict
 
 
 def run_guarded(fn: Callable[[], Any]) -> None:
-    """Run an entrypoint body: user errors -> one line + exit 2; Ctrl-C -> exit 130."""
+    """Run an entrypoint body: user errors -> one line + exit 2; Ctrl-C -> exit 130. The process's run
+    record (utils/runstate.py) gets the exit code and the error."""
     try:
         fn()
     except UserError as e:
+        runstate.finish(2, str(e))
         fail(str(e))
     except KeyboardInterrupt:
+        runstate.finish(130, "interrupted")
         print("interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except SystemExit as e:
+        runstate.finish(e.code if isinstance(e.code, int) else 1, None if not e.code else str(e.code))
+        raise
+    except BaseException as e:
+        runstate.finish(1, f"{type(e).__name__}: {e}")
+        raise
+    runstate.finish(0)

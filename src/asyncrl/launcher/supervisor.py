@@ -26,6 +26,7 @@ from asyncrl.config.rl import RLConfig
 from asyncrl.launcher.placement import Placement
 from asyncrl.launcher.tailer import StepTailer
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
+from asyncrl.utils import runstate
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.process import ChildExited, answers, free_port, spawn, stop_groups, tail, wait_for_http
 
@@ -175,8 +176,11 @@ class Launcher:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        running = [c for c in self.children if c.proc.poll() is None]
         for proc in stop_groups([c.proc for c in self.children], STOP_GRACE_S):
             logger.warning(f"{next(c.name for c in self.children if c.proc is proc)} ignored SIGTERM; killed it")
+        for child in running:  # their run records say rl stopped them (one that died keeps no exit: killed)
+            runstate.close(self.layout.pid_file(child.name), runstate.STOPPED)
 
     def summary(self, elapsed: float) -> str:
         return self.steps.summary(elapsed, self.layout.weights)

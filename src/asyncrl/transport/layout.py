@@ -11,6 +11,7 @@ On disk (under `output_dir`)::
                                                 (a run resumes at a step with a complete trainer checkpoint;
                                                 `ckpt.path` moves checkpoints/ elsewhere)
     logs/<component>.log, <component>.stdout    each process's log; what the launcher caught of its output
+    logs/<component>.pid                        the process's pid, host, start; exit code and error at its end
     metrics/<component>.jsonl                   one JSON row per step
     configs/<component>.toml                    the resolved config the launcher gave each process
 
@@ -85,6 +86,9 @@ class RunLayout:
 
     def log_file(self, component: str, suffix: str = ".log") -> Path:
         return self.logs / f"{component}{suffix}"
+
+    def pid_file(self, component: str) -> Path:
+        return self.logs / f"{component}.pid"
 
     def metrics_file(self, name: str) -> Path:
         return self.metrics / f"{name}.jsonl"

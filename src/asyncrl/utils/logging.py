@@ -9,6 +9,7 @@ from pathlib import Path
 from loguru import logger
 
 from asyncrl.transport.layout import RunLayout
+from asyncrl.utils import runstate
 
 _FORMAT = "<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> <cyan>[{extra[component]}]</cyan> {message}"
 
@@ -26,6 +27,7 @@ def setup_logger(
         path = RunLayout(output_dir).log_file(component)
         path.parent.mkdir(parents=True, exist_ok=True)
         logger.add(path, level=level.upper(), format=_FORMAT, colorize=False, enqueue=False)
+        runstate.register(component, output_dir)
     return path
 
 

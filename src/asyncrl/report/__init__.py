@@ -1,0 +1,1 @@
+"""Looking at a run without W&B: `asyncrl status RUN_DIR` (status.py)."""
