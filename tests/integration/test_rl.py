@@ -152,6 +152,8 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     assert (
         status["rl"] == status["trainer"] == status["orchestrator"] == "finished" and status["inference"] == "stopped"
     )
+    page = (out / "report.html").read_text()  # rl writes the report at the end
+    assert page.count("<img class='plot'") >= 10 and (out / "report" / "reward.png").is_file()
 
     resumed = run_rl(rl_args(warm_model, out, steps + 2, free_port()) + ["--ckpt.resume-step", str(steps)])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -204,6 +206,8 @@ def test_rl_stops_everything_when_the_trainer_dies(tiny_model_dir, tmp_path):
     status = states(out)
     assert status["trainer"] == "killed (no exit recorded)" and status["rl"] == "failed (exit 2)"
     assert status["orchestrator"] == status["inference"] == "stopped"
+    page = (out / "report.html").read_text()  # a crashed run's report: what it has, and the error
+    assert "killed (no exit recorded)" in page and "rl: trainer died" in page and "<img class='plot'" in page
 
 
 def test_rl_ctrl_c_stops_cleanly(tiny_model_dir, tmp_path):

@@ -55,6 +55,7 @@ class RLConfig(BaseConfig):
         "pinned (split, each on its own cores), shared (every core to both, time-sharing)",
     )
     exp_id: str | None = Field(None, description="experiment id: runs in {output_dir}/{exp_id}, side by side")
+    report: bool = Field(True, description="write {output_dir}/report.html at the end, done or failed (asyncrl report)")
     bench: bool = Field(
         False,
         description="benchmark: run the tiny-Qwen3 reverse-text job on a model it warms itself, print s/step, "

@@ -1,4 +1,4 @@
-"""`asyncrl status RUN_DIR`: look at a run without W&B."""
+"""`asyncrl status RUN_DIR` and `asyncrl report RUN_DIR [RUN_DIR ...] [--out FILE]`: look at runs without W&B."""
 
 from __future__ import annotations
 
@@ -6,11 +6,16 @@ import sys
 from pathlib import Path
 
 from asyncrl.config.cli import fail
+from asyncrl.utils.errors import UserError
 
 USAGE = """usage: asyncrl status RUN_DIR
+       asyncrl report RUN_DIR [RUN_DIR ...] [--out FILE]
 
   status RUN_DIR   where a running or finished run is: each process alive / finished / failed, its last
-                   step, reward or loss and throughput, the off-policy lag and the last errors"""
+                   step, reward or loss and throughput, the off-policy lag and the last errors
+  report RUN_DIR   RUN_DIR/report.html: every curve of the run (PNGs in RUN_DIR/report/), its status and
+                   config, in one file that opens offline; several runs: their curves overlaid, in
+                   ./report.html (or --out FILE)"""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,17 +24,38 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         raise SystemExit(0 if argv else 2)
     command, *rest = argv
-    if command != "status":
-        fail(f"unknown command {command!r}; commands: status (see asyncrl --help)")
-    if len(rest) != 1:
-        fail("asyncrl status takes one run directory, e.g. asyncrl status outputs/demo/rl")
-    from asyncrl.report.status import status_lines
-    from asyncrl.utils.errors import UserError
-
     try:
-        print("\n".join(status_lines(Path(rest[0]))))
+        if command == "status":
+            status(rest)
+        elif command == "report":
+            report(rest)
+        else:
+            fail(f"unknown command {command!r}; commands: status, report (see asyncrl --help)")
     except UserError as e:
         fail(str(e))
+
+
+def status(rest: list[str]) -> None:
+    from asyncrl.report.status import status_lines
+
+    if len(rest) != 1:
+        fail("asyncrl status takes one run directory, e.g. asyncrl status outputs/demo/rl")
+    print("\n".join(status_lines(Path(rest[0]))))
+
+
+def report(rest: list[str]) -> None:
+    from asyncrl.report.report import check_runs, write_report
+
+    out = None
+    if "--out" in rest:
+        at = rest.index("--out")
+        if at + 1 >= len(rest):
+            fail("--out needs a file path, e.g. --out ablation.html")
+        out, rest = Path(rest[at + 1]), rest[:at] + rest[at + 2 :]
+    if unknown := [a for a in rest if a.startswith("-")]:
+        fail(f"unknown option {unknown[0]} (asyncrl report RUN_DIR [RUN_DIR ...] [--out FILE])")
+    path = write_report(check_runs(rest), out)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,174 @@
+"""`asyncrl report RUN_DIR [RUN_DIR ...]`: a run's curves as one self-contained HTML page, plus PNGs.
+
+Reads only the run's files: `metrics/{orchestrator,trainer,sft}.jsonl`, `configs/*.toml` and what
+`asyncrl status` reads. Writes `report.html` (plots embedded as PNG data, viewable offline) and
+`report/<plot>.png` beside it. Several runs: their curves overlaid in one page (an ablation).
+
+Invariants: a step logged twice (a crashed attempt, then a resumed one) counts once, the last row wins;
+a run still going or one that crashed gives what it has (and its errors); a plot whose metrics no run has
+is left out, never drawn empty.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncrl.report.status import status_lines
+from asyncrl.transport.files import write_text_atomic
+from asyncrl.transport.layout import RunLayout
+from asyncrl.utils.errors import UserError
+
+
+@dataclass(frozen=True)
+class Plot:
+    title: str
+    source: str  # metrics file (orchestrator / trainer / sft), `kind` rows after ':' (orchestrator:eval)
+    keys: Callable[[set[str]], list[str]]  # the metric keys to draw, from the keys the rows have
+
+
+def named(*keys: str) -> Callable[[set[str]], list[str]]:
+    return lambda have: [k for k in keys if k in have]
+
+
+def prefixed(prefix: str, suffix: str = "") -> Callable[[set[str]], list[str]]:
+    return lambda have: sorted(k for k in have if k.startswith(prefix) and k.endswith(suffix))
+
+
+def per_env(have: set[str]) -> list[str]:
+    """Each environment's mean reward, when there are several (one is the same curve as reward/mean)."""
+    envs = prefixed("reward/", "/mean")(have)
+    return envs if len(envs) > 1 else []
+
+
+PLOTS = [
+    Plot("reward", "orchestrator:train", lambda have: named("reward/mean")(have) + per_env(have)),
+    Plot("rubric metrics", "orchestrator:train", prefixed("metrics/")),
+    Plot("eval reward by step", "orchestrator:eval", prefixed("eval/reward/")),
+    Plot("off-policy level (steps behind)", "orchestrator:train", named("off_policy/level")),
+    Plot(
+        "orchestrator step time (s)",
+        "orchestrator:train",
+        named("time/step", "time/rollouts", "time/wait_weights", "time/update_weights", "time/pack_write"),
+    ),
+    Plot("generation tokens/s", "orchestrator:train", named("perf/gen_tokens_per_s")),
+    Plot("completion length", "orchestrator:train", named("completion_len/mean", "completion_len/max")),
+    Plot("trainer loss", "trainer", named("loss")),
+    Plot("entropy", "trainer", named("entropy")),
+    Plot("grad norm", "trainer", named("grad_norm")),
+    Plot("mismatch KL (trainer vs inference logprobs)", "trainer", named("mismatch_kl")),
+    Plot("masked fraction", "trainer", named("masked_frac")),
+    Plot("trainer step time (s)", "trainer", named("step_time_s", "wait_s", "publish_s")),
+    Plot("trainer tokens/s", "trainer", named("tokens_per_s")),
+    Plot("SFT loss", "sft", named("loss")),
+    Plot("SFT grad norm", "sft", named("grad_norm")),
+    Plot("SFT tokens/s", "sft", named("tokens_per_s")),
+]
+
+
+def rows_by_step(path: Path, kind: str | None) -> list[dict]:
+    """A metrics file's rows (of `kind`), one per step (the last one logged), by step; unreadable lines skipped."""
+    if not path.exists():
+        return []
+    by_step: dict[int, dict] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if kind is None or row.get("kind", kind) == kind:
+            by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _series(run: Path, plot: Plot) -> dict[str, tuple[list[int], list[float]]]:
+    name, _, kind = plot.source.partition(":")
+    rows = rows_by_step(RunLayout(run).metrics_file(name), kind or None)
+    have = {k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    out = {}
+    for key in plot.keys(have):
+        points = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
+        out[key] = ([s for s, _ in points], [v for _, v in points])
+    return out
+
+
+def render_png(plot: Plot, runs: list[Path]) -> bytes | None:
+    """The plot as PNG bytes, every run's every key a line; None when no run has its metrics."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [(run, key, xy) for run in runs for key, xy in _series(run, plot).items() if xy[0]]
+    if not lines:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.4), dpi=100)
+    for run, key, (x, y) in lines:
+        label = " ".join(p for p in (run.name if len(runs) > 1 else "", key) if p)
+        ax.plot(x, y, marker="o" if len(x) < 30 else None, markersize=3, linewidth=1.4, label=label)
+    ax.set_title(plot.title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if len(lines) > 1:
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_report(runs: list[Path], out: Path | None = None) -> Path:
+    """Write the report of `runs` (default: RUN/report.html for one run, ./report.html for several)."""
+    for run in runs:
+        status_lines(run)  # a dir that is no run: one clear error before anything is written
+    out = out or (runs[0] / "report.html" if len(runs) == 1 else Path("report.html"))
+    pngs = out.parent / out.stem
+    pngs.mkdir(parents=True, exist_ok=True)
+    figures = []
+    for plot in PLOTS:
+        png = render_png(plot, runs)
+        if png is None:
+            continue
+        slug = "".join(c if c.isalnum() else "_" for c in plot.title.lower()).strip("_")
+        (pngs / f"{slug}.png").write_bytes(png)
+        figures.append((plot.title, base64.b64encode(png).decode()))
+    write_text_atomic(out, _page(runs, figures))
+    return out
+
+
+def _page(runs: list[Path], figures: list[tuple[str, str]]) -> str:
+    esc = html.escape
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>asyncrl report: {esc(', '.join(r.name for r in runs))}</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1500px}figure{display:inline-block;margin:.5em}"
+        "pre{background:#f5f5f5;padding:.8em;overflow:auto}</style></head><body>",
+        f"<h1>asyncrl report: {esc(', '.join(str(r) for r in runs))}</h1>",
+    ]
+    for run in runs:
+        parts.append(f"<h2>{esc(str(run))}</h2><pre class='status'>{esc(chr(10).join(status_lines(run)))}</pre>")
+    parts.append("<h2>Curves</h2>" if figures else "<p>No metrics yet: the run has not finished a step.</p>")
+    parts += [
+        f"<figure><img class='plot' alt='{esc(t)}' src='data:image/png;base64,{b64}'><figcaption>{esc(t)}"
+        "</figcaption></figure>"
+        for t, b64 in figures
+    ]
+    for run in runs:
+        configs = sorted(RunLayout(run).configs.glob("*.toml"))
+        parts += [
+            f"<details><summary>{esc(str(c))}</summary><pre>{esc(c.read_text())}</pre></details>" for c in configs
+        ]
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def check_runs(paths: list[str]) -> list[Path]:
+    if not paths:
+        raise UserError("asyncrl report takes one or more run directories, e.g. asyncrl report outputs/demo/rl")
+    return [Path(p) for p in paths]

@@ -1,0 +1,97 @@
+"""`asyncrl report`: a run's curves in one offline HTML page (plus PNGs), on run dirs made here."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from asyncrl.report.report import PLOTS, render_png, rows_by_step, write_report
+from asyncrl.transport.layout import RunLayout
+
+
+def make_run(root, steps: int, reward0: float = 0.2, crashed_at: int | None = None):
+    layout = RunLayout(root)
+    layout.metrics.mkdir(parents=True)
+    layout.logs.mkdir()
+    orch, trainer = [], []
+    for s in range(steps):
+        orch.append(
+            {
+                "step": s,
+                "kind": "train",
+                "reward/mean": reward0 + 0.01 * s,
+                "reward/a/mean": 0.1,
+                "reward/b/mean": 0.3,
+                "off_policy/level": 1,
+                "metrics/a/exact": 0.5,
+                "time/step": 0.4,
+            }
+        )
+        trainer.append({"step": s, "loss": 1.0 / (s + 1), "entropy": 2.0, "grad_norm": 0.5, "tokens_per_s": 900.0})
+    orch.append({"step": 2, "kind": "eval", "eval/reward/mean": 0.4})
+    if crashed_at is not None:  # a crashed attempt logged step 1 once already; the resumed one logs it again
+        orch.insert(crashed_at, {**orch[1], "reward/mean": -5.0})
+    layout.metrics_file("orchestrator").write_text("".join(json.dumps(r) + "\n" for r in orch))
+    layout.metrics_file("trainer").write_text("".join(json.dumps(r) + "\n" for r in trainer) + '{"step": 9, "lo')
+    return root
+
+
+def test_a_step_logged_twice_counts_once_the_last_row_wins(tmp_path):
+    run = make_run(tmp_path / "run", 4, crashed_at=1)
+    rows = rows_by_step(RunLayout(run).metrics_file("orchestrator"), "train")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[1]["reward/mean"] != -5.0
+    assert [r["step"] for r in rows_by_step(RunLayout(run).metrics_file("trainer"), None)] == [0, 1, 2, 3]
+
+
+def test_report_of_a_run_is_one_offline_page_with_every_plot_it_has_data_for(tmp_path):
+    run = make_run(tmp_path / "run", 5)
+    (RunLayout(run).logs / "rl.pid").write_text(
+        json.dumps({"pid": 1, "host": "h", "started": 0, "exit": 2, "error": "trainer died (exit code -9)"})
+    )
+    page = write_report([run]).read_text()
+    titles = re.findall(r"<figcaption>(.*?)</figcaption>", page)
+    assert titles == [
+        "reward",
+        "rubric metrics",
+        "eval reward by step",
+        "off-policy level (steps behind)",
+        "orchestrator step time (s)",
+        "trainer loss",
+        "entropy",
+        "grad norm",
+        "trainer tokens/s",
+    ]
+    assert page.count("src='data:image/png;base64,") == len(titles) and "http" not in page  # nothing to fetch
+    assert "rl: trainer died (exit code -9)" in page  # a crashed run shows its error
+    assert len(list((run / "report").glob("*.png"))) == len(titles)
+
+
+def test_a_plot_without_data_is_left_out_and_an_empty_run_says_so(tmp_path):
+    run = make_run(tmp_path / "run", 0)
+    assert all(render_png(p, [run]) is None for p in PLOTS if p.source != "orchestrator:eval")
+    assert "No metrics yet" not in write_report([run]).read_text()  # the one eval row is a curve
+    (RunLayout(run).metrics_file("orchestrator")).write_text("")
+    assert "No metrics yet" in write_report([run]).read_text()
+
+
+def test_several_runs_are_overlaid_in_one_page(tmp_path):
+    a, b = make_run(tmp_path / "a", 3), make_run(tmp_path / "b", 3, reward0=0.6)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.entrypoints.asyncrl",
+            "report",
+            str(a),
+            str(b),
+            "--out",
+            str(tmp_path / "c.html"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    page = (tmp_path / "c.html").read_text()
+    assert page.count("<pre class='status'>") == 2 and (tmp_path / "c").is_dir()
