@@ -65,6 +65,7 @@ def test_sft_lowers_loss_and_its_weights_serve(tiny_model_dir, reverse_data, tmp
     weights = out / "weights" / "step_16"
     assert (weights / "STABLE").exists() and (weights / "config.json").exists()
     assert "step 15 | loss" in done.stderr
+    assert "<figcaption>SFT loss</figcaption>" in (out / "report.html").read_text()  # sft writes its report
     server = ServerProcess(weights, tmp_path / "serve")
     try:
         reply = server.chat("Reverse the text: hello")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from asyncrl.config.cli import parse_or_exit, run_guarded
 from asyncrl.config.rl import RLConfig, resolve_rl
 from asyncrl.utils.logging import setup_logger
@@ -34,19 +32,9 @@ def main(argv: list[str] | None = None) -> None:
         run_guarded(run)
     finally:  # after run_guarded: rl's own record has its exit by then
         if config.report and not config.bench:
-            _report(config.trainer.output_dir)
+            from asyncrl.report.report import report_at_end
 
-
-def _report(output_dir) -> None:
-    """The run's report, whatever the outcome; a report that cannot be written never hides the run's own error."""
-    from loguru import logger
-
-    from asyncrl.report.report import write_report
-
-    try:
-        logger.info(f"report: {write_report([Path(output_dir)])}")
-    except Exception as e:  # the report is an extra
-        logger.warning(f"no report: {type(e).__name__}: {e}")
+            report_at_end(config.trainer.output_dir)
 
 
 if __name__ == "__main__":

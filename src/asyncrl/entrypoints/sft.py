@@ -5,6 +5,8 @@ FSDP2; `torchrun --nproc-per-node N` for several ranks.
 
 from __future__ import annotations
 
+import os
+
 from asyncrl.config.cli import parse_or_exit, run_guarded
 from asyncrl.config.sft import SFTConfig
 from asyncrl.utils.logging import setup_rank_logger
@@ -21,7 +23,13 @@ def main(argv: list[str] | None = None) -> None:
 
         train_sft(config)
 
-    run_guarded(run)
+    try:
+        run_guarded(run)
+    finally:  # rank 0, after run_guarded: the run record has its exit by then
+        if config.report and not config.bench and int(os.environ.get("RANK", "0")) == 0:
+            from asyncrl.report.report import report_at_end
+
+            report_at_end(config.output_dir)
 
 
 if __name__ == "__main__":

@@ -168,6 +168,17 @@ def _page(runs: list[Path], figures: list[tuple[str, str]]) -> str:
     return "\n".join(parts)
 
 
+def report_at_end(output_dir: str | Path) -> None:
+    """An entrypoint's report of its run, whatever its outcome; one that cannot be written never hides the
+    run's own error (a warning says why)."""
+    from loguru import logger
+
+    try:
+        logger.info(f"report: {write_report([Path(output_dir)])}")
+    except Exception as e:  # the report is an extra
+        logger.warning(f"no report: {type(e).__name__}: {e}")
+
+
 def check_runs(paths: list[str]) -> list[Path]:
     if not paths:
         raise UserError("asyncrl report takes one or more run directories, e.g. asyncrl report outputs/demo/rl")
