@@ -17,4 +17,4 @@ python -m reverse_text --sft-out "$out/reverse_sft.jsonl" --n 10000
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} sft @ examples/reverse_text/sft.toml --max-steps 150
 echo "== 3/3 RL on reverse-text from $out/sft/weights/step_150 -> $out/rl"
 rl @ examples/reverse_text/rl.toml
-echo "== demo done in $(( $(date +%s) - start ))s; try: eval --help, outputs/demo/rl/metrics/*.jsonl"
+echo "== demo done in $(( $(date +%s) - start ))s; look at it: asyncrl status outputs/demo/rl, outputs/demo/rl/report.html"
