@@ -75,6 +75,8 @@ def test_eval_over_two_steps_prints_table_and_writes_results(server, weights, tm
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert list(summary["results"]) == ["base", "step_1", "step_2"]
     assert "exact_match" in summary["results"]["base"]["reverse-text"]["metrics"]
+    page = (tmp_path / "report.html").read_text()  # eval writes the report at the end
+    assert "eval reward by weights step (eval)" in page and "eval step_2, best: reward" in page
 
     # seeded sampling: the answers change only if the server really switched weights
     def answers(label: str) -> list[str]:

@@ -154,6 +154,7 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     )
     page = (out / "report.html").read_text()  # rl writes the report at the end
     assert page.count("<img class='plot'") >= 10 and (out / "report" / "reward.png").is_file()
+    assert f"step {steps - 1}, worst: reward" in page and "step 0, best: reward" in page  # sample completions
 
     resumed = run_rl(rl_args(warm_model, out, steps + 2, free_port()) + ["--ckpt.resume-step", str(steps)])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

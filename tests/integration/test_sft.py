@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,21 @@ def sft_args(model_dir: Path, data: Path, out: Path, steps: int, *extra: str) ->
 
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics" / "sft.jsonl").read_text().splitlines()]
+
+
+def test_a_terminal_gets_a_live_bar_and_a_pipe_plain_lines(tiny_model_dir, reverse_data, tmp_path, monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("ASYNCRL_PROGRESS", "auto")
+    monkeypatch.setenv("COLUMNS", "150")
+    cmd = SFT + sft_args(tiny_model_dir, reverse_data, tmp_path / "tty", 4, "--no-report")
+    on_tty = subprocess.run(["script", "-qfec", shlex.join(cmd), "/dev/null"], capture_output=True, text=True)
+    assert on_tty.returncode == 0, on_tty.stdout[-3000:]
+    assert "4/4" in on_tty.stdout and "━" in on_tty.stdout and "tok/s" in on_tty.stdout  # the bar, at its end
+    assert "step 3 | loss" in on_tty.stdout and "SFT done after 4 steps" in on_tty.stdout  # the log lines too
+    cmd = SFT + sft_args(tiny_model_dir, reverse_data, tmp_path / "pipe", 4, "--no-report")
+    piped = subprocess.run(cmd, capture_output=True, text=True)
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert "step 3 | loss" in piped.stderr and "━" not in piped.stderr + piped.stdout  # plain lines only
 
 
 def test_sft_lowers_loss_and_its_weights_serve(tiny_model_dir, reverse_data, tmp_path):

@@ -95,3 +95,60 @@ def test_several_runs_are_overlaid_in_one_page(tmp_path):
     assert done.returncode == 0, done.stderr
     page = (tmp_path / "c.html").read_text()
     assert page.count("<pre class='status'>") == 2 and (tmp_path / "c").is_dir()
+
+
+def _sample(reward: float, text: str) -> dict:
+    return {"env": "a", "example_id": 7, "reward": reward, "advantage": 0.0, "prompt": "[user] hi", "completion": text}
+
+
+def test_samples_of_the_first_and_last_step_best_and_worst(tmp_path):
+    from asyncrl.orchestrator.metrics import log_samples
+    from asyncrl.orchestrator.samples import Rollout
+
+    run = make_run(tmp_path / "run", 3)
+    layout = RunLayout(run)
+    for step in range(3):
+        rollouts = [Rollout("a", i, reward=0.1 * i + step, text=f"<s{step} r{i}>") for i in range(4)]
+        log_samples(layout.samples, step, rollouts)
+    log_samples(layout.samples, 2, [])  # nothing valid: no row
+    page = write_report([run]).read_text()
+    shown = re.findall(r"<h3>(.*?): reward", page)
+    assert shown == ["step 0, best", "step 0, worst", "step 2, best", "step 2, worst"]
+    assert "&lt;s0 r3&gt;" in page and "&lt;s0 r0&gt;" in page and "&lt;s2 r3&gt;" in page  # escaped text
+    assert "s1 r" not in page
+
+
+def test_eval_dir_report_has_reward_by_weights_step_and_its_samples(tmp_path):
+    run = tmp_path / "evalrun"
+    layout = RunLayout(run)
+    layout.metrics.mkdir(parents=True)
+    rows = [{"step": s, "label": lbl, "eval/a/reward_mean": r} for s, lbl, r in [(0, "base", 0.1), (5, "step_5", 0.6)]]
+    layout.metrics_file("eval").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "eval").mkdir()
+    rollouts = [
+        {
+            "label": lbl,
+            "env": "a",
+            "example_id": i,
+            "reward": r,
+            "prompt": [{"role": "user", "content": "q"}],
+            "completion_text": f"answer {lbl} {r}",
+            "error": err,
+        }
+        for lbl, i, r, err in [
+            ("base", 0, 0.0, None),
+            ("base", 1, 1.0, None),
+            ("base", 2, 9.0, "boom"),
+            ("step_5", 0, 0.5, None),
+        ]
+    ]
+    (run / "eval" / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollouts))
+    page = write_report([run]).read_text()
+    assert "<figcaption>eval reward by weights step (eval)</figcaption>" in page
+    assert re.findall(r"<h3>(.*?)</h3>", page) == [
+        "eval base, best: reward 1.000 (a, example 1)",
+        "eval base, worst: reward 0.000 (a, example 0)",
+        "eval step_5, best: reward 0.500 (a, example 0)",
+        "eval step_5, worst: reward 0.500 (a, example 0)",
+    ]
+    assert "[user] q" in page and "answer base 1.0" in page and "9.0" not in page  # a failed rollout is no sample

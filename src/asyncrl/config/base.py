@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -78,3 +78,8 @@ class BenchDataConfig(BaseConfig):
 
 def default_output_dir() -> Path:
     return Path("outputs")
+
+
+def report_field() -> Any:
+    """`report` of the entrypoints that write a run report when they end (`--no-report` turns it off)."""
+    return Field(True, description="write {output_dir}/report.html at the end, done or failed (asyncrl report)")

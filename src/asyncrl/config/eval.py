@@ -8,7 +8,7 @@ from typing import ClassVar
 from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config import loader
-from asyncrl.config.base import BaseConfig, LogConfig, ModelConfig, WandbConfig, default_output_dir
+from asyncrl.config.base import BaseConfig, LogConfig, ModelConfig, WandbConfig, default_output_dir, report_field
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
 
 # the seeds' `--benchmarks math500,aime24,aime25` names the AIME environments the older way
@@ -54,6 +54,7 @@ class EvalConfig(EnvRunConfig):
     eval_base: bool = Field(True, description="also evaluate the base model (with weights_dir)")
     output_dir: Path = Field(default_factory=default_output_dir, description="results go to {output_dir}/eval")
     wandb: WandbConfig | None = Field(None, description="W&B logging (off unless set)")
+    report: bool = report_field()
 
     @model_validator(mode="after")
     def _steps_need_dir(self) -> EvalConfig:

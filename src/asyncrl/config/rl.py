@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 
 from asyncrl.bench import job as bench_job
 from asyncrl.config import loader
-from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, ModelConfig, WandbConfig
+from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, ModelConfig, WandbConfig, report_field
 from asyncrl.config.inference import InferenceConfig, chosen_backend
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.trainer import TrainerConfig
@@ -55,7 +55,7 @@ class RLConfig(BaseConfig):
         "pinned (split, each on its own cores), shared (every core to both, time-sharing)",
     )
     exp_id: str | None = Field(None, description="experiment id: runs in {output_dir}/{exp_id}, side by side")
-    report: bool = Field(True, description="write {output_dir}/report.html at the end, done or failed (asyncrl report)")
+    report: bool = report_field()
     bench: bool = Field(
         False,
         description="benchmark: run the tiny-Qwen3 reverse-text job on a model it warms itself, print s/step, "

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, WandbConfig, default_output_dir
+from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, WandbConfig, default_output_dir, report_field
 from asyncrl.config.trainer import OptimConfig, SchedulerConfig, TokenizerConfig, TrainerModelConfig
 
 
@@ -55,7 +55,7 @@ class SFTConfig(BaseConfig):
     output_dir: Path = Field(default_factory=default_output_dir, description="where weights/, checkpoints/, logs/ go")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda if available, else cpu (gloo)")
     seed: int = Field(0, description="random seed")
-    report: bool = Field(True, description="write {output_dir}/report.html at the end, done or failed (asyncrl report)")
+    report: bool = report_field()
     bench: bool = Field(
         False, description="benchmark a few steps and print throughput/MFU (fake data unless data.name)"
     )

@@ -18,7 +18,13 @@ def main(argv: list[str] | None = None) -> None:
 
         run_eval(config)
 
-    run_guarded(run)
+    try:
+        run_guarded(run)
+    finally:  # after run_guarded: the run record has its exit by then
+        if config.report:
+            from asyncrl.report.report import report_at_end
+
+            report_at_end(config.output_dir)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from asyncrl.orchestrator.envs import (
     verifiers_run_group,
 )
 from asyncrl.utils.errors import UserError
+from asyncrl.utils.progress import Bar
 
 PLAIN_CLIENT = "openai_chat_completions"
 # verifiers errors caused by the model's own answer (empty, unparsable, too long): the rollout did run
@@ -121,7 +122,7 @@ async def check_server(cfg: ClientConfig, model: str, wait: float) -> None:
         headers["Authorization"] = f"Bearer {key}"
     url = cfg.url.rstrip("/") + "/models"
     deadline = time.monotonic() + wait
-    last = ""
+    last, said = "", False
     async with httpx.AsyncClient(headers=headers, timeout=10.0) as http:
         while True:
             try:
@@ -143,6 +144,9 @@ async def check_server(cfg: ClientConfig, model: str, wait: float) -> None:
                 return
             if time.monotonic() >= deadline:
                 raise UserError(f"no OpenAI-compatible server reachable at {cfg.url} ({last}); {start_hint(cfg.url)}")
+            if not said:
+                said = True
+                logger.info(f"waiting up to {wait:.0f}s for the server at {cfg.url} ({last})")
             await asyncio.sleep(1.0)
 
 
@@ -201,11 +205,12 @@ async def run_jobs(
     """
     limit = max_concurrent or DEFAULT_MAX_CONCURRENT
     sem = asyncio.Semaphore(max(1, limit // max(1, max((j.n for j in jobs), default=1))))
-    done = 0
+    done = rollouts = failed = 0
+    reward_sum = 0.0
     start = time.monotonic()
 
     async def one(job: Job) -> list[RolloutRecord]:
-        nonlocal done
+        nonlocal done, rollouts, failed, reward_sum
         async with sem:
             try:
                 outputs = await run_group(job.slot, group_inputs(job.row, job.n), args)
@@ -223,11 +228,15 @@ async def run_jobs(
             if asyncio.iscoroutine(result):
                 await result
         done += 1
+        reward_sum += sum(r.reward for r in records if r.ok)  # a failed rollout counts 0, as in `summarize`
+        rollouts, failed = rollouts + len(records), failed + sum(not r.ok for r in records)
+        bar.update(done, reward=reward_sum / max(rollouts, 1), errors=failed or None)
         if done * 10 // len(jobs) > (done - 1) * 10 // len(jobs):  # every 10%
             logger.info(f"{done}/{len(jobs)} examples done ({time.monotonic() - start:.1f}s)")
         return records
 
-    results = await asyncio.gather(*(one(j) for j in jobs))
+    with Bar("examples", len(jobs)) as bar:
+        results = await asyncio.gather(*(one(j) for j in jobs))
     return [r for rs in results for r in rs]
 
 

@@ -3,7 +3,8 @@
 Each child gets its resolved config as a TOML file under `{output_dir}/configs/`, runs in its own process
 group (so torchrun's workers die with it), and writes `{output_dir}/logs/<component>.log` itself; the
 launcher adds `<component>.stdout` with whatever a child prints. The trainer's console is streamed, and
-the launcher prints one line per step from the orchestrator's metrics (`metrics_tailer`). Which GPUs
+the launcher prints one line per step from the orchestrator's metrics (`tailer`) and, on a terminal, a live
+progress bar under them (then the trainer's console goes through a pipe, so nothing draws over it). Which GPUs
 or threads each child gets is `placement`'s; where files go is `transport.layout`'s. Before any child
 starts, batches and weights an earlier attempt left past the start step are removed. If any child dies,
 the others are stopped and the launcher names the dead one with the end of its log.
@@ -15,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +30,22 @@ from asyncrl.launcher.tailer import StepTailer
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
 from asyncrl.utils import runstate
 from asyncrl.utils.errors import UserError
-from asyncrl.utils.process import ChildExited, answers, free_port, spawn, stop_groups, tail, wait_for_http
+from asyncrl.utils.process import (
+    PIPED,
+    ChildExited,
+    answers,
+    copy_lines,
+    free_port,
+    spawn,
+    stop_groups,
+    tail,
+    wait_for_http,
+)
+from asyncrl.utils.progress import Bar
 
 HEALTH_TIMEOUT_S = 900.0
 STOP_GRACE_S = 10.0
+QUIET_S = 120.0  # no step for this long: say what the run is doing (the orchestrator's last log line)
 
 
 @dataclass
@@ -50,6 +64,8 @@ class Launcher:
         self.placement = Placement(config)
         self.children: list[Child] = []
         self.steps = StepTailer(self.layout.metrics_file("orchestrator"))
+        self.bar = Bar("rl", config.trainer.max_steps)
+        self.last_news = time.monotonic()
 
     # ------------------------------------------------------------ start
 
@@ -74,7 +90,10 @@ class Launcher:
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str], stream: bool = False) -> Child:
         stdout_path, log_path = self.layout.log_file(name, ".stdout"), self.layout.log_file(name)
         logger.info(f"starting {name}: {' '.join(cmd)}")
-        child = Child(name, spawn(cmd, None if stream else stdout_path, env), stdout_path, log_path)
+        out = (PIPED if self.bar.enabled else None) if stream else stdout_path
+        child = Child(name, spawn(cmd, out, env), stdout_path, log_path)
+        if out is PIPED:
+            threading.Thread(target=copy_lines, args=(child.proc.stdout,), daemon=True).start()
         cores = self.placement.affinity(name)
         if cores is not None:  # right after exec, before its Python starts a thread: every thread inherits it
             os.sched_setaffinity(child.proc.pid, cores)
@@ -93,6 +112,7 @@ class Launcher:
                 f"no inference server answers at {url}; start one (`inference --model.name ...`) "
                 "or add an [inference] section so rl starts it"
             )
+        self.bar.waiting(f"the inference server at {self._server_url()} (start, model load)")
         try:
             waited = wait_for_http(url, HEALTH_TIMEOUT_S, server.proc if server else None)
         except ChildExited:
@@ -146,6 +166,9 @@ class Launcher:
             self.placement.orchestrator_env(),
         )
         self._spawn("trainer", self._trainer_cmd(paths["trainer"]), self.placement.trainer_env(), stream=True)
+        self.bar.done = self._start_step()
+        self.bar.waiting(f"step {self.bar.done}: its rollouts (the trainer loads the model meanwhile)")
+        self.last_news = time.monotonic()
 
     # ------------------------------------------------------------ supervise
 
@@ -158,10 +181,22 @@ class Launcher:
             f"{child.name} died (exit code {code}); last lines of " + ("\n".join(logs) or "its logs: (none)")
         )
 
+    def _show_progress(self) -> None:
+        row = self.steps.poll()
+        now = time.monotonic()
+        if row is not None:
+            self.last_news = now
+            fields = {"reward": row["reward/mean"], "off-policy": row.get("off_policy/level")}
+            self.bar.update(row["step"] + 1, **fields, **{"gen tok/s": row.get("perf/gen_tokens_per_s")})
+        elif now - self.last_news > QUIET_S:
+            self.last_news = now
+            last = tail(self.layout.log_file("orchestrator"), lines=1).strip()
+            self.bar.waiting(f"step {self.bar.done} (none for {QUIET_S:.0f}s; orchestrator's last line: {last})")
+
     def supervise(self) -> None:
         finished: set[str] = set()
         while True:
-            self.steps.poll()
+            self._show_progress()
             for child in self.children:
                 code = child.proc.poll()
                 if code is None or child.name in finished:
@@ -196,8 +231,9 @@ def launch(config: RLConfig) -> None:
 
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
-        launcher.start()
-        launcher.supervise()
+        with launcher.bar:
+            launcher.start()
+            launcher.supervise()
         print(launcher.summary(time.monotonic() - start), flush=True)
     finally:
         launcher.stop()

@@ -17,12 +17,15 @@ class StepTailer:
         self.pos = path.stat().st_size if path.exists() else 0
         self.rewards: list[tuple[int, float]] = []
 
-    def poll(self) -> None:
-        """Print a line for every training step logged since the last poll."""
+    def poll(self) -> dict | None:
+        """Print a line for every training step logged since the last poll; the last one, or None."""
+        last = None
         for row in self._new_rows():
             if row.get("kind", "train") == "train" and "reward/mean" in row and "step" in row:
                 self.rewards.append((row["step"], row["reward/mean"]))
                 print(step_line(row), flush=True)
+                last = row
+        return last
 
     def summary(self, elapsed: float, weights: Path) -> str:
         if not self.rewards:

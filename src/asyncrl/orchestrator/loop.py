@@ -30,7 +30,7 @@ from asyncrl.orchestrator.envs import (
 )
 from asyncrl.orchestrator.evaluation import evaluate_policy
 from asyncrl.orchestrator.gating import Policy, PolicyGate, checkpoint_policy
-from asyncrl.orchestrator.metrics import group_metrics, log_extras, log_step, rollout_metrics
+from asyncrl.orchestrator.metrics import group_metrics, log_extras, log_samples, log_step, rollout_metrics
 from asyncrl.orchestrator.packing import PackItem, PackStats, pack
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts
 from asyncrl.orchestrator.samples import TrajectoryConverter
@@ -213,6 +213,8 @@ class Orchestrator:
             )
         self._warn_context_full(step, record["context_full/frac"])
         log_extras(self.sink, step, used)
+        if self.sink.enabled:
+            log_samples(self.layout.samples, step, used)
         cfg = self.config.ckpt
         if cfg is not None and (p.step % cfg.interval == 0 or p.step == self.config.max_steps):
             path = ckpt.save(self.layout, p, self.collector.buffer)

@@ -1,13 +1,16 @@
 """Orchestrator metrics: per-step statistics of rollout groups, and where they are written.
 
 Each record goes to `{output_dir}/metrics/orchestrator.jsonl` (one JSON object per line, with
-`kind` = "train" or "eval"), to loguru as one console line, and to W&B when configured.
+`kind` = "train" or "eval"), to loguru as one console line, and to W&B when configured. Each step's
+best and worst rollout (prompt, completion, reward) go to `{output_dir}/samples.jsonl` for the report.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from loguru import logger
@@ -87,6 +90,27 @@ def log_extras(sink: MetricsSink, step: int, rollouts: list[Rollout]) -> None:
                 "dist/completion_len": [r.completion_len for r in rollouts],
             },
         )
+
+
+def log_samples(path: Path, step: int, rollouts: list[Rollout]) -> None:
+    """Append the step's best and worst rollout to `path` (one JSON row; a resumed step's row comes later)."""
+    if not rollouts:
+        return
+    best, worst = max(rollouts, key=lambda r: r.reward), min(rollouts, key=lambda r: r.reward)
+    row = {"step": step, "best": _sample(best), "worst": _sample(worst)}
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _sample(r: Rollout) -> dict[str, Any]:
+    return {
+        "env": r.env,
+        "example_id": r.example_id,
+        "reward": r.reward,
+        "advantage": r.advantage,
+        "prompt": r.prompt_text,
+        "completion": r.text,
+    }
 
 
 def console_line(r: dict[str, Any]) -> str:

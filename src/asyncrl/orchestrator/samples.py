@@ -50,7 +50,8 @@ class Rollout:
     context_full: bool = False  # ended because the next turn's prompt + max_tokens exceeded the context
     error: str | None = None
     advantage: float = 0.0
-    text: str = ""  # the completion's messages as text (for W&B sample tables), clipped
+    text: str = ""  # the completion's messages as text (for W&B sample tables and the report), clipped
+    prompt_text: str = ""  # the prompt's messages as text, clipped
 
     @property
     def ok(self) -> bool:
@@ -83,7 +84,8 @@ class TrajectoryConverter:
         rollout.metrics = {k: float(v) for k, v in (output.get("metrics") or {}).items() if _is_number(v)}
         rollout.is_truncated = bool(output.get("is_truncated", False))
         rollout.context_full = output.get("stop_condition") == "prompt_too_long"
-        rollout.text = _completion_text(output.get("completion"))
+        rollout.text = _messages_text(output.get("completion"))
+        rollout.prompt_text = _messages_text(output.get("prompt"), limit=1000)
         try:
             steps = [_step_tokens(step) for step in output.get("trajectory") or []]
             if not steps:
@@ -169,11 +171,11 @@ def _output_error(output: Mapping[str, Any]) -> str | None:
     return str(error)
 
 
-def _completion_text(completion: Any, limit: int = 2000) -> str:
-    if isinstance(completion, str):
-        return completion[:limit]
+def _messages_text(messages: Any, limit: int = 2000) -> str:
+    if isinstance(messages, str):
+        return messages[:limit]
     parts = []
-    for message in completion or []:
+    for message in messages or []:
         get = message.get if isinstance(message, Mapping) else lambda k, m=message: getattr(m, k, None)
         parts.append(
             f"[{get('role')}] {get('content') or ''}{' ' + str(get('tool_calls')) if get('tool_calls') else ''}"

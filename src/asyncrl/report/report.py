@@ -1,8 +1,9 @@
 """`asyncrl report RUN_DIR [RUN_DIR ...]`: a run's curves as one self-contained HTML page, plus PNGs.
 
-Reads only the run's files: `metrics/{orchestrator,trainer,sft}.jsonl`, `configs/*.toml` and what
-`asyncrl status` reads. Writes `report.html` (plots embedded as PNG data, viewable offline) and
-`report/<plot>.png` beside it. Several runs: their curves overlaid in one page (an ablation).
+Reads only the run's files: `metrics/{orchestrator,trainer,sft,eval}.jsonl`, the sample completions
+(`samples.jsonl` of `rl`, `eval/rollouts.jsonl` of `eval`), `configs/*.toml` and what `asyncrl status`
+reads. Writes `report.html` (plots embedded as PNG data, viewable offline) and `report/<plot>.png` beside it.
+Several runs: their curves overlaid in one page (an ablation).
 
 Invariants: a step logged twice (a crashed attempt, then a resumed one) counts once, the last row wins;
 a run still going or one that crashed gives what it has (and its errors); a plot whose metrics no run has
@@ -42,7 +43,7 @@ def prefixed(prefix: str, suffix: str = "") -> Callable[[set[str]], list[str]]:
 
 def per_env(have: set[str]) -> list[str]:
     """Each environment's mean reward, when there are several (one is the same curve as reward/mean)."""
-    envs = prefixed("reward/", "/mean")(have)
+    envs = [k for k in prefixed("reward/", "/mean")(have) if k != "reward/mean"]
     return envs if len(envs) > 1 else []
 
 
@@ -65,6 +66,7 @@ PLOTS = [
     Plot("masked fraction", "trainer", named("masked_frac")),
     Plot("trainer step time (s)", "trainer", named("step_time_s", "wait_s", "publish_s")),
     Plot("trainer tokens/s", "trainer", named("tokens_per_s")),
+    Plot("eval reward by weights step (eval)", "eval", prefixed("eval/", "/reward_mean")),
     Plot("SFT loss", "sft", named("loss")),
     Plot("SFT grad norm", "sft", named("grad_norm")),
     Plot("SFT tokens/s", "sft", named("tokens_per_s")),
@@ -147,18 +149,25 @@ def _page(runs: list[Path], figures: list[tuple[str, str]]) -> str:
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>asyncrl report: {esc(', '.join(r.name for r in runs))}</title>",
-        "<style>body{font-family:sans-serif;margin:2em;max-width:1500px}figure{display:inline-block;margin:.5em}"
-        "pre{background:#f5f5f5;padding:.8em;overflow:auto}</style></head><body>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1500px}"
+        ".plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(520px,1fr));gap:1em}"
+        "figure{margin:0}img.plot{width:100%;height:auto}figcaption{font-size:.8em;color:#777}"
+        "pre{background:#f5f5f5;padding:.8em;overflow:auto;white-space:pre-wrap;max-height:20em}"
+        ".sample h3{font-size:1em;margin-bottom:.2em}pre.prompt{color:#555}</style></head><body>",
         f"<h1>asyncrl report: {esc(', '.join(str(r) for r in runs))}</h1>",
     ]
     for run in runs:
         parts.append(f"<h2>{esc(str(run))}</h2><pre class='status'>{esc(chr(10).join(status_lines(run)))}</pre>")
     parts.append("<h2>Curves</h2>" if figures else "<p>No metrics yet: the run has not finished a step.</p>")
+    parts.append("<div class='plots'>")
     parts += [
         f"<figure><img class='plot' alt='{esc(t)}' src='data:image/png;base64,{b64}'><figcaption>{esc(t)}"
         "</figcaption></figure>"
         for t, b64 in figures
     ]
+    parts.append("</div>")
+    for run in runs:
+        parts += _samples(run, len(runs) > 1)
     for run in runs:
         configs = sorted(RunLayout(run).configs.glob("*.toml"))
         parts += [
@@ -166,6 +175,53 @@ def _page(runs: list[Path], figures: list[tuple[str, str]]) -> str:
         ]
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _samples(run: Path, named_run: bool) -> list[str]:
+    """Completions of the first and the last step (RL) or weights step (eval): the best and the worst by reward."""
+    picks = [(f"step {r['step']}", r["best"], r["worst"]) for r in _ends(rows_by_step(RunLayout(run).samples, None))]
+    evals = _eval_rows(run / "eval" / "rollouts.jsonl")
+    for label in _ends(list(evals)):
+        ok = evals[label]
+        picks.append((f"eval {label}", max(ok, key=lambda r: r["reward"]), min(ok, key=lambda r: r["reward"])))
+    if not picks:
+        return []
+    esc = html.escape
+    out = [f"<h2>Samples{esc(' of ' + str(run)) if named_run else ''}</h2>"]
+    for where, best, worst in picks:
+        for which, s in (("best", best), ("worst", worst)):
+            out.append(
+                f"<div class='sample'><h3>{esc(where)}, {which}: reward {s['reward']:.3f} ({esc(s['env'])}, "
+                f"example {s['example_id']})</h3><pre class='prompt'>{esc(s.get('prompt') or '')}</pre>"
+                f"<pre class='completion'>{esc(s.get('completion') or '')}</pre></div>"
+            )
+    return out
+
+
+def _ends(items: list) -> list:
+    return items[:1] + items[-1:] if len(items) > 1 else items
+
+
+def _eval_rows(path: Path) -> dict[str, list[dict]]:
+    """`eval`'s rollouts that did not fail, by target label, in the order they were evaluated."""
+    by_label: dict[str, list[dict]] = {}
+    if not path.exists():
+        return by_label
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if not row.get("error"):
+            text = row.get("prompt")
+            row["prompt"] = text if isinstance(text, str) else _messages(text)
+            row["completion"] = row.get("completion_text", "")
+            by_label.setdefault(row["label"], []).append(row)
+    return by_label
+
+
+def _messages(messages: list | None) -> str:
+    return "\n".join(f"[{m.get('role')}] {m.get('content') or ''}" for m in messages or [] if isinstance(m, dict))
 
 
 def report_at_end(output_dir: str | Path) -> None:

@@ -40,6 +40,7 @@ from asyncrl.trainer.perf import FlopModel, bench_summary, mfu, peak_flops, peak
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.monitor import MetricsSink
+from asyncrl.utils.progress import Bar
 
 BENCH_STEPS = 5  # --bench without --max-steps: one warm-up step + four timed ones
 
@@ -274,18 +275,20 @@ class TrainSession:
     def run(self) -> list[dict]:
         step = self._resume()
         history: list[dict] = []
-        while self.max_steps is None or step < self.max_steps:
-            metrics = self.train_step(step)
-            if metrics is None:
-                break
-            step += 1
-            final = step == self.max_steps or self.loop.exhausted()
-            if not self.config.bench:
-                metrics.update(self.loop.end_step(step, final))
-            self._log(step - 1, metrics)
-            history.append(metrics)
-            if final:
-                break
+        with Bar(self.loop.metrics_name, self.loop.planned_steps(), step, enabled=self.ctx.is_main) as bar:
+            while self.max_steps is None or step < self.max_steps:
+                metrics = self.train_step(step)
+                if metrics is None:
+                    break
+                step += 1
+                final = step == self.max_steps or self.loop.exhausted()
+                if not self.config.bench:
+                    metrics.update(self.loop.end_step(step, final))
+                self._log(step - 1, metrics)
+                bar.update(step, loss=metrics.get("loss"), **{"tok/s": metrics.get("tokens_per_s")})
+                history.append(metrics)
+                if final:
+                    break
         self._close(history, step)
         return history
 

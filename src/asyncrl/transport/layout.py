@@ -83,6 +83,7 @@ class RunLayout:
         self.logs = self.root / "logs"
         self.metrics = self.root / "metrics"
         self.configs = self.root / "configs"
+        self.samples = self.root / "samples.jsonl"  # each step's best and worst rollout, for the run report
 
     def log_file(self, component: str, suffix: str = ".log") -> Path:
         return self.logs / f"{component}{suffix}"

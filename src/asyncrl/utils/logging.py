@@ -20,8 +20,8 @@ def setup_logger(
     """Route loguru to stderr and to `{output_dir}/logs/{component}.log`; returns the log file path."""
     logger.remove()
     logger.configure(extra={"component": component})
-    if console:
-        logger.add(sys.stderr, level=level.upper(), format=_FORMAT, colorize=None)
+    if console:  # whatever sys.stderr is when a line is written: a live progress bar prints log lines above itself
+        logger.add(_to_stderr, level=level.upper(), format=_FORMAT, colorize=sys.stderr.isatty())
     path = None
     if to_file and output_dir is not None:
         path = RunLayout(output_dir).log_file(component)
@@ -29,6 +29,10 @@ def setup_logger(
         logger.add(path, level=level.upper(), format=_FORMAT, colorize=False, enqueue=False)
         runstate.register(component, output_dir)
     return path
+
+
+def _to_stderr(message: str) -> None:
+    sys.stderr.write(message)
 
 
 def setup_rank_logger(component: str, output_dir: str | Path, level: str = "info", to_file: bool = True):

@@ -2,10 +2,10 @@
 
 Every child is spawned in its own session, so it leads its own process group: stopping the group
 reaches whatever the child started (torchrun workers, vLLM engine cores) even after the child itself
-has exited. A child's stdout and stderr are appended to its log file (or inherited when it has none),
-and its stdin is closed. Waiting for a server fails early, with the end of its log, when the process
-dies, and names the URL it waited for when it times out; `serve` does both and never leaves a server
-that did not come up running.
+has exited. A child's stdout and stderr are appended to its log file (or inherited when it has none, or
+sent through a pipe that `copy_lines` copies), and its stdin is closed. Waiting for a server fails early,
+with the end of its log, when the process dies, and names the URL it waited for when it times out; `serve`
+does both and never leaves a server that did not come up running.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -36,15 +38,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PIPED = Path("|")  # `spawn`'s log: stdout + stderr to a pipe (`proc.stdout`), e.g. for `copy_lines`
+
+
 def spawn(cmd: Sequence[str], log: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `cmd` in a new session; stdout + stderr are appended to `log` (None: inherited)."""
-    if log is None:
-        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    """Start `cmd` in a new session; stdout + stderr are appended to `log` (None: inherited; PIPED: a pipe)."""
+    if log is None or log is PIPED:
+        out, err = (None, None) if log is None else (subprocess.PIPE, subprocess.STDOUT)
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as sink:  # the child holds its own copy of the descriptor
         return subprocess.Popen(
             cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
+
+
+def copy_lines(stream: IO[bytes]) -> None:
+    """Copy a child's output to this process's current stdout, line by line, until the child closes it."""
+    for line in iter(stream.readline, b""):
+        sys.stdout.write(line.decode(errors="replace"))
+        sys.stdout.flush()
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:
