@@ -11,4 +11,12 @@ if [ "${ASYNCRL_SKIP_VLLM:-0}" != 1 ]; then
     echo "warning: could not install the vLLM env; the vllm-marked tests will be skipped"
   fi
 fi
+# The report's browser test needs headless Chromium (Debian package chromium, installed as root).
+# ASYNCRL_SKIP_BROWSER=1 skips installing it (without chromium that test skips); where it cannot be installed, CI fails.
+if [ "${ASYNCRL_SKIP_BROWSER:-0}" != 1 ]; then
+  if ! bash scripts/install_browser.sh; then
+    [ "${CI:-}" = true ] && { echo "error: installing chromium failed"; exit 1; }
+    echo "warning: could not install chromium; the report's browser test will be skipped"
+  fi
+fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

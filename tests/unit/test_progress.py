@@ -5,7 +5,6 @@ import json
 import os
 import pty
 import sys
-import time
 
 import pytest
 
@@ -79,7 +78,6 @@ def test_bar_draws_under_the_log_lines_on_a_terminal(terminal, tmp_path, monkeyp
         from loguru import logger
 
         logger.info("a log line during the bar")
-        time.sleep(0.6)  # one refresh
     monkeypatch.undo()
     logger.remove()  # setup_logger's sinks; back to loguru's default
     logger.add(sys.stderr)

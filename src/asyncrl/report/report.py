@@ -117,7 +117,7 @@ def render_png(plot: Plot, runs: list[Path]) -> bytes | None:
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     if len(lines) > 1:
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -151,10 +151,12 @@ def _page(runs: list[Path], figures: list[tuple[str, str]]) -> str:
         f"<title>asyncrl report: {esc(', '.join(r.name for r in runs))}</title>",
         "<style>body{font-family:sans-serif;margin:2em;max-width:1500px}"
         ".plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(520px,1fr));gap:1em}"
-        "figure{margin:0}img.plot{width:100%;height:auto}figcaption{font-size:.8em;color:#777}"
+        "figure{margin:0}img.plot{width:100%;height:auto}"
+        "figcaption{position:absolute;left:-9999px}"  # the title is in the image; the caption is for screen readers
         "pre{background:#f5f5f5;padding:.8em;overflow:auto;white-space:pre-wrap;max-height:20em}"
-        ".sample h3{font-size:1em;margin-bottom:.2em}pre.prompt{color:#555}</style></head><body>",
-        f"<h1>asyncrl report: {esc(', '.join(str(r) for r in runs))}</h1>",
+        ".sample{border-left:4px solid #bbb;padding-left:.8em;margin:1em 0}.sample h3{font-size:1em;margin:.2em 0}"
+        ".sample h4{font-size:.8em;color:#777;margin:.4em 0 0}pre.prompt{color:#555}</style></head><body>",
+        f"<h1>asyncrl report: {esc(', '.join(r.name for r in runs))}</h1>",
     ]
     for run in runs:
         parts.append(f"<h2>{esc(str(run))}</h2><pre class='status'>{esc(chr(10).join(status_lines(run)))}</pre>")
@@ -168,11 +170,12 @@ def _page(runs: list[Path], figures: list[tuple[str, str]]) -> str:
     parts.append("</div>")
     for run in runs:
         parts += _samples(run, len(runs) > 1)
-    for run in runs:
-        configs = sorted(RunLayout(run).configs.glob("*.toml"))
-        parts += [
-            f"<details><summary>{esc(str(c))}</summary><pre>{esc(c.read_text())}</pre></details>" for c in configs
-        ]
+    configs = [(run, c) for run in runs for c in sorted(RunLayout(run).configs.glob("*.toml"))]
+    parts.append("<h2>Resolved configs</h2>" if configs else "")
+    parts += [
+        f"<details><summary>{esc(str(c.relative_to(run.parent)))}</summary><pre>{esc(c.read_text())}</pre></details>"
+        for run, c in configs
+    ]
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -192,8 +195,8 @@ def _samples(run: Path, named_run: bool) -> list[str]:
         for which, s in (("best", best), ("worst", worst)):
             out.append(
                 f"<div class='sample'><h3>{esc(where)}, {which}: reward {s['reward']:.3f} ({esc(s['env'])}, "
-                f"example {s['example_id']})</h3><pre class='prompt'>{esc(s.get('prompt') or '')}</pre>"
-                f"<pre class='completion'>{esc(s.get('completion') or '')}</pre></div>"
+                f"example {s['example_id']})</h3><h4>prompt</h4><pre class='prompt'>{esc(s.get('prompt') or '')}</pre>"
+                f"<h4>completion</h4><pre class='completion'>{esc(s.get('completion') or '')}</pre></div>"
             )
     return out
 

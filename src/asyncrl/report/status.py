@@ -55,11 +55,14 @@ def _component_line(layout: RunLayout, name: str, max_steps: int | None, attempt
     row = last_row(layout.metrics_file(name), kind="train")
     parts = [f"  {name:<13} {state:<22}"]
     if row:
-        parts.append(f"step {row['step']}" + (f"/{max_steps}" if max_steps else ""))
+        of = f"/{max_steps}" if max_steps and name in STEPPED else ""  # eval's steps are weights steps
+        parts.append(f"step {row['step']}{of}")
         parts += [f"{label} {fmt.format(row[key])}" for key, label, fmt in SHOWN if row.get(key) is not None]
         parts.append(f"({_ago(row.get('time'))})")
     return "  ".join(parts).rstrip()
 
+
+STEPPED = ("orchestrator", "trainer", "sft")  # the processes that count steps up to max_steps
 
 SHOWN = [  # metrics shown per component when present: key, label, format
     ("reward/mean", "reward", "{:.3f}"),

@@ -5,7 +5,8 @@ step, an example group) shows done/total, elapsed time, ETA and the fields; `bar
 loop waits for (server start, model load, a step's rollouts) until the next update, and logs it once.
 
 The bar is drawn when stderr is a terminal and CI is not set (`ASYNCRL_PROGRESS=bar` forces it, e.g. to
-measure its cost; `=plain` turns it off). It stays under the log lines, which print above it. Elsewhere
+measure its cost; `=plain` turns it off). It stays under the log lines, which print above it, and is redrawn
+by the loop's own thread on each update (no drawing thread competing with training for the CPU). Elsewhere
 nothing is drawn: the loops log one line per step (or per tenth of the examples) already, and `waiting`
 logs its line, so a long wait is never silent.
 
@@ -19,8 +20,6 @@ import sys
 from typing import Any
 
 from loguru import logger
-
-REFRESH_PER_S = 2  # the bar's clock and ETA; a step's own update redraws at once
 
 
 def bar_wanted() -> bool:
@@ -71,7 +70,7 @@ class Bar:
                 TimeRemainingColumn(compact=True),
                 TextColumn("{task.fields[info]}"),
                 console=Console(stderr=True),
-                refresh_per_second=REFRESH_PER_S,
+                auto_refresh=False,  # no drawing thread: redrawn on each update (steps are seconds apart)
             )
             self._task = self._progress.add_task(self.label, total=self.total, completed=self.done, info="")
             self._progress.start()
@@ -86,9 +85,11 @@ class Bar:
         self.done = done
         if self._progress is not None:
             self._progress.update(self._task, completed=done, description=self.label, info=fields_text(fields))
+            self._progress.refresh()
 
     def waiting(self, what: str) -> None:
         """Say what the loop waits for: in the bar until the next update, and once in the log."""
         logger.info(f"waiting for {what}")
         if self._progress is not None:
             self._progress.update(self._task, completed=self.done, description=f"{self.label}: waiting for {what}")
+            self._progress.refresh()

@@ -1,0 +1,256 @@
+"""The run report renders in a real browser: headless Chromium opens `report.html` and every plot shows.
+
+One job: a run dir with metrics for every plot goes through `write_report`; Chromium (driven over the
+Chrome DevTools Protocol) loads the page, and each `img.plot` must be decoded with its caption, the sample
+completions present, no script error or console error logged; a full-page screenshot is saved. A page with
+a broken image shows the check can fail. Needs `chromium` (scripts/install_browser.sh).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from asyncrl.orchestrator.metrics import log_samples
+from asyncrl.orchestrator.samples import Rollout
+from asyncrl.report.report import PLOTS, render_png, write_report
+from asyncrl.transport.layout import RunLayout
+
+pytestmark = pytest.mark.slow
+
+ENVS = ("reverse_text", "gsm8k")
+STEPS = 24
+IMAGES = """Array.from(document.querySelectorAll('img.plot'), i => ({
+  alt: i.alt, ok: i.complete && i.naturalWidth > 0,
+  caption: i.closest('figure')?.querySelector('figcaption')?.textContent ?? null}))"""
+
+
+# --- a run dir with metrics for every plot ---------------------------------------------------------------
+
+
+def _jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def make_run(run: Path) -> Path:
+    layout = RunLayout(run)
+    for d in (layout.metrics, layout.logs, layout.configs):
+        d.mkdir(parents=True)
+    t0 = time.time() - STEPS * 10.0
+    orch, trainer, sft = [], [], []
+    for s in range(STEPS):
+        t, r = t0 + 10.0 * s, 0.2 + 0.6 * s / STEPS
+        env_rewards = {f"reward/{e}/mean": r + d for e, d in zip(ENVS, (0.05, -0.05))}
+        orch.append(
+            {
+                "step": s,
+                "time": t,
+                "kind": "train",
+                "reward/mean": r,
+                **env_rewards,
+                "metrics/reverse_text/lcs_ratio": 0.5 + 0.4 * s / STEPS,
+                "metrics/gsm8k/exact_match": r - 0.1,
+                "off_policy/level": min(s, 2),
+                "time/step": 9.5 + (s % 3) * 0.2,
+                "time/rollouts": 7.0,
+                "time/wait_weights": 1.2 if s else 0.0,
+                "time/update_weights": 0.6,
+                "time/pack_write": 0.3,
+                "perf/gen_tokens_per_s": 2400.0 + 30 * s,
+                "completion_len/mean": 180.0 - 2 * s,
+                "completion_len/max": 512.0,
+            }
+        )
+        if s % 8 == 0 or s == STEPS - 1:
+            orch.append({"step": s, "time": t + 1, "kind": "eval", "eval/reward/mean": r - 0.02})
+        trainer.append(
+            {
+                "step": s,
+                "time": t + 5.0,
+                "loss": 0.9 / (s + 1) ** 0.5,
+                "entropy": 1.8 - 0.03 * s,
+                "grad_norm": 0.4 + 0.1 * (s % 4),
+                "mismatch_kl": 1e-3 * (1 + s % 5),
+                "masked_frac": 0.02 * (s % 3),
+                "step_time_s": 8.0,
+                "wait_s": 1.5,
+                "publish_s": 0.7,
+                "tokens_per_s": 5200.0 + 20 * s,
+            }
+        )
+        sft.append({"step": s, "time": t, "loss": 2.5 / (s + 1), "grad_norm": 1.0 - 0.02 * s, "tokens_per_s": 8e3})
+    evals = [
+        {"step": w, "time": t0 + 10.0 * w + 3, "label": f"step_{w}"}
+        | {f"eval/{e}/reward_mean": 0.2 + w / 40 + d for e, d in zip(ENVS, (0, 0.1))}
+        for w in (0, 8, 16, 24)
+    ]
+    _jsonl(layout.metrics_file("orchestrator"), orch)
+    _jsonl(layout.metrics_file("trainer"), trainer)
+    _jsonl(layout.metrics_file("sft"), sft)
+    _jsonl(layout.metrics_file("eval"), evals)
+    for s in range(STEPS):
+        rollouts = [
+            Rollout(
+                env,
+                example_id=10 * s + i,
+                reward=min(1.0, 0.1 * i + 0.7 * s / STEPS),
+                text=f"<think>step {s}, try {i}</think>\n<answer>{'x' * (40 * i)}</answer>",
+                prompt_text=f"[system] env {env}\n[user] Reverse the text: 'hello & <world> {s}'",
+            )
+            for i, env in enumerate(ENVS * 2)
+        ]
+        log_samples(layout.samples, s, rollouts)
+    for i, name in enumerate(("rl", "orchestrator", "trainer")):  # a run that finished
+        record = {"pid": 1000 + i, "host": socket.gethostname(), "started": t0 + i, "ended": t0 + 250, "exit": 0}
+        layout.pid_file(name).write_text(json.dumps(record))
+    (layout.logs / "orchestrator.log").write_text("2024-01-01 00:00:00 | INFO | step 0 | reward 0.200\n")
+    (layout.configs / "trainer.toml").write_text(f'max_steps = {STEPS}\n\n[model]\nname = "tiny-model"\n')
+    return run
+
+
+# --- a minimal Chrome DevTools Protocol client ------------------------------------------------------------
+
+
+class Cdp:
+    """One page's DevTools websocket: commands by incrementing id; every event received is kept in order."""
+
+    def __init__(self, ws):
+        self.ws, self.next_id, self.events = ws, 0, []
+
+    def send(self, method: str, timeout: float = 60.0, **params) -> dict:
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv(timeout=timeout))
+            if msg.get("id") == self.next_id:
+                assert "error" not in msg, f"{method}: {msg['error']}"
+                return msg["result"]
+            self.events.append(msg)
+
+    def wait_event(self, method: str, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while not any(e.get("method") == method for e in self.events):
+            self.events.append(json.loads(self.ws.recv(timeout=max(0.01, deadline - time.monotonic()))))
+        return next(e for e in self.events if e.get("method") == method)
+
+    def open(self, path: Path) -> None:
+        self.events.clear()
+        self.send("Page.navigate", url=path.resolve().as_uri())
+        self.wait_event("Page.loadEventFired")
+
+    def evaluate(self, expression: str):
+        result = self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        assert "exceptionDetails" not in result, result["exceptionDetails"]
+        return result["result"]["value"]
+
+    def errors(self) -> list[dict]:
+        """Script exceptions and error-level log entries since the last `open`."""
+        return [
+            e
+            for e in self.events
+            if e.get("method") == "Runtime.exceptionThrown"
+            or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")
+        ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _page_ws_url(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"chromium exited with code {proc.returncode}"
+        try:
+            targets = httpx.get(f"http://127.0.0.1:{port}/json", timeout=2.0).json()
+            return next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
+        except (httpx.HTTPError, ValueError, StopIteration):
+            time.sleep(0.2)
+    raise TimeoutError(f"chromium's DevTools did not answer on port {port} within {timeout:.0f} s")
+
+
+@pytest.fixture
+def browser(tmp_path):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        why = "chromium is not installed: bash scripts/install_browser.sh (Debian package chromium)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    port, log = _free_port(), (tmp_path / "chromium.log").open("wb")
+    argv = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", f"--remote-debugging-port={port}"]
+    argv += [f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1400,1000", "about:blank"]
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with connect(_page_ws_url(port, proc), max_size=None, open_timeout=30) as ws:
+            cdp = Cdp(ws)
+            for domain in ("Runtime", "Log", "Page"):
+                cdp.send(f"{domain}.enable")
+            yield cdp
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+
+
+def screenshot(cdp: Cdp, path: Path) -> Path:
+    """The whole page (the viewport grown to its height, no scrollbar) as a PNG."""
+    cdp.send("Emulation.setScrollbarsHidden", hidden=True)
+    height = cdp.evaluate("document.documentElement.scrollHeight")
+    cdp.send("Emulation.setDeviceMetricsOverride", width=1400, height=height, deviceScaleFactor=1, mobile=False)
+    path.write_bytes(base64.b64decode(cdp.send("Page.captureScreenshot", format="png")["data"]))
+    return path
+
+
+# --- the test ---------------------------------------------------------------------------------------------
+
+
+def test_every_plot_of_the_report_renders_in_chromium(tmp_path, browser):
+    run = make_run(tmp_path / "run")
+    expected = [p.title for p in PLOTS if render_png(p, [run]) is not None]
+    assert len(expected) == len(PLOTS), "the run's metrics should cover every plot"
+    report = write_report([run])
+
+    browser.open(report)
+    images = browser.evaluate(IMAGES)
+    assert [i["alt"] for i in images] == expected
+    assert [i["alt"] for i in images if not i["ok"]] == [], "plots that did not render"
+    assert all(i["caption"] == i["alt"] for i in images), images
+    assert browser.evaluate("document.querySelectorAll('div.sample').length") == 4  # first and last step
+    completions = browser.evaluate("Array.from(document.querySelectorAll('pre.completion'), p => p.textContent)")
+    assert any(c.startswith("<think>step 0") for c in completions)  # escaped, shown as text
+    assert browser.evaluate("document.querySelector('pre.status').textContent").startswith(f"run {run}")
+    assert browser.evaluate("document.querySelectorAll('details').length") == 1
+    assert browser.errors() == []
+    shot = screenshot(browser, tmp_path / "report.png")
+    data = shot.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 20_000, len(data)
+    print(f"\nreport screenshot: {shot} ({len(data) // 1024} KiB)")
+
+    # The negative control: a plot whose data does not decode is reported, a good one beside it is not.
+    good = report.read_text().split("src='data:image/png;base64,")[1].split("'")[0]
+    broken = tmp_path / "broken.html"
+    figures = [
+        (alt, f"<img class='plot' alt='{alt}' src='data:image/png;base64,{b64}'>")
+        for alt, b64 in (("good", good), ("bad", base64.b64encode(b"not a png").decode()))
+    ]
+    broken.write_text(
+        "<!doctype html><html><body>"
+        + "".join(f"<figure>{img}<figcaption>{alt}</figcaption></figure>" for alt, img in figures)
+        + "</body></html>"
+    )
+    browser.open(broken)
+    assert [(i["alt"], i["ok"]) for i in browser.evaluate(IMAGES)] == [("good", True), ("bad", False)]
