@@ -210,6 +210,7 @@ def test_three_steps_per_environment(env_id, server, tmp_path):
         sampling={"max_tokens": 16},
         output_dir=tmp_path,
         eval={"interval": 2, "num_examples": 2},
+        num_train_workers=1,
     )
     trainer = WeightTrainer(tmp_path, model_dir, STEPS)
     trainer.start()

@@ -1,8 +1,8 @@
 """The seeds' multi-node inference, for real, on two network hosts: vLLM data parallelism over a veth link.
 
-The head node (this network namespace, 10.77.N.1) runs `inference --data-parallel-size 2
---data-parallel-size-local 1 --data-parallel-address 10.77.N.1 --data-parallel-rpc-port P`: the API
-server and data-parallel rank 0. The second node (its own network namespace, 10.77.N.2) runs the same
+The head node (this network namespace, the link's .1 address) runs `inference --data-parallel-size 2
+--data-parallel-size-local 1 --data-parallel-address HEAD_IP --data-parallel-rpc-port P`: the API
+server and data-parallel rank 0. The second node (its own network namespace, .2; see `hosts.py`) runs the same
 line plus `--data-parallel-start-rank 1 --headless`: rank 1's engine only, which connects to the head.
 Both are started from the main environment's `inference` (which runs vLLM from .venv-vllm), as the seeds
 write them. Checked: requests are served by both ranks, and /update_weights on the head reaches rank 1.
@@ -12,14 +12,13 @@ Needs root (ip netns), iproute2 and the vLLM env; skipped otherwise.
 
 import os
 import re
-import shutil
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from hosts import CAN_MAKE_HOSTS, WHY_NOT, network_host
 
 from asyncrl.inference.vllm.launch import INSTALL_HINT, vllm_python
 from asyncrl.utils.process import spawn, stop_groups, tail, wait_for_http
@@ -28,34 +27,14 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.skipif(vllm_python() is None, reason=f"no vLLM env: {INSTALL_HINT}"),
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"),
+    pytest.mark.skipif(not CAN_MAKE_HOSTS, reason=WHY_NOT),
 ]
-
-SUBNET = 10 + os.getpid() % 200  # 10.77.SUBNET.0/24, so concurrent runs do not collide
-HEAD, NODE = f"10.77.{SUBNET}.1", f"10.77.{SUBNET}.2"
-NETNS, VETH = f"asyncrl-node1-{os.getpid()}", f"arl{os.getpid() % 100000}"
-
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
 @pytest.fixture(scope="module")
 def second_host():
-    """A second host: its own network namespace, linked to this one by a veth pair."""
-    ip("netns", "add", NETNS)
-    try:
-        ip("link", "add", f"{VETH}a", "type", "veth", "peer", "name", f"{VETH}b")
-        ip("link", "set", f"{VETH}b", "netns", NETNS)
-        ip("addr", "add", f"{HEAD}/24", "dev", f"{VETH}a")
-        ip("-n", NETNS, "addr", "add", f"{NODE}/24", "dev", f"{VETH}b")
-        ip("link", "set", f"{VETH}a", "up")
-        ip("-n", NETNS, "link", "set", f"{VETH}b", "up")
-        ip("-n", NETNS, "link", "set", "lo", "up")
-        yield NETNS
-    finally:
-        subprocess.run(["ip", "link", "del", f"{VETH}a"], capture_output=True)
-        subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
+    with network_host("vllm-node1") as host:
+        yield host
 
 
 @pytest.fixture(scope="module")
@@ -80,20 +59,20 @@ def cluster(second_host, model_dirs, tmp_path_factory):
         "--model.name", str(model_dirs[0]), "--model.dtype", "float32", "--model.enforce-eager",
         "--max-model-len", "256",
         "--data-parallel-size", "2", "--data-parallel-size-local", "1",
-        "--data-parallel-address", HEAD, "--data-parallel-rpc-port", str(rpc),
+        "--data-parallel-address", second_host.peer, "--data-parallel-rpc-port", str(rpc),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1"}  # per-engine stats each s
-    head_env = {**env, "GLOO_SOCKET_IFNAME": f"{VETH}a"}
-    node_env = {**env, "GLOO_SOCKET_IFNAME": f"{VETH}b"}
-    node_cmd = ["ip", "netns", "exec", second_host, *line, "--data-parallel-start-rank", "1", "--headless"]
+    head_env = {**env, "GLOO_SOCKET_IFNAME": second_host.peer_dev}
+    node_env = {**env, "GLOO_SOCKET_IFNAME": second_host.dev}
+    node_cmd = second_host.run([*line, "--data-parallel-start-rank", "1", "--headless"])
     logs = {"head": out / "head.log", "node": out / "node.log"}
     procs = [
         spawn([*line, "--server.port", str(port), "--output-dir", str(out / "head")], logs["head"], head_env),
         spawn([*node_cmd, "--output-dir", str(out / "node")], logs["node"], node_env),
     ]
     try:
-        wait_for_http(f"http://{HEAD}:{port}/health", 300, procs[0])
-        yield f"http://{HEAD}:{port}", logs
+        wait_for_http(f"http://{second_host.peer}:{port}/health", 300, procs[0])
+        yield f"http://{second_host.peer}:{port}", logs
     except Exception:
         print(f"head:\n{tail(logs['head'], 40)}\nnode:\n{tail(logs['node'], 40)}")
         raise

@@ -40,7 +40,13 @@ class FakeTrainer(threading.Thread):
 
 def run_orchestrator_with_trainer(tmp_path, k, steps, train_s, gen_delay):
     config = OrchestratorConfig(
-        batch_size=8, rollouts_per_example=4, seq_len=64, max_steps=steps, max_async_level=k, output_dir=tmp_path
+        batch_size=8,
+        rollouts_per_example=4,
+        seq_len=64,
+        max_steps=steps,
+        max_async_level=k,
+        output_dir=tmp_path,
+        num_train_workers=1,
     )
     runner = FakeRunner(delay=gen_delay)
     server = FakeServer(runner)

@@ -51,6 +51,7 @@ def test_unreachable_server_error_names_the_url():
 
 
 def _config(tmp_path, k=1, **kw):
+    kw.setdefault("num_train_workers", 1)
     return OrchestratorConfig(
         batch_size=8, rollouts_per_example=4, seq_len=64, output_dir=tmp_path, max_async_level=k, **kw
     )
@@ -162,3 +163,22 @@ def test_rollout_client_uses_an_aiohttp_pool_with_the_api_key(monkeypatch):
         assert "aiohttp" in type(client.client._client).__name__.lower()
         assert client.client.api_key == "secret" and str(client.client.base_url) == "http://localhost:8123/v1/"
         asyncio.run(client.close())
+
+
+def test_without_num_train_workers_batches_are_packed_for_the_trainers_world_size(tmp_path, caplog_loguru):
+    from asyncrl.transport.batch import read_meta
+
+    cfg = _config(tmp_path, k=3, max_steps=2, num_train_workers=None)
+    world = RunLayout(tmp_path).trainer_world
+    world.write_text(json.dumps({"world_size": 2}))  # what trainer rank 0 writes at start
+    asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
+    assert read_meta(tmp_path, 1)["num_ranks"] == 2
+    assert [m for m in caplog_loguru if "trainer rank(s)" in m] == [
+        f"packing batches for 2 trainer rank(s) (from {world})"
+    ]
+
+
+def test_no_trainer_world_size_in_time_is_a_user_error(tmp_path):
+    cfg = _config(tmp_path, max_steps=1, num_train_workers=None, weights_timeout=1)
+    with pytest.raises(UserError, match="no trainer wrote .*trainer_world.json in 1s .*--num-train-workers"):
+        asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())

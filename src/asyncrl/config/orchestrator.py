@@ -82,7 +82,12 @@ class OrchestratorConfig(BaseConfig):
         "interleaved", description="interleaved: one sample per rollout; branching: one per turn"
     )
     seq_len: int = Field(2048, ge=1, description="tokens per packed micro-batch row (trainer's data.seq_len)")
-    num_train_workers: int = Field(1, ge=1, description="trainer data-parallel ranks (equal micro-batch counts)")
+    num_train_workers: int | None = Field(
+        None,
+        ge=1,
+        description="trainer data-parallel ranks (equal micro-batch counts); default: what the trainer says in "
+        "{output_dir}/trainer_world.json (rl sets it)",
+    )
     share_prefix: bool = Field(
         True, description="pack each group's common prompt once; the trainer computes it once (--no-share-prefix: off)"
     )

@@ -39,6 +39,7 @@ class InferenceClient:
         self.url = config.url
         self.root = server_root(config.url)
         headers = {}
+        self.api_key_var = config.api_key_var
         api_key = os.environ.get(config.api_key_var)
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
@@ -68,6 +69,19 @@ class InferenceClient:
                 logger.info(f"waiting for the inference server at {self.root} ...")
                 logged = True
             await asyncio.sleep(poll)
+
+    async def check_key(self) -> None:
+        """A UserError when the server refuses our API key (/health answers without one; `/v1/models` does not)."""
+        try:
+            response = await self._http.get("/v1/models", timeout=10.0)
+        except httpx.HTTPError:
+            return  # reachable a moment ago: the requests themselves will tell
+        if response.status_code in (401, 403):
+            held = "is empty" if not os.environ.get(self.api_key_var) else "holds a key the server refuses"
+            raise UserError(
+                f"inference server at {self.root} refused the API key ({response.status_code}): ${self.api_key_var} "
+                f"{held}; export the server's --api-key there, or name another variable with --client.api-key-var"
+            )
 
     async def update_weights(self, weight_dir: str | Path) -> None:
         """Make the server load the HF weights in `weight_dir` (its prefix cache is reset too)."""

@@ -11,6 +11,7 @@ while the trainer trains on step n, so generation and training overlap within th
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -77,6 +78,7 @@ class Orchestrator:
         self.progress = ckpt.Progress()
         self.loaded_policy: int | None = None  # unknown until we set it
         self._context_warned_at: int | None = None
+        self._trainer_ranks = 0  # known before the first batch is packed
 
     # ---- setup -------------------------------------------------------------------------------
     def _resume(self) -> Policy | None:
@@ -135,7 +137,29 @@ class Orchestrator:
             for r in g.valid
             for s in r.samples
         ]
-        return pack(items, self.config.seq_len, self.config.num_train_workers, share=self.config.share_prefix)
+        return pack(items, self.config.seq_len, self._trainer_ranks, share=self.config.share_prefix)
+
+    async def _learn_trainer_ranks(self) -> None:
+        """The trainer's rank count: `num_train_workers`, or what trainer rank 0 writes at start (read every
+        step, so a trainer restarted with another world size is followed)."""
+        if self.config.num_train_workers is not None:
+            self._trainer_ranks = self.config.num_train_workers
+            return
+        path, waited = self.layout.trainer_world, 0.0
+        while not path.exists():
+            if waited == 0:
+                logger.info(f"waiting for the trainer to write its world size to {path} (or set num_train_workers)")
+            if self.config.weights_timeout is not None and waited > self.config.weights_timeout:
+                raise UserError(
+                    f"no trainer wrote {path} in {self.config.weights_timeout:.0f}s (weights_timeout): is a trainer "
+                    "running with the same output_dir? Set --num-train-workers to pack without one"
+                )
+            await asyncio.sleep(0.5)
+            waited += 0.5
+        ranks = json.loads(path.read_text())["world_size"]
+        if ranks != self._trainer_ranks:
+            logger.info(f"packing batches for {ranks} trainer rank(s) (from {path})")
+        self._trainer_ranks = ranks
 
     async def step(self, step: int, gate: PolicyGate) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -148,6 +172,7 @@ class Orchestrator:
             step, policy.step, self.config.max_async_level, self.problems, self.in_flight, self.args
         )
         min_policy = min(g.policy_step for g in got.groups)
+        await self._learn_trainer_ranks()
         t_pack = time.perf_counter()
         per_rank, stats = self._pack(got)
         meta = {
@@ -341,6 +366,7 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
     vf_client = None
     try:
         await server.wait_healthy(timeout=config.client.health_timeout)
+        await server.check_key()
         if run_group is None:
             vf_client = make_vf_client(config.client)
             run_group = verifiers_run_group(vf_client, config.model.name)

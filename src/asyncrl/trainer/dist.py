@@ -88,3 +88,15 @@ def init_distributed(device: str = "auto") -> DistContext:
         dev = torch.device("cpu")
     mesh = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
     return DistContext(rank, world, local_rank, dev, mesh, owns)
+
+
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def peer_lost(error: BaseException) -> str | None:
+    """The line of a collective's error that says another rank went away (gloo / NCCL), or None."""
+    text = str(error)
+    if not (isinstance(error, dist.DistError) or any(p in text for p in PEER_LOST)):
+        return None
+    line = next((x for x in text.splitlines() if any(p in x for p in PEER_LOST)), text.splitlines()[0] if text else "")
+    return line.split("] ", 1)[-1].split(". This is typically", 1)[0].strip()  # gloo's source location and advice

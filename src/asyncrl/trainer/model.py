@@ -159,6 +159,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerModelConfig) -> 
 
 def load_model(cfg: TrainerModelConfig, tokenizer_name: str | None, mesh: DeviceMesh) -> LoadedModel:
     """Load, check packing, add LoRA / activation checkpointing, shard onto `mesh`."""
+    logger.info(f"loading model {cfg.name}")  # a big one takes a while: say so before
     model, export_dtype = _load_hf(cfg.name, cfg.attn_implementation, cfg.trust_remote_code)
     tokenizer = load_tokenizer(tokenizer_name or cfg.name, cfg.trust_remote_code)
     stackable = check_packing(model)

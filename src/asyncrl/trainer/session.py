@@ -32,7 +32,7 @@ from loguru import logger
 from asyncrl.config.sft import SFTConfig
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.trainer.ckpt import CheckpointManager
-from asyncrl.trainer.dist import DistContext, init_distributed
+from asyncrl.trainer.dist import DistContext, init_distributed, peer_lost
 from asyncrl.trainer.export import export_weights
 from asyncrl.trainer.model import load_model
 from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler
@@ -121,6 +121,13 @@ def run_training(config: TrainConfig, loop_cls: type[Loop]) -> list[dict]:
     ctx = init_distributed(config.device)
     try:
         return TrainSession(config, ctx, loop_cls).run()
+    except Exception as e:
+        if (lost := peer_lost(e)) is None:
+            raise
+        raise UserError(
+            f"trainer rank {ctx.rank} lost contact with another rank ({lost}): a trainer process or node died or "
+            f"its network went down; its own log under {config.output_dir}/logs/ says why (trainer_rank<R>.log)"
+        ) from None
     finally:
         ctx.close()
 

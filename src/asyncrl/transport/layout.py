@@ -84,6 +84,7 @@ class RunLayout:
         self.metrics = self.root / "metrics"
         self.configs = self.root / "configs"
         self.samples = self.root / "samples.jsonl"  # each step's best and worst rollout, for the run report
+        self.trainer_world = self.root / "trainer_world.json"  # trainer rank 0 at start: {"world_size": N}
 
     def log_file(self, component: str, suffix: str = ".log") -> Path:
         return self.logs / f"{component}{suffix}"

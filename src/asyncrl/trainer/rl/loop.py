@@ -13,6 +13,8 @@ Then publish `broadcast/step_{n+1}` (HF dir, STABLE last; also `weights/step_{n+
 end), checkpoint when due, and prune broadcast dirs outside the async window (except around kept
 checkpoints) and consumed batches.
 
+At start rank 0 writes `trainer_world.json` ({"world_size": N}): an orchestrator not told the trainer's
+rank count (`num_train_workers`, as on a multi-node run started by hand) packs for N ranks.
 A resumed run re-publishes the weights of its first step when they were pruned: the orchestrator
 resuming at that step waits for them. Runs in one plain process (a 1-rank group is made on the fly)
 or under torchrun.
@@ -21,6 +23,7 @@ or under torchrun.
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections import defaultdict
 
@@ -45,6 +48,7 @@ from asyncrl.trainer.rl.data import (
 )
 from asyncrl.trainer.session import Loop, StepBatch, TrainSession, run_training
 from asyncrl.transport.batch import MicroBatch
+from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import is_stable
 from asyncrl.transport.prefix import expand, segments
 
@@ -76,6 +80,8 @@ class RLLoop(Loop):
             self.source = FakeSource(shape, s.vocab_size, s.ctx.rank, s.ctx.world_size, cfg.seed)
         else:
             self.source = RolloutSource(s.out, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout)
+            if s.ctx.is_main:  # an orchestrator without num_train_workers packs for this many ranks
+                write_text_atomic(s.layout.trainer_world, json.dumps({"world_size": s.ctx.world_size}))
 
     # ---- one step ----------------------------------------------------------------------------------
 
