@@ -96,8 +96,11 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 4096,
     seed: int = 0,
+    head_dim: int | None = None,
+    vocab_size: int | None = None,
 ) -> Path:
-    """Write a random-init Qwen3 causal LM + tokenizer to `out_dir` (HF format, safetensors)."""
+    """Write a random-init Qwen3 causal LM + tokenizer to `out_dir` (HF format, safetensors); `vocab_size`
+    above the byte tokenizer's gives a real model's embedding shape (the extra rows are never looked up)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -105,13 +108,13 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out)
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
+        vocab_size=max(vocab_size or 0, len(tokenizer)),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or hidden_size * 3,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
+        head_dim=head_dim or hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),

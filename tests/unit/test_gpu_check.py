@@ -1,0 +1,35 @@
+"""`scripts/gpu_check.sh` on a machine without CUDA: says so, prints what each check would run, resolves every
+asyncrl command line with its `--dry-run`, prints the table and exits 0; a broken flag fails the dry check."""
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKS = ["cuda", "fsdp2_nccl", "bench_qwen3_0.6b_16k", "vllm_update_weights", "rl_single_gpu_shared_prefix"]
+
+
+def gpu_check(**env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **env}
+    return subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, env=env)
+
+
+def rows(out: str) -> dict[str, str]:
+    table = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    return {r[0].lstrip("| "): r[1] for r in table[1:]}
+
+
+def test_dry_check_on_a_cpu_machine():
+    done = gpu_check()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.startswith("no CUDA GPU here: dry check only")
+    assert rows(done.stdout) == dict.fromkeys(CHECKS, "dry")
+    assert "--trainer-gpu-ids [0]" in done.stdout and "'seq_len': 16384" in done.stdout
+
+
+def test_a_broken_command_fails_the_dry_check():
+    done = gpu_check(GPU_CHECK_EXTRA_TRAINER_ARGS="--no-such-flag")
+    assert done.returncode == 1
+    got = rows(done.stdout)
+    assert got["fsdp2_nccl"] == got["bench_qwen3_0.6b_16k"] == "FAIL" and got["rl_single_gpu_shared_prefix"] == "dry"
+    assert "no-such-flag" in done.stdout
