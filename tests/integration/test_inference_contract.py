@@ -629,6 +629,13 @@ BAD_CHAT = [
     ({"messages": []}, 400),
     ({"messages": "hi"}, 400),
     ({"messages": [{"content": "no role"}]}, 400),
+    ({"messages": [{"role": "alien", "content": "x"}]}, 400),  # as strict as the OpenAI API:
+    ({"messages": [{"role": "user"}]}, 400),
+    ({"messages": [{"role": "user", "content": 5}]}, 400),
+    ({"tools": [{"type": "function"}]}, 400),
+    ({"stream": "yes"}, 400),
+    ({"temperature": "0.5"}, 400),
+    ({"max_tokens": "4"}, 400),
 ]
 
 

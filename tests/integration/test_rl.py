@@ -121,6 +121,7 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     assert [r["step"] for r in rows] == list(range(steps)) + [steps, steps + 1]
     assert rows[steps]["policy/step"] >= steps - 1
     assert (out / "weights" / f"step_{steps + 2}").is_dir()
+    assert "[rl] done: 2 steps in" in resumed.stdout  # the steps this attempt ran, not the run's total
     assert_no_processes_left(str(out))
 
 
@@ -167,6 +168,23 @@ def test_rl_stops_everything_when_the_trainer_dies(tiny_model_dir, tmp_path):
     assert status["orchestrator"] == status["inference"] == "stopped"
     page = (out / "report.html").read_text()  # a crashed run's report: what it has, and the error
     assert "killed (no exit recorded)" in page and "rl: trainer died" in page and "<img class='plot'" in page
+
+
+def test_a_hung_trainer_is_named_and_the_run_stopped(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    args = rl_args(tiny_model_dir, out, 500, free_port()) + ["--stall-timeout", "15"]
+    proc = start_rl_until(args, out / "metrics" / "trainer.jsonl")
+    try:
+        trainers = [line.split()[0] for line in own_processes(str(out)) if "entrypoints.trainer" in line]
+        os.kill(int(trainers[0]), signal.SIGSTOP)  # alive but hung: no exit for rl to see
+        stopped = time.monotonic()
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2 and time.monotonic() - stopped < 60
+    assert "(stall_timeout 15s): trainer is stopped (SIGSTOP); stopped the run" in stderr, stderr[-2000:]
+    assert_no_processes_left(str(out))  # the stopped trainer too
 
 
 def test_rl_ctrl_c_stops_cleanly(tiny_model_dir, tmp_path):

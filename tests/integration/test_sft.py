@@ -113,6 +113,15 @@ def test_sft_resume_mid_epoch_is_exact(tiny_model_dir, reverse_data, tmp_path):
     assert [m["data_index"] for m in resumed] == [m["data_index"] for m in full[2:]]
     assert (out / "weights" / "step_2").is_dir() and (out / "weights" / "step_4").is_dir()
 
+    # a checkpoint torn on disk: resuming from it is a one-line error naming it, and nothing is trained
+    shard = next((out / "checkpoints" / "step_2" / "trainer").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    cmd = SFT + sft_args(tiny_model_dir, reverse_data, out, 4, "--ckpt.resume-step", "2", "--no-report")
+    torn = subprocess.run(cmd, capture_output=True, text=True)
+    assert torn.returncode == 2, torn.stderr[-2000:]
+    assert f"checkpoint {out / 'checkpoints' / 'step_2' / 'trainer'} is corrupted" in torn.stderr.splitlines()[-1]
+    assert "Traceback" not in torn.stderr
+
 
 def test_micro_batch_size_does_not_change_the_step(tiny_model_dir, reverse_data, tmp_path):
     """Rows stacked into one padded micro-batch give the loss and gradient of one row at a time."""

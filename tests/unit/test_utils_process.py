@@ -80,3 +80,16 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def test_a_death_report_shows_the_errors_a_long_log_buried(tmp_path):
+    from asyncrl.utils.process import telling_tail
+
+    log = tmp_path / "x.log"
+    lines = ["10:00:00 INFO    start", "10:00:01 WARNING low memory", "10:00:02 ERROR   CUDA out of memory"]
+    log.write_text("\n".join(lines + [f"progress {i}%" for i in range(40)]) + "\n")
+    shown = telling_tail(log, lines=3).splitlines()
+    assert shown == ["10:00:01 WARNING low memory", "10:00:02 ERROR   CUDA out of memory", "...",
+                     "progress 37%", "progress 38%", "progress 39%"]  # fmt: skip
+    log.write_text("a\nb\n")
+    assert telling_tail(log, lines=3) == "a\nb"

@@ -49,6 +49,9 @@ class InferenceConfig(BaseConfig):
         "auto", description="engine behind the API (auto: vLLM when it is installed and a CUDA GPU is visible)"
     )
     api_key: str | None = Field(None, description="require this bearer key on every endpoint but /health")
+    allowed_weights_root: Path | None = Field(
+        None, description="/update_weights and /load_lora_adapter load only dirs under this one (rl: its output_dir)"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="embedded engine device")
     max_batch_size: int = Field(64, ge=1, description="embedded engine: sequences decoded together")
     num_threads: int | None = Field(

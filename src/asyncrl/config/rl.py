@@ -56,6 +56,9 @@ class RLConfig(BaseConfig):
     )
     exp_id: str | None = Field(None, description="experiment id: runs in {output_dir}/{exp_id}, side by side")
     report: bool = report_field()
+    stall_timeout: float | None = Field(
+        1800.0, gt=0, description="seconds without a step before rl stops the run, naming what looks hung (None: never)"
+    )
     bench: bool = Field(
         False,
         description="benchmark: run the tiny-Qwen3 reverse-text job on a model it warms itself, print s/step, "

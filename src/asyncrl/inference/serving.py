@@ -15,12 +15,28 @@ from asyncrl.config.inference import InferenceConfig
 def serve(config: InferenceConfig) -> None:
     """Serve `config.model` with the configured engine until interrupted (blocking)."""
     logger.info(f"engine: {config.backend} ({config.backend_why})")
+    warn_if_open(config)
     if config.backend == "vllm":
         from asyncrl.inference.vllm.server import run_vllm_server
 
         run_vllm_server(config)
     else:
         _serve_embedded(config)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def warn_if_open(config: InferenceConfig) -> None:
+    """A server others can reach, with no key: anyone there can make it load any dir it can read. Say so."""
+    if config.api_key or config.server.host in LOOPBACK:
+        return
+    where = f"only dirs under {config.allowed_weights_root}" if config.allowed_weights_root else "any dir it can read"
+    logger.warning(
+        f"no --api-key and bound to {config.server.host}: anyone who reaches port {config.server.port} can "
+        f"generate and make this server load {where} (/update_weights, /load_lora_adapter); pass --api-key KEY, "
+        "--server.host 127.0.0.1 or --allowed-weights-root DIR"
+    )
 
 
 def _serve_embedded(config: InferenceConfig) -> None:

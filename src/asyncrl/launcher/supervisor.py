@@ -36,9 +36,12 @@ from asyncrl.utils.process import (
     answers,
     copy_lines,
     free_port,
+    process_tree,
+    resume_stopped,
     spawn,
     stop_groups,
     tail,
+    telling_tail,
     wait_for_http,
 )
 from asyncrl.utils.progress import Bar
@@ -65,7 +68,7 @@ class Launcher:
         self.children: list[Child] = []
         self.steps = StepTailer(self.layout.metrics_file("orchestrator"))
         self.bar = Bar("rl", config.trainer.max_steps)
-        self.last_news = time.monotonic()
+        self.last_news = self.last_step = time.monotonic()
 
     # ------------------------------------------------------------ start
 
@@ -76,6 +79,8 @@ class Launcher:
         if cfg.inference is not None:
             if cfg.inference.num_threads is None and cfg.inference.backend == "embedded":
                 cfg.inference.num_threads = self.placement.server_threads
+            if cfg.inference.allowed_weights_root is None:  # the trainer's weights are all under the run's dir
+                cfg.inference.allowed_weights_root = Path(cfg.trainer.output_dir).resolve()
             configs["inference"] = cfg.inference
         self.layout.configs.mkdir(parents=True, exist_ok=True)
         paths = {}
@@ -168,7 +173,7 @@ class Launcher:
         self._spawn("trainer", self._trainer_cmd(paths["trainer"]), self.placement.trainer_env(), stream=True)
         self.bar.done = self._start_step()
         self.bar.waiting(f"step {self.bar.done}: its rollouts (the trainer loads the model meanwhile)")
-        self.last_news = time.monotonic()
+        self.last_news = self.last_step = time.monotonic()
 
     # ------------------------------------------------------------ supervise
 
@@ -176,7 +181,7 @@ class Launcher:
         code = child.proc.returncode
         self.stop()
         written = [p for p in (child.log_path, child.stdout_path) if p.exists() and p.stat().st_size]
-        logs = [f"{p}:\n{tail(p, prefix='    ')}" for p in written]
+        logs = [f"{p}:\n{telling_tail(p, prefix='    ')}" for p in written]
         raise UserError(
             f"{child.name} died (exit code {code}); last lines of " + ("\n".join(logs) or "its logs: (none)")
         )
@@ -185,13 +190,37 @@ class Launcher:
         row = self.steps.poll()
         now = time.monotonic()
         if row is not None:
-            self.last_news = now
+            self.last_news = self.last_step = now
             fields = {"reward": row["reward/mean"], "off-policy": row.get("off_policy/level")}
             self.bar.update(row["step"] + 1, **fields, **{"gen tok/s": row.get("perf/gen_tokens_per_s")})
+        elif now - self.last_step > (self.config.stall_timeout or float("inf")):
+            self._stalled(now - self.last_step)
         elif now - self.last_news > QUIET_S:
             self.last_news = now
             last = tail(self.layout.log_file("orchestrator"), lines=1).strip()
-            self.bar.waiting(f"step {self.bar.done} (none for {QUIET_S:.0f}s; orchestrator's last line: {last})")
+            self.bar.waiting(
+                f"step {self.bar.done} (none for {QUIET_S:.0f}s; {self._suspects()}orchestrator's last line: {last})"
+            )
+
+    def _suspects(self) -> str:
+        """`trainer is stopped (SIGSTOP), ` / `inference's log quiet for 300s, `: what may hold the run up."""
+        said, now = [], time.time()
+        for child in self.children:
+            if child.proc.poll() is not None:
+                continue
+            if any(state in ("T", "t") for _, state in process_tree(child.proc.pid)):
+                said.append(f"{child.name} is stopped (SIGSTOP)")
+            elif child.log_path.exists() and now - child.log_path.stat().st_mtime > QUIET_S:
+                said.append(f"{child.name}'s log quiet for {now - child.log_path.stat().st_mtime:.0f}s")
+        return "".join(f"{s}, " for s in said)
+
+    def _stalled(self, quiet: float) -> None:
+        suspects = self._suspects().rstrip(", ") or "no process is stopped; see the logs"
+        self.stop()
+        raise UserError(
+            f"no step for {quiet:.0f}s (stall_timeout {self.config.stall_timeout:.0f}s): {suspects}; stopped the run "
+            "(it resumes from its last checkpoint; raise --stall-timeout if steps are this slow)"
+        )
 
     def supervise(self) -> None:
         finished: set[str] = set()
@@ -212,6 +241,8 @@ class Launcher:
 
     def stop(self) -> None:
         running = [c for c in self.children if c.proc.poll() is None]
+        for child in running:  # a stopped process (a torchrun rank too) would never act on SIGTERM
+            resume_stopped(child.proc.pid)
         for proc in stop_groups([c.proc for c in self.children], STOP_GRACE_S):
             logger.warning(f"{next(c.name for c in self.children if c.proc is proc)} ignored SIGTERM; killed it")
         for child in running:  # their run records say rl stopped them (one that died keeps no exit: killed)

@@ -63,11 +63,16 @@ def load(layout: RunLayout, step: int) -> tuple[Progress, list[Group]]:
     path = layout.checkpoint_dir(step, COMPONENT)
     if not _complete(path):
         raise UserError(f"no orchestrator checkpoint at {path}; check --ckpt.resume-step and the output dir")
-    progress = Progress(**json.loads((path / PROGRESS).read_text()))
+    buffer_file = path / "buffer.json"
+    try:
+        progress = Progress(**json.loads((path / PROGRESS).read_text()))
+        buffer = [_group_from_dict(d) for d in json.loads(buffer_file.read_text())] if buffer_file.exists() else []
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(
+            f"orchestrator checkpoint {path} is corrupted ({type(e).__name__}: {e}); resume from another step"
+        ) from None
     if progress.step != step:
         raise UserError(f"orchestrator checkpoint {path} says step {progress.step}, expected {step}")
-    buffer_file = path / "buffer.json"
-    buffer = [_group_from_dict(d) for d in json.loads(buffer_file.read_text())] if buffer_file.exists() else []
     return progress, buffer
 
 

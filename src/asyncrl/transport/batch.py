@@ -27,6 +27,7 @@ partial batch: its existence means it is complete.
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import torch
 
 from asyncrl.transport.files import publish_dir, wait_for
 from asyncrl.transport.layout import RunLayout
+from asyncrl.utils.errors import UserError
 
 MicroBatch = dict[str, torch.Tensor]
 FIELDS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")
@@ -82,7 +84,14 @@ def wait_for_batch(
 
 def read_batch(output_dir: str | Path, step: int, rank: int) -> list[MicroBatch]:
     """Rank `rank`'s micro-batches of step `step` (the batch must exist: see `wait_for_batch`)."""
-    data = torch.load(RunLayout(output_dir).batch_dir(step) / f"rank_{rank}.pt", weights_only=True)
+    path = RunLayout(output_dir).batch_dir(step) / f"rank_{rank}.pt"
+    try:
+        data = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:  # batches appear whole: a disk fault
+        raise UserError(
+            f"rollout batch {path} is unreadable ({type(e).__name__}: {e}); delete {path.parent} and restart "
+            "the orchestrator from its last checkpoint so it writes the step again"
+        ) from None
     if data.get("step") != step:
         raise ValueError(f"batch file for step {step} says step {data.get('step')}")
     return data["micro_batches"]

@@ -133,6 +133,53 @@ def tail(path: Path, lines: int = 20, prefix: str = "") -> str:
     return "\n".join(prefix + line for line in text[-lines:]) or f"{prefix}(empty)"
 
 
+def process_tree(pid: int) -> list[tuple[int, str]]:
+    """(pid, state) of `pid` and every process below it (from /proc; state T = stopped, D = in the kernel,
+    Z = exited); those that are gone are left out. Children in sessions of their own are found too."""
+    parents: dict[int, list[int]] = {}
+    states: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        me = int(stat.parent.name)
+        states[me] = fields[0]
+        parents.setdefault(int(fields[1]), []).append(me)
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in states:
+            tree.append((p, states[p]))
+        todo += parents.get(p, [])
+    return tree
+
+
+def resume_stopped(pid: int) -> None:
+    """SIGCONT every stopped process in `pid`'s tree, so that a stop signal sent next is acted on."""
+    for p, state in process_tree(pid):
+        if state in ("T", "t"):
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+TELLING = (" ERROR ", " CRITICAL ", " WARNING ", "error:", "Error:", "Traceback", "Killed")
+
+
+def telling_tail(path: Path, lines: int = 12, prefix: str = "") -> str:
+    """The end of a log for a death report: its last error and warning lines first (a progress bar or a
+    flood of INFO can hide them), then the last `lines` lines."""
+    if not path.exists():
+        return tail(path, lines, prefix)
+    text = path.read_text(errors="replace").rstrip().splitlines()
+    last = text[-lines:]
+    telling = [line for line in text[:-lines] if any(t in line for t in TELLING)][-5:]
+    shown = [*telling, "..."] if telling else []
+    return "\n".join(prefix + line for line in shown + last) or f"{prefix}(empty)"
+
+
 def _exits_by(proc: subprocess.Popen, deadline: float) -> bool:
     try:
         proc.wait(timeout=max(0.1, deadline - time.monotonic()))

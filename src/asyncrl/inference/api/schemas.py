@@ -1,7 +1,8 @@
 """Request bodies of the server's routes (pydantic), validated strictly, and their mapping to SamplingParams.
 
 Unknown fields are accepted and ignored (clients send provider-specific extras); known fields are
-range-checked so a bad value is a 400, never an engine error. NaN/inf are refused everywhere.
+type- and range-checked as strictly as the OpenAI API (no "yes" for a bool, no "0.5" for a number; message
+roles, content and tools checked) so a bad value is a 400, never an engine error. NaN/inf are refused.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ MAX_TOP_LOGPROBS = 20
 Finite = dict(allow_inf_nan=False)
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), strict=True)
 
 
 class SamplingFields(_Body):
@@ -42,6 +46,17 @@ class SamplingFields(_Body):
     frequency_penalty: float = Field(0.0, **Finite)
     repetition_penalty: float = Field(1.0, gt=0, **Finite)
     logit_bias: dict[int, float] | None = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys(cls, v: Any) -> Any:
+        """JSON object keys are strings: {"50256": -100} names token 50256."""
+        if isinstance(v, dict):
+            try:
+                return {int(k) if isinstance(k, str) else k: b for k, b in v.items()}
+            except ValueError:
+                raise ValueError("logit_bias keys must be token ids") from None
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -98,28 +113,50 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(SamplingFields):
-    model: str | None = None
+class ChatShape(_Body):
+    """What every chat request must look like, whatever the engine: message roles and content, tools, and
+    JSON types (vLLM's own chat route is given this check first; it validates values itself)."""
+
     messages: list[dict[str, Any]] = Field(..., min_length=1)
     tools: list[dict[str, Any]] | None = None
+    stream: bool = False
+    n: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, m in enumerate(v):
+            check_message(i, m)
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(v or []):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
+                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+        return v
+
+
+class ChatCompletionRequest(SamplingFields, ChatShape):
+    model: str | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-
-    @field_validator("messages")
-    @classmethod
-    def _roles(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for i, m in enumerate(v):
-            if not isinstance(m.get("role"), str):
-                raise ValueError(f"messages[{i}] has no 'role'")
-        return v
 
     @field_validator("tool_choice")
     @classmethod
@@ -236,6 +273,18 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
             param="max_tokens",
         )
     return requested
+
+
+def check_message(i: int, m: dict[str, Any]) -> None:
+    """One chat message as the OpenAI API takes it: a known role; content a string or a list of parts
+    (an assistant turn may leave it out)."""
+    role, content = m.get("role"), m.get("content")
+    if role not in ROLES:
+        raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
+    if content is None and role != "assistant":  # an earlier assistant turn may be all reasoning / tool calls
+        raise ValueError(f"messages[{i}] ({role}) needs 'content' (a string or a list of content parts)")
+    if content is not None and not isinstance(content, str | list):
+        raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:

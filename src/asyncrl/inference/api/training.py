@@ -4,7 +4,8 @@
 Mounted on the embedded app and on vLLM's app alike, against the app's `TrainingEngine`. Changes are
 serialized on the app's weights lock, and each route answers once the change is live. Everything a
 client can get wrong that needs no engine (missing fields, an adapter named like the served model,
-an adapter path that is no directory) is refused here, so both engines answer it identically.
+an adapter path that is no directory) is refused here, so both engines answer it identically. With
+`allowed_weights_root` set, a dir outside it (symlinks and `..` resolved) is refused with 403.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from fastapi import APIRouter
 
-from asyncrl.inference.api.deps import Engine, WeightsLock
+from asyncrl.inference.api.deps import Config, Engine, WeightsLock
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.api.schemas import LoadLoraRequest, UpdateWeightsRequest
 
@@ -21,7 +22,8 @@ router = APIRouter()
 
 
 @router.post("/update_weights")
-async def update_weights(body: UpdateWeightsRequest, engine: Engine, lock: WeightsLock):
+async def update_weights(body: UpdateWeightsRequest, engine: Engine, lock: WeightsLock, config: Config):
+    check_allowed(body.weight_dir, config.allowed_weights_root, "weight_dir")
     async with lock:
         await engine.update_weights(body.weight_dir)
     return {"status": "ok", "weight_dir": body.weight_dir}
@@ -35,7 +37,8 @@ async def reload_weights(engine: Engine, lock: WeightsLock):
 
 
 @router.post("/load_lora_adapter")
-async def load_lora_adapter(body: LoadLoraRequest, engine: Engine, lock: WeightsLock):
+async def load_lora_adapter(body: LoadLoraRequest, engine: Engine, lock: WeightsLock, config: Config):
+    check_allowed(body.lora_path, config.allowed_weights_root, "lora_path")
     if body.lora_name == engine.model_name:
         raise InvalidRequest("lora_name must differ from the served model's name", param="lora_name")
     if not Path(body.lora_path).is_dir():
@@ -43,3 +46,13 @@ async def load_lora_adapter(body: LoadLoraRequest, engine: Engine, lock: Weights
     async with lock:
         await engine.load_lora_adapter(body.lora_name, body.lora_path)
     return {"status": "ok", "lora_name": body.lora_name}
+
+
+def check_allowed(path: str, root: Path | None, param: str) -> None:
+    if root is not None and not Path(path).resolve().is_relative_to(Path(root).resolve()):
+        raise InvalidRequest(
+            f"{param} '{path}' is outside the directory this server loads weights from ({root}; "
+            "--allowed-weights-root)",
+            param=param,
+            status=403,
+        )

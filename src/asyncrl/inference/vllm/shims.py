@@ -1,7 +1,9 @@
 """Request and response rewrites that let vLLM serve what RL clients send and read; no vllm imports.
 
 - `NullAssistantFieldsMiddleware`: drops null fields of assistant turns from chat bodies (verifiers
-  sends `{"content": null, "tool_calls": null, ...}` for an all-reasoning turn; vLLM's schema rejects it);
+  sends `{"content": null, "tool_calls": null, ...}` for an all-reasoning turn; vLLM's schema rejects it),
+  and refuses a /v1/chat/completions body that is no chat request (`ChatShape`: roles, content, tools,
+  JSON types, where vLLM's schema is laxer than OpenAI's) with the embedded engine's 400 and error body;
 - `with_token_strings`: adds `token: "token_id:N"` beside each `token_id` of /inference/v1/generate
   logprobs, as the embedded engine answers.
 
@@ -10,6 +12,11 @@ Both leave anything they do not recognize untouched (vLLM reports it).
 
 import json
 from typing import Any
+
+from pydantic import ValidationError
+
+from asyncrl.inference.api.errors import error_response, validation_message
+from asyncrl.inference.api.schemas import ChatShape
 
 
 def with_token_strings(body: dict[str, Any]) -> dict[str, Any]:
@@ -20,6 +27,17 @@ def with_token_strings(body: dict[str, Any]) -> dict[str, Any]:
                 if "token_id" in item and "token" not in item:
                     item["token"] = f"token_id:{item['token_id']}"
     return body
+
+
+def shape_error(body: bytes) -> tuple[str, str | None] | None:
+    """(message, param) when a chat body fails `ChatShape`, as the embedded engine words it; else None."""
+    try:
+        ChatShape.model_validate_json(body)
+    except ValidationError as e:
+        if any(err.get("type") == "json_invalid" for err in e.errors()):
+            return None  # vLLM reports it
+        return validation_message(e.errors(include_url=False))
+    return None
 
 
 def drop_null_assistant_fields(body: bytes) -> bytes:
@@ -59,6 +77,8 @@ class NullAssistantFieldsMiddleware:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = drop_null_assistant_fields(b"".join(chunks))
+        if scope["path"] == "/v1/chat/completions" and (bad := shape_error(body)) is not None:
+            return await error_response(400, *bad)(scope, receive, send)
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         replayed = False
