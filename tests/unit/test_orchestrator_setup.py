@@ -178,7 +178,10 @@ def test_without_num_train_workers_batches_are_packed_for_the_trainers_world_siz
     ]
 
 
-def test_no_trainer_world_size_in_time_is_a_user_error(tmp_path):
-    cfg = _config(tmp_path, max_steps=1, num_train_workers=None, weights_timeout=1)
-    with pytest.raises(UserError, match="no trainer wrote .*trainer_world.json in 1s .*--num-train-workers"):
-        asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
+def test_without_num_train_workers_or_a_trainer_batches_are_packed_for_one_rank(tmp_path, caplog_loguru):
+    from asyncrl.transport.batch import read_meta
+
+    cfg = _config(tmp_path, k=3, max_steps=1, num_train_workers=None)
+    asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
+    assert read_meta(tmp_path, 0)["num_ranks"] == 1
+    assert "packing batches for 1 trainer rank(s) (until the trainer writes trainer_world.json)" in caplog_loguru

@@ -38,10 +38,10 @@ def test_each_rank_reads_its_own_micro_batches(tmp_path):
     assert [int(mb["input_ids"][0]) for mb in r1] == [3, 4]
 
 
-def test_rank_count_mismatch_is_a_user_error(tmp_path):
-    write_batch(tmp_path, 0, [[row([2])], [row([2])]])
-    with pytest.raises(UserError, match="packed for 2 trainer ranks but the trainer runs 1"):
-        RolloutSource(tmp_path, 0, 1, timeout=1).get(0)
+def test_a_batch_for_another_rank_count_is_read_whole(tmp_path, caplog_loguru):
+    write_batch(tmp_path, 0, [[row([2])], [row([3])]])
+    assert [len(mb["input_ids"]) for mb in RolloutSource(tmp_path, 0, 1, timeout=1).get(0)] == [3, 2]
+    assert any("packed for 2 trainer rank(s), this trainer runs 1" in m for m in caplog_loguru)
 
 
 def test_missing_batch_times_out_with_hint(tmp_path):
@@ -58,3 +58,15 @@ def test_fake_source_shape_and_split():
     assert torch.equal(rows[0]["input_ids"], FakeSource(cfg, 100, 1, 2, 0).get(0)[0]["input_ids"])  # deterministic
     with pytest.raises(UserError, match="not divisible by 3"):
         FakeSource(cfg, 100, 0, 3, 0)
+
+
+def test_a_batch_packed_for_another_rank_count_is_dealt_out_again():
+    from asyncrl.trainer.rl.data import deal_rows
+
+    filler = {**row([3]), "loss_mask": torch.zeros(3, dtype=torch.bool)}  # the packer's: dropped
+    packed_for_one = [row([9]), row([5]), row([7]), filler]
+    ranks = [deal_rows(packed_for_one, 2, r) for r in range(2)]
+    assert [[len(mb["input_ids"]) for mb in mbs] for mbs in ranks] == [[9, 5], [7, 5]]  # as many per rank
+    assert not ranks[1][1]["loss_mask"].any() and not ranks[1][1]["advantages"].any()  # a masked copy
+    assert sum(int(mb["loss_mask"].sum()) for mbs in ranks for mb in mbs) == 8 + 4 + 6  # every real token, once
+    assert len(deal_rows(packed_for_one, 1, 0)) == 3

@@ -139,26 +139,18 @@ class Orchestrator:
         ]
         return pack(items, self.config.seq_len, self._trainer_ranks, share=self.config.share_prefix)
 
-    async def _learn_trainer_ranks(self) -> None:
-        """The trainer's rank count: `num_train_workers`, or what trainer rank 0 writes at start (read every
-        step, so a trainer restarted with another world size is followed)."""
+    def _learn_trainer_ranks(self) -> None:
+        """The trainer's rank count: `num_train_workers`, else what trainer rank 0 writes at start (read every
+        step: a trainer that starts later, or again with another world size, is followed), else 1. A batch
+        packed for another count still trains: the trainer deals its rows out again."""
         if self.config.num_train_workers is not None:
             self._trainer_ranks = self.config.num_train_workers
             return
-        path, waited = self.layout.trainer_world, 0.0
-        while not path.exists():
-            if waited == 0:
-                logger.info(f"waiting for the trainer to write its world size to {path} (or set num_train_workers)")
-            if self.config.weights_timeout is not None and waited > self.config.weights_timeout:
-                raise UserError(
-                    f"no trainer wrote {path} in {self.config.weights_timeout:.0f}s (weights_timeout): is a trainer "
-                    "running with the same output_dir? Set --num-train-workers to pack without one"
-                )
-            await asyncio.sleep(0.5)
-            waited += 0.5
-        ranks = json.loads(path.read_text())["world_size"]
+        path = self.layout.trainer_world
+        ranks = json.loads(path.read_text())["world_size"] if path.exists() else 1
         if ranks != self._trainer_ranks:
-            logger.info(f"packing batches for {ranks} trainer rank(s) (from {path})")
+            said = f"from {path}" if path.exists() else f"until the trainer writes {path.name}"
+            logger.info(f"packing batches for {ranks} trainer rank(s) ({said})")
         self._trainer_ranks = ranks
 
     async def step(self, step: int, gate: PolicyGate) -> dict[str, Any]:
@@ -172,7 +164,7 @@ class Orchestrator:
             step, policy.step, self.config.max_async_level, self.problems, self.in_flight, self.args
         )
         min_policy = min(g.policy_step for g in got.groups)
-        await self._learn_trainer_ranks()
+        self._learn_trainer_ranks()
         t_pack = time.perf_counter()
         per_rank, stats = self._pack(got)
         meta = {

@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
+from loguru import logger
 
 from asyncrl.config.base import BenchDataConfig
 from asyncrl.trainer.loss import LossInputs
@@ -189,24 +190,42 @@ def micro_batches(
     return [stack_rows(rows[a:b], stack) for a, b in zip(starts, starts[1:])]
 
 
+def deal_rows(rows: list[MicroBatch], ranks: int, rank: int) -> list[MicroBatch]:
+    """`rank`'s share of a batch packed for another rank count: its rows (the packer's all-masked fillers
+    dropped) dealt round-robin, longest first; a rank short of rows gets all-masked copies of the shortest
+    (every rank must run as many forward passes)."""
+    real = sorted((r for r in rows if r["loss_mask"].any()), key=lambda r: -r["input_ids"].numel()) or rows[:1]
+    mine, slots = real[rank::ranks], max(1, -(-len(real) // ranks))
+    shortest = min(real, key=lambda r: r["input_ids"].numel())
+    keep = ("input_ids", "position_ids", "temperatures")
+    masked = lambda: {k: v.clone() if k in keep else torch.zeros_like(v) for k, v in shortest.items()}  # noqa: E731
+    return mine + [masked() for _ in range(slots - len(mine))]
+
+
 class RolloutSource:
     """Step n's micro-batches for this rank, from `{output_dir}/rollouts/step_n` (blocks until written)."""
 
     def __init__(self, output_dir: str | Path, rank: int, world_size: int, timeout: float | None) -> None:
         self.output_dir, self.rank, self.world_size, self.timeout = Path(output_dir), rank, world_size, timeout
+        self._told = False
 
     def get(self, step: int) -> list[MicroBatch]:
         try:
             wait_for_batch(self.output_dir, step, timeout=self.timeout)
         except TimeoutError as e:
             raise UserError(f"{e}; is the orchestrator running with the same output_dir?") from e
-        meta = read_meta(self.output_dir, step)
-        if meta.get("num_ranks") != self.world_size:
-            raise UserError(
-                f"rollout batch of step {step} was packed for {meta.get('num_ranks')} trainer ranks but the trainer "
-                f"runs {self.world_size}; set the orchestrator's trainer world size to {self.world_size}"
+        packed_for = read_meta(self.output_dir, step).get("num_ranks", 1)
+        if packed_for == self.world_size:
+            return read_batch(self.output_dir, step, self.rank)
+        if not self._told:
+            self._told = True
+            logger.info(
+                f"rollout batch of step {step} was packed for {packed_for} trainer rank(s), this trainer runs "
+                f"{self.world_size}: dealing its rows out again (the orchestrator learns the world size from "
+                "trainer_world.json, or set its num_train_workers)"
             )
-        return read_batch(self.output_dir, step, self.rank)
+        rows = [mb for r in range(packed_for) for mb in read_batch(self.output_dir, step, r)]
+        return deal_rows(rows, self.world_size, self.rank)
 
 
 class FakeSource:
