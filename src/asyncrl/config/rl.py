@@ -56,8 +56,8 @@ class RLConfig(BaseConfig):
     )
     exp_id: str | None = Field(None, description="experiment id: runs in {output_dir}/{exp_id}, side by side")
     report: bool = report_field()
-    stall_timeout: float | None = Field(
-        1800.0, gt=0, description="seconds without a step before rl stops the run, naming what looks hung (None: never)"
+    stall_timeout: float = Field(
+        1800.0, ge=0, description="seconds without a step before rl stops the run, naming what looks hung (0: never)"
     )
     bench: bool = Field(
         False,
