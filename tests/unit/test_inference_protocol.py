@@ -1,5 +1,7 @@
 """Request validation of the inference routes and its mapping to SamplingParams."""
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -105,3 +107,12 @@ def test_token_id_checks():
     with pytest.raises(InvalidRequest):
         ChatCompletionRequest(messages=MSGS, logit_bias={"99": 1}).check_vocab(10)
     assert finite_logprob(float("-inf")) == -9999.0 and finite_logprob(-1.5) == -1.5
+
+
+def test_a_streamed_event_is_one_line_whatever_the_model_wrote():
+    from asyncrl.inference.api.completions import sse
+
+    text = "a\u0085b\u2028c\u2029d\ne"  # unicode line separators: str.splitlines (httpx's aiter_lines) cuts there
+    event = sse({"choices": [{"delta": {"content": text}}]})
+    (line,) = [x for x in event.splitlines() if x]
+    assert json.loads(line.removeprefix("data: "))["choices"][0]["delta"]["content"] == text

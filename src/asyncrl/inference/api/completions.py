@@ -109,8 +109,13 @@ def usage(prompt_len: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
 
 
+LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One server-sent event. Unicode line separators a model may emit are escaped in the JSON: readers that
+    split lines the way str.splitlines does (httpx's aiter_lines) would otherwise cut the event in two."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(LINE_BREAKS)}\n\n"
 
 
 async def collect(request: Request, stream: AsyncIterator[SeqDelta], n: int) -> list[ChoiceResult]:
