@@ -202,6 +202,8 @@ def on_gpu(check: Check, work: Path) -> tuple[str, str]:
         outputs = [run(cmd, work / f"{check.name}.{i}.log") for i, cmd in enumerate(check.commands(work))]
         return "pass", check.judge(work, outputs)
     except AssertionError as e:
+        for log in sorted(work.glob(f"{check.name}.*.log")):  # what went wrong, before the table
+            print(f"  -- tail of {log.name}:", *log.read_text().splitlines()[-15:], sep="\n  ")
         return "FAIL", str(e)[:200]
     finally:
         from asyncrl.utils.process import stop_groups
@@ -243,6 +245,7 @@ def main() -> int:
             start = time.monotonic()
             status, result = (on_gpu if cuda else dry)(check, work)
             rows.append((check.name, status, time.monotonic() - start, result))
+            print(f"  {status}: {result} ({rows[-1][2]:.0f}s)", flush=True)
     print("\n| check | status | seconds | result |\n|---|---|---|---|")
     for name, status, seconds, result in rows:
         print(f"| {name} | {status} | {seconds:.0f} | {result} |")

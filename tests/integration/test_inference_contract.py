@@ -748,8 +748,11 @@ def _dataset(words: list[str]):
 def test_verifiers_single_turn(server, http, model_dir, monkeypatch):
     import verifiers as vf
 
+    # min_tokens = max_tokens: a random model that ends at once returns no content, which verifiers
+    # counts as a failed rollout (seen in CI); the reference logprobs carry the same ban.
     env = vf.SingleTurnEnv(dataset=_dataset(["ab", "cd", "ef"]), rubric=vf.Rubric(funcs=[lambda **kw: 0.0]))
-    outputs = _run_env(env, server, 3, {"max_tokens": 8, "temperature": 1.0}, monkeypatch)
+    sampling = {"max_tokens": 8, "temperature": 1.0, "extra_body": {"min_tokens": 8}}
+    outputs = _run_env(env, server, 3, sampling, monkeypatch)
     assert len(outputs) == 3
     for o in outputs:
         assert o["error"] is None
@@ -758,8 +761,8 @@ def test_verifiers_single_turn(server, http, model_dir, monkeypatch):
         messages = [{"role": "user", "content": o["prompt"][-1]["content"]}]
         expected = http.post("/tokenize", json={"model": server.model, "messages": messages}).json()["tokens"]
         assert tok["prompt_ids"] == expected and tok["prompt_mask"] == [0] * len(expected)
-        assert tok["completion_mask"] == [1] * len(tok["completion_ids"]) and 0 < len(tok["completion_ids"]) <= 8
-        ref = hf_logprobs(model_dir, tok["prompt_ids"], tok["completion_ids"], 1.0)
+        assert tok["completion_mask"] == [1] * len(tok["completion_ids"]) and len(tok["completion_ids"]) == 8
+        ref = hf_logprobs(model_dir, tok["prompt_ids"], tok["completion_ids"], 1.0, None, (8, EOS_IDS))
         assert max(abs(a - b) for a, b in zip(tok["completion_logprobs"], ref)) < LOGPROB_TOL[server.backend]
 
 
