@@ -7,7 +7,7 @@ from asyncrl.launcher.tailer import StepTailer
 
 def test_one_line_per_whole_training_row_then_summary(tmp_path, capsys):
     path = tmp_path / "metrics" / "orchestrator.jsonl"
-    tailer = StepTailer(path)
+    tailer = StepTailer(path, 0)
     tailer.poll()  # no file yet
     path.parent.mkdir()
     rows = [
@@ -28,15 +28,23 @@ def test_one_line_per_whole_training_row_then_summary(tmp_path, capsys):
     assert tailer.summary(12.3, tmp_path / "weights") == (
         f"[rl] done: 3 steps in 12s; reward 0.250 (first steps) -> 0.750 (last steps); weights in {tmp_path}/weights"
     )
-    assert StepTailer(tmp_path / "none.jsonl").summary(5, tmp_path) == "[rl] done in 5s (no reward logged)"
+    assert StepTailer(tmp_path / "none.jsonl", 0).summary(5, tmp_path) == "[rl] done in 5s (no reward logged)"
 
 
-def test_rows_of_an_earlier_run_are_skipped(tmp_path, capsys):
+def test_each_step_of_this_run_once_across_a_rewrite(tmp_path, capsys):
+    """A resumed run starts at step 2: the earlier run's rows before it are not this run's; a process that
+    rewrites the file without the steps it redoes (shorter) makes the tailer read it again, counting nothing twice."""
     path = tmp_path / "orchestrator.jsonl"
-    path.write_text(json.dumps({"step": 0, "reward/mean": 0.1}) + "\n")
-    tailer = StepTailer(path)
+    row = lambda step, reward: json.dumps({"step": step, "reward/mean": reward}) + "\n"  # noqa: E731
+    path.write_text(row(0, 0.1) + row(1, 0.1))
+    tailer = StepTailer(path, 2)
     with open(path, "a") as f:
-        f.write(json.dumps({"step": 0, "reward/mean": 0.9}) + "\n")
+        f.write(row(2, 0.5) + row(3, 0.6))
     tailer.poll()
-    assert capsys.readouterr().out.splitlines() == ["[rl] step    0  reward 0.900  off-policy ?"]
-    assert tailer.summary(1, tmp_path).startswith("[rl] done: 1 steps")
+    path.write_text(row(0, 0.1) + row(1, 0.1) + row(2, 0.5))  # shorter: step 3 dropped, to be redone
+    tailer.poll()
+    with open(path, "a") as f:
+        f.write(row(3, 0.7) + row(4, 0.8))
+    tailer.poll()
+    assert [line.split()[2] for line in capsys.readouterr().out.splitlines()] == ["2", "3", "4"]
+    assert tailer.summary(1, tmp_path).startswith("[rl] done: 3 steps")

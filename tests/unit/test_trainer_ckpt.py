@@ -32,10 +32,19 @@ def test_resolve_latest_skips_partial(tmp_path):
     make_ckpt(tmp_path, 2)
     make_ckpt(tmp_path, 4)
     make_ckpt(tmp_path, 6, complete=False)
-    (tmp_path / "checkpoints" / "step_8" / "orchestrator").mkdir(parents=True)  # not ours
     assert complete_steps(RunLayout(tmp_path)) == [2, 4]
     assert resolve_resume_step(RunLayout(tmp_path), -1) == 4
     assert resolve_resume_step(RunLayout(tmp_path), 2) == 2
+
+
+def test_resolve_latest_needs_both_halves_of_an_rl_checkpoint(tmp_path):
+    """Killed mid-save, one process leaves a step the other never finished: -1 is the latest step both have."""
+    for step in (2, 4, 8):
+        make_ckpt(tmp_path, step)
+    for step in (2, 4, 12):  # the orchestrator died before saving step 8, after it saved 12
+        (tmp_path / "checkpoints" / f"step_{step}" / "orchestrator").mkdir(parents=True)
+    assert RunLayout(tmp_path).resumable_steps() == [2, 4]
+    assert resolve_resume_step(RunLayout(tmp_path), -1) == 4
 
 
 def test_resolve_missing_step_lists_available(tmp_path):
@@ -51,7 +60,7 @@ def test_resolve_partial_step_is_refused_by_name(tmp_path):
 
 
 def test_resolve_latest_without_any(tmp_path):
-    with pytest.raises(UserError, match="no complete trainer checkpoint"):
+    with pytest.raises(UserError, match="no checkpoint under .* is complete"):
         resolve_resume_step(RunLayout(tmp_path), -1)
 
 

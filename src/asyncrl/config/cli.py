@@ -21,7 +21,7 @@ from pydantic_core import PydanticUndefined
 from asyncrl.config import loader
 from asyncrl.config.inference import chosen_backend
 from asyncrl.utils import runstate
-from asyncrl.utils.errors import UserError
+from asyncrl.utils.errors import UserError, disk_full
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -164,6 +164,9 @@ def run_guarded(fn: Callable[[], Any]) -> None:
         runstate.finish(e.code if isinstance(e.code, int) else 1, None if not e.code else str(e.code))
         raise
     except BaseException as e:
+        if (message := disk_full(e)) is not None:
+            runstate.finish(2, message)
+            fail(message)
         runstate.finish(1, f"{type(e).__name__}: {e}")
         raise
     runstate.finish(0)

@@ -13,6 +13,7 @@ the others are stopped and the launcher names the dead one with the end of its l
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,8 @@ from asyncrl.launcher.placement import Placement
 from asyncrl.launcher.tailer import StepTailer
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
 from asyncrl.utils import runstate
-from asyncrl.utils.errors import UserError
+from asyncrl.utils.errors import FULL_HINT, LOW_SPACE_BYTES, UserError
+from asyncrl.utils.monitor import drop_rows_from
 from asyncrl.utils.process import (
     PIPED,
     ChildExited,
@@ -66,7 +68,7 @@ class Launcher:
         self.layout = RunLayout(config.trainer.output_dir, ckpt.path if ckpt else "checkpoints")
         self.placement = Placement(config)
         self.children: list[Child] = []
-        self.steps = StepTailer(self.layout.metrics_file("orchestrator"))
+        self.steps = StepTailer(self.layout.metrics_file("orchestrator"), 0)
         self.bar = Bar("rl", config.trainer.max_steps)
         self.last_news = self.last_step = time.monotonic()
 
@@ -75,6 +77,9 @@ class Launcher:
     def _write_configs(self) -> dict[str, Path]:
         cfg = self.config
         cfg.orchestrator.num_train_workers = self.placement.trainer_ranks
+        for ckpt in (cfg.trainer.ckpt, cfg.orchestrator.ckpt):  # both resume at the one step resolved here
+            if ckpt is not None and ckpt.resume_step is not None:
+                ckpt.resume_step = self._start_step()
         configs = {"trainer": cfg.trainer, "orchestrator": cfg.orchestrator}
         if cfg.inference is not None:
             if cfg.inference.num_threads is None and cfg.inference.backend == "embedded":
@@ -153,7 +158,13 @@ class Launcher:
 
     def start(self) -> None:
         # a trainer that starts before the orchestrator's own clean-up could otherwise read a stale batch
-        self.layout.clear_stale(self._start_step())
+        start = self._start_step()
+        self.layout.remove_leftovers()
+        self.layout.clear_stale(start)
+        metrics = self.layout.metrics_file
+        for rows in (metrics("orchestrator"), metrics("trainer"), self.layout.samples):
+            drop_rows_from(rows, start)  # the steps this run redoes (before the tailer reads a row)
+        self.steps = StepTailer(self.layout.metrics_file("orchestrator"), start)
         paths = self._write_configs()
         py = sys.executable
         server = None
@@ -183,8 +194,16 @@ class Launcher:
         written = [p for p in (child.log_path, child.stdout_path) if p.exists() and p.stat().st_size]
         logs = [f"{p}:\n{telling_tail(p, prefix='    ')}" for p in written]
         raise UserError(
-            f"{child.name} died (exit code {code}); last lines of " + ("\n".join(logs) or "its logs: (none)")
+            f"{child.name} died (exit code {code}){self._disk_note()}; last lines of "
+            + ("\n".join(logs) or "its logs: (none)")
         )
+
+    def _disk_note(self) -> str:
+        """A process that died on a full disk often cannot even log why: say it here."""
+        free = shutil.disk_usage(self.layout.root).free
+        if free >= LOW_SPACE_BYTES:
+            return ""
+        return f": the disk holding {self.layout.root} is full ({free / 2**20:.1f} MiB free); {FULL_HINT}"
 
     def _show_progress(self) -> None:
         row = self.steps.poll()

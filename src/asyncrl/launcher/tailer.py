@@ -1,8 +1,9 @@
 """Follow a run's `metrics/orchestrator.jsonl` while it grows: one console line per training step, then a summary.
 
 Only whole lines are read (a row still being written waits for the next poll); eval rows, rows without
-a reward and lines that are not JSON are skipped. Each row is read exactly once. Rows already in the file
-when the tailer starts (an earlier run in the same output dir) are not this run's: reading starts after them.
+a reward and lines that are not JSON are skipped. Each step is counted once. Rows of steps before this
+run's first (an earlier run in the same output dir) are not this run's; a file rewritten shorter (a process
+dropping the steps it redoes) is read again from its start.
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ from pathlib import Path
 
 
 class StepTailer:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, start_step: int):
         self.path = path
-        self.pos = path.stat().st_size if path.exists() else 0
+        self.pos = 0
+        self.next_step = start_step  # steps arrive in order; one already counted is not counted again
         self.rewards: list[tuple[int, float]] = []
 
     def poll(self) -> dict | None:
         """Print a line for every training step logged since the last poll; the last one, or None."""
         last = None
         for row in self._new_rows():
-            if row.get("kind", "train") == "train" and "reward/mean" in row and "step" in row:
+            if row.get("kind", "train") == "train" and "reward/mean" in row and row.get("step", -1) >= self.next_step:
+                self.next_step = row["step"] + 1
                 self.rewards.append((row["step"], row["reward/mean"]))
                 print(step_line(row), flush=True)
                 last = row
@@ -40,6 +43,8 @@ class StepTailer:
         if not self.path.exists():
             return []
         rows = []
+        if self.path.stat().st_size < self.pos:
+            self.pos = 0
         with open(self.path) as f:
             f.seek(self.pos)
             for line in f:

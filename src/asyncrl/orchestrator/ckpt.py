@@ -21,10 +21,11 @@ from asyncrl.config.base import CkptConfig
 from asyncrl.orchestrator.filtering import Group
 from asyncrl.orchestrator.samples import Rollout, TokenSample
 from asyncrl.transport.files import publish_dir
-from asyncrl.transport.layout import RunLayout
+from asyncrl.transport.layout import ORCHESTRATOR, TRAINER, RunLayout
+from asyncrl.utils import failpoint
 from asyncrl.utils.errors import UserError
 
-COMPONENT = "orchestrator"
+COMPONENT = ORCHESTRATOR
 PROGRESS = "progress.json"
 
 
@@ -44,6 +45,7 @@ def _complete(path: Path) -> bool:
 def save(layout: RunLayout, progress: Progress, buffer: list[Group]) -> Path:
     def write(tmp: Path) -> None:
         (tmp / PROGRESS).write_text(json.dumps(asdict(progress), indent=1))
+        failpoint.reached("orchestrator.checkpoint", progress.step)
         (tmp / "buffer.json").write_text(json.dumps([asdict(g) for g in buffer]))
 
     return publish_dir(layout.checkpoint_dir(progress.step, COMPONENT), write, marker=False)
@@ -81,18 +83,22 @@ def saved_steps(layout: RunLayout) -> list[int]:
 
 
 def resolve_resume_step(layout: RunLayout, resume_step: int) -> int:
-    """`resume_step`, with -1 meaning the latest orchestrator checkpoint."""
+    """`resume_step`; -1: the step the trainer resumes at too (its latest with both checkpoints), or where this
+    output dir has no trainer checkpoint (an orchestrator run alone), the latest orchestrator checkpoint."""
     if resume_step >= 0:
         return resume_step
-    steps = saved_steps(layout)
+    steps = layout.resumable_steps() if layout.complete_checkpoints(TRAINER) else saved_steps(layout)
     if not steps:
         raise UserError(f"--ckpt.resume-step -1 (latest) but no orchestrator checkpoint under {layout.checkpoints}")
     return max(steps)
 
 
 def prune(layout: RunLayout, config: CkptConfig) -> list[int]:
-    """Apply keep_last / keep_interval to the orchestrator's part of the checkpoints."""
-    removed = layout.prune_checkpoints(COMPONENT, config.keep_last, config.keep_interval, _complete)
+    """Apply keep_last / keep_interval to the orchestrator's part of the checkpoints, sparing the steps from the
+    trainer's latest complete one on: running ahead, the orchestrator must not delete the step a resume needs."""
+    trainer = layout.complete_checkpoints(TRAINER)
+    keep_from = trainer[-1] if trainer else (0 if layout.trainer_world.exists() else None)  # None: no trainer here
+    removed = layout.prune_checkpoints(COMPONENT, config.keep_last, config.keep_interval, _complete, keep_from)
     if removed:
         logger.debug(f"pruned orchestrator checkpoints {removed}")
     return removed

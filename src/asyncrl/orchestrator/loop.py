@@ -39,7 +39,7 @@ from asyncrl.transport.batch import MicroBatch, write_batch
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.logging import setup_logger
-from asyncrl.utils.monitor import MetricsSink
+from asyncrl.utils.monitor import MetricsSink, drop_rows_from
 
 
 class Orchestrator:
@@ -255,6 +255,8 @@ class Orchestrator:
         resume_policy = self._resume()
         start = self.progress.step
         self.layout.clear_stale(start)
+        self.sink.restart_at(start)
+        drop_rows_from(self.layout.samples, start)
         gate = PolicyGate(self.config.output_dir, self.config.max_async_level, resume_policy)
         if self.config.sampling.seed is not None:
             logger.info(

@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from asyncrl.config.base import CkptConfig
 from asyncrl.transport.files import mark_stable
 from asyncrl.transport.layout import TRAINER, RunLayout
-from asyncrl.utils.errors import UserError
+from asyncrl.utils import failpoint
+from asyncrl.utils.errors import UserError, raise_if_full
 
 PROGRESS = "progress.json"
 
@@ -69,7 +70,11 @@ class CheckpointManager:
             self._pending = (future, step, extra)
             logger.debug(f"checkpoint step_{step}: staged, writing in the background")
         else:
-            dcp.save(state, checkpoint_id=str(path), process_group=self._group)
+            try:
+                dcp.save(state, checkpoint_id=str(path), process_group=self._group)
+            except Exception as e:
+                raise_if_full(path.parent, e)
+                raise
             self._finish(step, extra)
 
     def wait(self) -> None:
@@ -78,10 +83,15 @@ class CheckpointManager:
             return
         future, step, extra = self._pending
         self._pending = None
-        future.result()
+        try:
+            future.result()
+        except Exception as e:
+            raise_if_full(self.layout.checkpoint_dir(step, TRAINER), e)
+            raise
         self._finish(step, extra)
 
     def _finish(self, step: int, extra: dict[str, Any]) -> None:
+        failpoint.reached("trainer.checkpoint", step)
         dist.barrier(group=self._group)  # every rank's shards are written
         if self.rank == 0:
             path = self.layout.checkpoint_dir(step, TRAINER)

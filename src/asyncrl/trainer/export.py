@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from asyncrl.trainer.lora import merge_lora_state_dict
 from asyncrl.transport.files import STABLE, publish_dir
+from asyncrl.transport.layout import step_of
+from asyncrl.utils import failpoint
 
 MAX_SHARD_SIZE = "5GB"
 
@@ -97,6 +99,7 @@ def export_weights(
         write_hf_dir(tmp, hf_state, hf_config, tokenizer, dtype)
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
+        failpoint.reached("trainer.weights", step_of(first.name))
 
     publish_dir(first, write)
     for other in dests[1:]:

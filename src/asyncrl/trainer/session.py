@@ -281,6 +281,7 @@ class TrainSession:
 
     def run(self) -> list[dict]:
         step = self._resume()
+        self.sink.restart_at(step)
         history: list[dict] = []
         with Bar(self.loop.metrics_name, self.loop.planned_steps(), step, enabled=self.ctx.is_main) as bar:
             while self.max_steps is None or step < self.max_steps:

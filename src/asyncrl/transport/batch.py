@@ -35,6 +35,7 @@ import torch
 
 from asyncrl.transport.files import publish_dir, wait_for
 from asyncrl.transport.layout import RunLayout
+from asyncrl.utils import failpoint
 from asyncrl.utils.errors import UserError
 
 MicroBatch = dict[str, torch.Tensor]
@@ -63,6 +64,7 @@ def write_batch(output_dir: str | Path, step: int, per_rank: list[list[MicroBatc
     def write(tmp: Path) -> None:
         for rank, mbs in enumerate(per_rank):
             torch.save({"step": step, "micro_batches": mbs}, tmp / f"rank_{rank}.pt")
+        failpoint.reached("orchestrator.batch", step)
         (tmp / "meta.json").write_text(json.dumps(info))
 
     # a re-run of the same step (e.g. after resume) replaces it

@@ -15,12 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.transport.layout import STABLE
+from asyncrl.utils.errors import raise_if_full
 
 
 def publish_dir(final: Path, write: Callable[[Path], None], marker: bool = True) -> Path:
     """Fill `final` atomically: `write(tmp_dir)` writes the files, then rename, then (optionally) a STABLE marker.
 
     A reader never sees a partial dir: it appears whole under its final name, replacing any old one.
+    A write that failed on a full disk is raised as ENOSPC naming the dir.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp_{final.name}_{uuid.uuid4().hex[:8]}"
@@ -30,8 +32,11 @@ def publish_dir(final: Path, write: Callable[[Path], None], marker: bool = True)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        try:
+            raise_if_full(final.parent, e)  # before the clean-up frees the bytes that ran out
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     if marker:
         mark_stable(final)

@@ -38,7 +38,8 @@ from loguru import logger
 from asyncrl.utils.errors import UserError
 
 STABLE = "STABLE"
-TRAINER = "trainer"  # the trainer's checkpoint component: it decides which step a run resumes at
+TRAINER = "trainer"  # the trainer's checkpoint component: complete once it has its STABLE marker
+ORCHESTRATOR = "orchestrator"  # the orchestrator's: complete once it exists (it is renamed into place whole)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -115,15 +116,24 @@ class RunLayout:
         """Steps whose `component` checkpoint is complete by `complete(dir)`, ascending."""
         return [s for s, d in self.checkpoints_of(component).items() if complete(d)]
 
+    def resumable_steps(self) -> list[int]:
+        """Steps a run can resume at, ascending: a complete trainer checkpoint and, on a run that has orchestrator
+        checkpoints, the orchestrator's of the same step (a process killed mid-save leaves one without the other)."""
+        trainer, orchestrator = self.complete_checkpoints(TRAINER), self.checkpoints_of(ORCHESTRATOR)
+        return [s for s in trainer if s in orchestrator] if orchestrator else trainer
+
     def prune_checkpoints(
         self,
         component: str,
         keep_last: int | None,
         keep_interval: int | None,
         complete: Callable[[Path], bool] = is_stable,
+        keep_from: int | None = None,
     ) -> list[int]:
-        """Apply retention to `component`'s complete checkpoints; `step_N` itself goes with its last part."""
-        doomed = steps_to_delete(self.complete_checkpoints(component, complete), keep_last, keep_interval)
+        """Apply retention to `component`'s complete checkpoints, never to steps >= `keep_from`;
+        `step_N` itself goes with its last part."""
+        kept = steps_to_delete(self.complete_checkpoints(component, complete), keep_last, keep_interval)
+        doomed = [s for s in kept if keep_from is None or s < keep_from]
         for step in doomed:
             path = self.checkpoint_dir(step, component)
             shutil.rmtree(path, ignore_errors=True)
@@ -138,6 +148,16 @@ class RunLayout:
     def prune_broadcast(self, keep_from_step: int, keep: set[int] = frozenset()) -> list[Path]:
         """Delete broadcast dirs of steps < keep_from_step except those in `keep`."""
         return _remove_steps(self.broadcast, lambda s: s < keep_from_step and s not in keep)
+
+    def remove_leftovers(self) -> list[Path]:
+        """Temporary dirs (`.tmp_*`) of publishes a killed process never finished; only while no process runs."""
+        roots = [self.rollouts, self.broadcast, self.weights, *step_dirs(self.checkpoints).values()]
+        left = [p for root in roots if root.is_dir() for p in root.iterdir() if p.name.startswith(".tmp_")]
+        for path in left:
+            shutil.rmtree(path, ignore_errors=True)
+        if left:
+            logger.info(f"removed {len(left)} half-written dirs an earlier run left: {[p.name for p in left]}")
+        return left
 
     def clear_stale(self, start: int) -> list[Path]:
         """Before a run (re)starts at step `start`: delete batches >= start and broadcast weights > start
@@ -168,13 +188,15 @@ def resolve_resume_step(layout: RunLayout, requested: int, max_steps: int | None
 
 
 def _find_resume_step(layout: RunLayout, requested: int) -> int:
-    root, complete, all_dirs = layout.checkpoints, layout.complete_checkpoints(TRAINER), layout.checkpoints_of(TRAINER)
+    root, complete, all_dirs = layout.checkpoints, layout.resumable_steps(), layout.checkpoints_of(TRAINER)
     if requested == -1:
         if not complete:
-            raise UserError(f"ckpt.resume_step = -1 but there is no complete trainer checkpoint under {root}")
+            raise UserError(
+                f"ckpt.resume_step = -1 but no checkpoint under {root} is complete (trainer and orchestrator)"
+            )
         partial = [s for s in all_dirs if s > complete[-1]]
         if partial:
-            logger.warning(f"skipping partial checkpoints (no {STABLE} marker) at steps {partial}")
+            logger.warning(f"skipping partial checkpoints (a save that did not finish) at steps {partial}")
         return complete[-1]
     if requested in complete:
         return requested

@@ -2,6 +2,8 @@
 
 Each row is `{"step": n, "time": unix_seconds, **metrics}`. W&B is imported only when configured; the run
 name is used as given (the `rl` launcher already adds `-trainer` / `-orchestrator`).
+Each step appears once: a process that (re)starts at step S first drops the rows of steps >= S that an
+earlier attempt left (`restart_at`), since it is about to run those steps again.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from loguru import logger
 
 from asyncrl.config.base import WandbConfig
+from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.errors import UserError
 
@@ -58,6 +61,11 @@ class MetricsSink:
             numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             self.run.log(numbers, step=step)
 
+    def restart_at(self, step: int) -> None:
+        """This run starts at `step`: drop the rows an earlier attempt wrote for steps >= `step`."""
+        if self.enabled:
+            drop_rows_from(self.path, step)
+
     def extras_due(self, step: int, kind: str) -> bool:
         """W&B is on, `log_extras.<kind>` (samples / distributions) is on and `step` is on its interval."""
         extras = self.wandb_cfg.log_extras if self.run is not None else None
@@ -74,3 +82,22 @@ class MetricsSink:
             self.run.finish()
             self.run = None
         logger.debug(f"metrics in {self.path}")
+
+
+def drop_rows_from(path: Path, step: int) -> int:
+    """Rewrite the JSON-lines file `path` (atomically) without its rows of steps >= `step`; how many went."""
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if _step(line) < step]
+    if len(kept) < len(lines):
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
+        logger.info(f"{path.name}: dropped {len(lines) - len(kept)} rows of steps >= {step} (this run redoes them)")
+    return len(lines) - len(kept)
+
+
+def _step(line: str) -> float:
+    try:
+        return json.loads(line).get("step", -1)
+    except ValueError:  # a torn last line of a killed writer: drop it with the redone steps
+        return float("inf")

@@ -38,7 +38,10 @@ def close(path: Path, code: int, error: str | None = None) -> None:
     """Write the end into a record that has none yet (a launcher closes those of the children it stopped)."""
     info = read(path)
     if info and "exit" not in info:
-        write_text_atomic(path, json.dumps({**info, "ended": time.time(), "exit": code, "error": error}))
+        try:
+            write_text_atomic(path, json.dumps({**info, "ended": time.time(), "exit": code, "error": error}))
+        except OSError:  # a full disk: the record stays open; `asyncrl status` reports the process as killed
+            pass
 
 
 def read(path: Path) -> dict:

@@ -51,6 +51,7 @@ from asyncrl.transport.batch import MicroBatch
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import is_stable
 from asyncrl.transport.prefix import expand, segments
+from asyncrl.utils import failpoint
 
 MASKED_ATTENTION = ("sdpa", "eager")  # take an explicit 4D mask, so shared prefixes stay in one row
 # a forward pass's fixed cost, as the FLOPs of this many tokens (CPU, tiny model: ~64; the plan is not sensitive)
@@ -90,6 +91,7 @@ class RLLoop(Loop):
         self._dists = defaultdict(list) if self.session.sink.extras_due(step, "distributions") else None
         start = time.perf_counter()
         rows = [prepare(mb, ctx.device) for mb in self._shareable(self.source.get(step))]
+        failpoint.reached("trainer.step", step)
         wait_s = time.perf_counter() - start
         loss_tokens, tokens, samples, flops = ctx.all_reduce_sum(self._counts(rows)).tolist()
         size, stack = self.config.data.micro_batch_size, self.session.lm.stackable

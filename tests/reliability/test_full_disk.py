@@ -1,0 +1,99 @@
+"""A full disk in the middle of a real `rl` run: it stops cleanly, says the disk is full, and resumes.
+
+The run's output dir is a small tmpfs (a real filesystem with a real size limit; mounting needs root and
+the test skips where it cannot mount). Once the first checkpoint is complete, a ballast file takes every
+free byte, so the next write of any process (batch, weights, checkpoint, metrics) fails with ENOSPC.
+`rl` must exit 2 naming the dead process and the full disk, with no traceback on its console; with the
+ballast gone, `--ckpt.resume-step -1` resumes from a complete checkpoint and every step is logged once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.transport.layout import RunLayout, is_stable
+from asyncrl.utils.process import free_port
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+
+STEPS = 10
+RL = [sys.executable, "-m", "asyncrl.entrypoints.rl"]
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    path.mkdir(parents=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Take every free byte of `disk` with one file."""
+    ballast = disk / "ballast"
+    with open(ballast, "wb") as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 2**16)
+                f.flush()
+    return ballast
+
+
+def rl_args(model: Path, out: Path, *extra: str) -> list[str]:
+    return RL + [
+        "--model.name", str(model), "--output-dir", str(out), "--max-steps", str(STEPS),
+        "--inference.server.port", str(free_port()), "--inference.server.host", "127.0.0.1",
+        "--seq-len", "96", "--max-async-level", "1", "--orchestrator.batch-size", "32",
+        "--orchestrator.rollouts-per-example", "4", "--orchestrator.sampling.max-tokens", "8",
+        "--ckpt", "--ckpt.interval", "2", "--log.level", "info", *extra,
+    ]  # fmt: skip
+
+
+def steps_in(path: Path) -> list[int]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["step"] for r in rows if r.get("kind", "train") == "train"]
+
+
+def test_a_full_disk_stops_the_run_cleanly_and_it_resumes(tiny_model_dir, tmp_path):
+    with tmpfs(tmp_path / "disk", "64m") as disk:
+        out = disk / "run"
+        first_ckpt = RunLayout(out).checkpoint_dir(2, "trainer")
+        proc = subprocess.Popen(rl_args(tiny_model_dir, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not is_stable(first_ckpt):
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "the first checkpoint never completed"
+                time.sleep(0.05)
+            ballast = fill(disk)
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(30)
+        assert proc.returncode == 2, stdout[-2000:] + stderr[-2000:]
+        died = next(line for line in stderr.splitlines() if " died (exit code" in line)
+        assert f"the disk holding {out} is full" in died and "--ckpt.resume-step -1" in died, died
+        assert "Traceback" not in stderr.split(" died (exit code")[0], stderr[-3000:]  # rl's own lines before it
+        assert "(exit code 2)" in died  # the process that hit it ended with its one-line error, not a crash
+
+        ballast.unlink()
+        resumed = subprocess.run(rl_args(tiny_model_dir, out, "--ckpt.resume-step", "-1"),
+                                 capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        layout = RunLayout(out)
+        assert steps_in(layout.metrics_file("trainer")) == list(range(STEPS))
+        assert steps_in(layout.metrics_file("orchestrator")) == list(range(STEPS))
+        assert is_stable(layout.weights_dir(STEPS))
