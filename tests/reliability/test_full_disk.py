@@ -97,3 +97,54 @@ def test_a_full_disk_stops_the_run_cleanly_and_it_resumes(tiny_model_dir, tmp_pa
         assert steps_in(layout.metrics_file("trainer")) == list(range(STEPS))
         assert steps_in(layout.metrics_file("orchestrator")) == list(range(STEPS))
         assert is_stable(layout.weights_dir(STEPS))
+
+
+@pytest.mark.parametrize("phase", ["checkpoint", "weights"])
+def test_a_full_disk_during_a_checkpoint_or_weight_export_keeps_the_last_checkpoint(
+    tiny_model_dir, tmp_path, monkeypatch, phase
+):
+    """The trainer alone (fake data), the disk filled right before step 4's checkpoint or step 3's weights:
+    the write fails with ENOSPC naming the dir, nothing half-written is marked complete, and once space is
+    back the run resumes from checkpoint 2."""
+    from asyncrl.config.trainer import TrainerConfig
+    from asyncrl.trainer.ckpt import CheckpointManager
+    from asyncrl.trainer.rl import train
+    from asyncrl.trainer.rl.loop import RLLoop
+    from asyncrl.utils.errors import disk_full
+
+    def config(**ckpt) -> TrainerConfig:
+        fake = {"batch_size": 4, "micro_batch_size": 2, "seq_len": 32}
+        return TrainerConfig.model_validate(
+            {
+                "model": {"name": str(tiny_model_dir)},
+                "output_dir": str(out),
+                "max_steps": 6,
+                "data": {"fake": fake},
+                "ckpt": {"interval": 2, **ckpt},
+            }  # fmt: skip
+        )
+
+    def filling(method, at: int):
+        def run(self, step, *args, **kwargs):
+            if step == at:
+                fill(disk)
+            return method(self, step, *args, **kwargs)
+
+        return run
+
+    with tmpfs(tmp_path / "disk", "32m") as disk:
+        out = disk / "run"
+        if phase == "checkpoint":
+            monkeypatch.setattr(CheckpointManager, "save", filling(CheckpointManager.save, 4))
+        else:
+            monkeypatch.setattr(RLLoop, "_publish", filling(RLLoop._publish, 3))
+        with pytest.raises(OSError) as failed:
+            train(config())
+        assert disk_full(failed.value).startswith("the disk is full (No space left on device) writing ")
+        layout = RunLayout(out)
+        assert layout.complete_checkpoints("trainer") == [2]
+        assert all(is_stable(d) for d in (*layout.broadcast.glob("step_*"), *layout.weights.glob("step_*")))
+        monkeypatch.undo()
+        (disk / "ballast").unlink()
+        resumed = train(config(resume_step=-1))
+        assert len(resumed) == 4 and is_stable(layout.weights_dir(6))  # steps 2..5 from checkpoint 2

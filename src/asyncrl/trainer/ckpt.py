@@ -72,7 +72,7 @@ class CheckpointManager:
         else:
             try:
                 dcp.save(state, checkpoint_id=str(path), process_group=self._group)
-            except Exception as e:
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
                 raise_if_full(path.parent, e)
                 raise
             self._finish(step, extra)
@@ -85,7 +85,7 @@ class CheckpointManager:
         self._pending = None
         try:
             future.result()
-        except Exception as e:
+        except BaseException as e:
             raise_if_full(self.layout.checkpoint_dir(step, TRAINER), e)
             raise
         self._finish(step, extra)

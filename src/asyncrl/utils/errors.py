@@ -51,8 +51,10 @@ def raise_if_full(where, error: BaseException) -> None:
     import shutil
     from pathlib import Path
 
+    if isinstance(error, OSError) and error.errno in FULL:
+        return
     existing = next(p for p in (Path(where), *Path(where).parents) if p.exists())
-    if disk_full(error) is None and shutil.disk_usage(existing).free < LOW_SPACE_BYTES:
+    if disk_full(error) is not None or shutil.disk_usage(existing).free < LOW_SPACE_BYTES:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where)) from error
 
 
