@@ -13,35 +13,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from rl_runs import rl_args, steps_in
 
 from asyncrl.transport.layout import RunLayout, is_stable
-from asyncrl.utils.process import free_port
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
-STEPS, INTERVAL = 8, 2
-RL = [sys.executable, "-m", "asyncrl.entrypoints.rl"]
+STEPS = 8  # rl_runs checkpoints every 2 steps
 TORN = ("corrupt", "torn", "partial", "Traceback")  # what a reader that met a half-written file would say
-
-
-def rl_args(model: Path, out: Path, *extra: str) -> list[str]:
-    return RL + [
-        "--model.name", str(model), "--output-dir", str(out), "--max-steps", str(STEPS),
-        "--inference.server.port", str(free_port()), "--inference.server.host", "127.0.0.1",
-        "--seq-len", "96", "--max-async-level", "1", "--orchestrator.batch-size", "32",
-        "--orchestrator.rollouts-per-example", "4", "--orchestrator.sampling.max-tokens", "8",
-        "--ckpt", "--ckpt.interval", str(INTERVAL), "--log.level", "info", *extra,
-    ]  # fmt: skip
-
-
-def steps_in(path: Path) -> list[int]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["step"] for r in rows if r.get("kind", "train") == "train"]
 
 
 def pid_of(out: Path, name: str) -> int:
@@ -88,7 +71,7 @@ def test_kill_then_resume_loses_and_repeats_no_step(tiny_model_dir, tmp_path, ca
     victim, point, extra = CASES[case]
     out = tmp_path / "run"
     env = dict(os.environ, **({"ASYNCRL_FAILPOINT": point} if point else {}))
-    proc = subprocess.Popen(rl_args(tiny_model_dir, out, *extra), env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(rl_args(tiny_model_dir, out, STEPS, *extra), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         if point is None:
@@ -104,7 +87,7 @@ def test_kill_then_resume_loses_and_repeats_no_step(tiny_model_dir, tmp_path, ca
     before = {p: p.stat().st_size for p in RunLayout(out).logs.glob("*.log")}  # the resumed run's lines come after
     start = RunLayout(out).resumable_steps()[-1]
     assert 0 < start < STEPS
-    resumed = subprocess.run(rl_args(tiny_model_dir, out, *extra, "--ckpt.resume-step", "-1"),
+    resumed = subprocess.run(rl_args(tiny_model_dir, out, STEPS, *extra, "--ckpt.resume-step", "-1"),
                              capture_output=True, text=True, timeout=300)  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"[rl] done: {STEPS - start} steps in" in resumed.stdout

@@ -10,22 +10,19 @@ ballast gone, `--ckpt.resume-step -1` resumes from a complete checkpoint and eve
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from rl_runs import rl_args, steps_in
 
 from asyncrl.transport.layout import RunLayout, is_stable
-from asyncrl.utils.process import free_port
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 STEPS = 10
-RL = [sys.executable, "-m", "asyncrl.entrypoints.rl"]
 
 
 @contextlib.contextmanager
@@ -51,26 +48,13 @@ def fill(disk: Path) -> Path:
     return ballast
 
 
-def rl_args(model: Path, out: Path, *extra: str) -> list[str]:
-    return RL + [
-        "--model.name", str(model), "--output-dir", str(out), "--max-steps", str(STEPS),
-        "--inference.server.port", str(free_port()), "--inference.server.host", "127.0.0.1",
-        "--seq-len", "96", "--max-async-level", "1", "--orchestrator.batch-size", "32",
-        "--orchestrator.rollouts-per-example", "4", "--orchestrator.sampling.max-tokens", "8",
-        "--ckpt", "--ckpt.interval", "2", "--log.level", "info", *extra,
-    ]  # fmt: skip
-
-
-def steps_in(path: Path) -> list[int]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["step"] for r in rows if r.get("kind", "train") == "train"]
-
-
 def test_a_full_disk_stops_the_run_cleanly_and_it_resumes(tiny_model_dir, tmp_path):
     with tmpfs(tmp_path / "disk", "64m") as disk:
         out = disk / "run"
         first_ckpt = RunLayout(out).checkpoint_dir(2, "trainer")
-        proc = subprocess.Popen(rl_args(tiny_model_dir, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            rl_args(tiny_model_dir, out, STEPS), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         try:
             deadline = time.monotonic() + 300
             while not is_stable(first_ckpt):
@@ -90,7 +74,7 @@ def test_a_full_disk_stops_the_run_cleanly_and_it_resumes(tiny_model_dir, tmp_pa
         assert "(exit code 2)" in died  # the process that hit it ended with its one-line error, not a crash
 
         ballast.unlink()
-        resumed = subprocess.run(rl_args(tiny_model_dir, out, "--ckpt.resume-step", "-1"),
+        resumed = subprocess.run(rl_args(tiny_model_dir, out, STEPS, "--ckpt.resume-step", "-1"),
                                  capture_output=True, text=True, timeout=300)  # fmt: skip
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         layout = RunLayout(out)
