@@ -1,14 +1,36 @@
-"""Start our inference server as a subprocess for eval/synthesize/sft tests, and stop it again."""
+"""Start our inference server for tests, and stop it again.
+
+- `ServerProcess`: the `inference` entrypoint as a subprocess, for the eval/synthesize/sft tests;
+- `start_server`: any backend in `BACKENDS` with the contract's options (api key, hermes tools, qwen3
+  reasoning), the embedded one in this process; used by the contract and the hostile-input suites.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
+from asyncrl.inference.vllm.launch import INSTALL_HINT, start_vllm_server, vllm_python
 from asyncrl.utils.process import free_port, serve, stop_group
+
+BACKENDS = [
+    pytest.param("embedded", id="embedded"),
+    pytest.param(
+        "vllm",
+        id="vllm",
+        marks=[pytest.mark.vllm, pytest.mark.skipif(vllm_python() is None, reason=f"no vLLM env: {INSTALL_HINT}")],
+    ),
+]
+API_KEY = "contract-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 class ServerProcess:
@@ -59,3 +81,79 @@ class ServerProcess:
                 "max_tokens": max_tokens,
             },
         )
+
+
+@dataclass
+class RunningServer:
+    backend: str
+    base_url: str
+    model: str
+    stop: Callable[[], None]
+    engine: object | None = None  # the in-process engine, when there is one (lets tests look inside)
+
+
+def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
+    """Start `backend` serving `model_dir` with the contract's options; returns when it answers."""
+    model = {
+        "name": str(model_dir),
+        "enable_auto_tool_choice": True,
+        "tool_call_parser": "hermes",
+        "reasoning_parser": "qwen3",
+        "max_model_len": 512,
+    }
+    if backend == "embedded":
+        import uvicorn
+
+        from asyncrl.config.inference import InferenceConfig
+        from asyncrl.inference.api.app import create_app
+        from asyncrl.inference.engine import EmbeddedEngine
+
+        # num_threads: keep this test process's torch thread count as it is (the engine is in-process)
+        config = InferenceConfig(
+            model=model, api_key=API_KEY, max_batch_size=16, num_threads=_torch_threads(), **overrides
+        )
+        engine = EmbeddedEngine(config)
+        app = create_app(engine, config)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("embedded server did not start")
+            time.sleep(0.05)
+
+        def stop() -> None:
+            server.should_exit = True
+            thread.join(30)
+
+        return RunningServer(backend, f"http://127.0.0.1:{port}", str(model_dir), stop, engine)
+    if backend == "vllm":
+        flags = [
+            "--model.dtype",
+            "float32",
+            "--model.enforce-eager",
+            "--api-key",
+            API_KEY,
+            "--model.enable-auto-tool-choice",
+            "--model.tool-call-parser",
+            "hermes",
+            "--model.reasoning-parser",
+            "qwen3",
+            "--model.max-model-len",
+            "512",
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+        ]
+        flags += [a for k, v in overrides.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+        srv = start_vllm_server(model_dir, model_dir.parent / "vllm-inference.log", flags)
+        return RunningServer(backend, srv.base_url, str(model_dir), srv.stop)
+    raise ValueError(f"unknown backend {backend}")
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

@@ -1,7 +1,7 @@
 """The inference server contract, run against every backend in BACKENDS over real HTTP.
 
 One server per backend for the module (tiny random model, api key on, hermes tools + qwen3 reasoning
-parsing on). To add a backend: append it to BACKENDS and teach `start_server` to start it.
+parsing on). To add a backend: append it to BACKENDS and teach `start_server` (server_proc.py) to start it.
 Tests that change the server's weights put the base weights back before they end.
 """
 
@@ -11,8 +11,6 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -21,19 +19,8 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-from asyncrl.inference.vllm.launch import INSTALL_HINT, start_vllm_server, vllm_python  # noqa: E402
-from asyncrl.utils.process import free_port  # noqa: E402
+from server_proc import API_KEY, AUTH, BACKENDS, start_server  # noqa: E402
 
-BACKENDS = [
-    pytest.param("embedded", id="embedded"),
-    pytest.param(
-        "vllm",
-        id="vllm",
-        marks=[pytest.mark.vllm, pytest.mark.skipif(vllm_python() is None, reason=f"no vLLM env: {INSTALL_HINT}")],
-    ),
-]
-API_KEY = "contract-key"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MESSAGES = [{"role": "user", "content": "reverse: abcdef"}]
 # What the "trained" weights say to any chat prompt (reasoning, content and one hermes tool call).
 REPLY = '<think>ok</think>hi<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
@@ -43,76 +30,6 @@ EOS_IDS = [256, 258]  # <|endoftext|>, <|im_end|>: the tiny model's generation_c
 # The error body's `type` for each status (vLLM's names), on every backend
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                422: "UnprocessableEntityError"}  # fmt: skip
-
-
-@dataclass
-class RunningServer:
-    backend: str
-    base_url: str
-    model: str
-    stop: Callable[[], None]
-    engine: object | None = None  # the in-process engine, when there is one (lets tests look inside)
-
-
-def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
-    """Start `backend` serving `model_dir` with the contract's options; returns when it answers."""
-    model = {
-        "name": str(model_dir),
-        "enable_auto_tool_choice": True,
-        "tool_call_parser": "hermes",
-        "reasoning_parser": "qwen3",
-        "max_model_len": 512,
-    }
-    if backend == "embedded":
-        import uvicorn
-
-        from asyncrl.config.inference import InferenceConfig
-        from asyncrl.inference.api.app import create_app
-        from asyncrl.inference.engine import EmbeddedEngine
-
-        # num_threads: keep this test process's torch thread count as it is (the engine is in-process)
-        config = InferenceConfig(
-            model=model, api_key=API_KEY, max_batch_size=16, num_threads=torch.get_num_threads(), **overrides
-        )
-        engine = EmbeddedEngine(config)
-        app = create_app(engine, config)
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("embedded server did not start")
-            time.sleep(0.05)
-
-        def stop() -> None:
-            server.should_exit = True
-            thread.join(30)
-
-        return RunningServer(backend, f"http://127.0.0.1:{port}", str(model_dir), stop, engine)
-    if backend == "vllm":
-        assert not overrides, "the vLLM server takes no overrides here"
-        flags = [
-            "--model.dtype",
-            "float32",
-            "--model.enforce-eager",
-            "--api-key",
-            API_KEY,
-            "--model.enable-auto-tool-choice",
-            "--model.tool-call-parser",
-            "hermes",
-            "--model.reasoning-parser",
-            "qwen3",
-            "--model.max-model-len",
-            "512",
-            "--enable-lora",
-            "--max-lora-rank",
-            "8",
-        ]
-        srv = start_vllm_server(model_dir, model_dir.parent / "vllm-inference.log", flags)
-        return RunningServer(backend, srv.base_url, str(model_dir), srv.stop)
-    raise ValueError(f"unknown backend {backend}")
 
 
 # ---- fixtures ------------------------------------------------------------------------------------

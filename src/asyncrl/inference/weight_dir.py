@@ -15,10 +15,18 @@ from safetensors import safe_open
 from asyncrl.inference.api.errors import InvalidRequest
 
 
+def is_dir(path: str | Path) -> bool:
+    """Whether `path` is a directory; False too for a path the OS cannot look up (a name too long, ...)."""
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def safetensors_files(path: str | Path, param: str = "weight_dir") -> list[Path]:
     """The safetensors files of a HF weight dir (the shards of its index if it has one)."""
     root = Path(path)
-    if not root.is_dir():
+    if not is_dir(root):
         raise InvalidRequest(f"{param} '{path}' does not exist or is not a directory", param=param)
     index = root / "model.safetensors.index.json"
     if index.is_file():

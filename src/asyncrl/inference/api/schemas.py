@@ -22,6 +22,51 @@ Finite = dict(allow_inf_nan=False)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
+# What the OpenAPI schema says messages and tools look like (checked by `check_message` and `ChatShape`; the
+# fields stay plain dicts so unknown keys pass through to the chat template)
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}  # fmt: skip
+MESSAGE_SCHEMA = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": list(ROLES)},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
+        "name": {"type": "string"},
+    },
+}
+TOOL_SCHEMA = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "description": {"type": "string"},
+                "parameters": {"type": "object"},
+            },
+        },
+    },
+}
+
+
+def _items_doc(items: dict[str, Any]):
+    """json_schema_extra: the array (or the array branch of an optional field) documents its `items`."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        for branch in schema.get("anyOf", [schema]):
+            if branch.get("type") == "array":
+                branch["items"] = items
+
+    return extra
+
+
+_MESSAGES_DOC, _TOOLS_DOC = _items_doc(MESSAGE_SCHEMA), _items_doc(TOOL_SCHEMA)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", protected_namespaces=(), strict=True)
 
@@ -117,8 +162,8 @@ class ChatShape(_Body):
     """What every chat request must look like, whatever the engine: message roles and content, tools, and
     JSON types (vLLM's own chat route is given this check first; it validates values itself)."""
 
-    messages: list[dict[str, Any]] = Field(..., min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] = Field(..., min_length=1, json_schema_extra=_MESSAGES_DOC)
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra=_TOOLS_DOC)
     stream: bool = False
     n: int | None = None
     max_tokens: int | None = None
@@ -213,8 +258,8 @@ class CompletionRequest(SamplingFields):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] | None = Field(None, json_schema_extra=_MESSAGES_DOC)
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra=_TOOLS_DOC)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool | None = None
@@ -246,13 +291,24 @@ class GenerateRequest(_Body):
     stream: Literal[False] = False
 
 
+def _no_nul(path: str) -> str:
+    """No file path holds a NUL byte (the OS refuses it, pathlib raises): a bad value, not a missing dir."""
+    if "\x00" in path:
+        raise ValueError("a path must not contain a NUL byte")
+    return path
+
+
 class UpdateWeightsRequest(_Body):
     weight_dir: str = Field(..., min_length=1)
+
+    _path = field_validator("weight_dir")(_no_nul)
 
 
 class LoadLoraRequest(_Body):
     lora_name: str = Field(..., min_length=1)
     lora_path: str = Field(..., min_length=1)
+
+    _path = field_validator("lora_path")(_no_nul)
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:

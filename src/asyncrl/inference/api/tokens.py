@@ -51,7 +51,18 @@ def _chat_ids(tok, body: TokenizeRequest) -> list[int]:
         body.continue_final_message,
         body.chat_template_kwargs,
     )
-    return tok.build_inputs_with_special_tokens(ids) if body.add_special_tokens else ids
+    return with_special_tokens(tok, ids) if body.add_special_tokens else ids
+
+
+def with_special_tokens(tok, ids: list[int]) -> list[int]:
+    """`ids` between what encoding with special tokens adds around a text (a BOS, ...), read off a one-letter
+    encoding: what vLLM gives a chat tokenized with add_special_tokens (transformers 5 tokenizers have no
+    `build_inputs_with_special_tokens`)."""
+    bare, full = tok.encode("a", add_special_tokens=False), tok.encode("a", add_special_tokens=True)
+    for at in range(len(full) - len(bare) + 1):
+        if full[at : at + len(bare)] == bare:
+            return full[:at] + ids + full[at + len(bare) :]
+    return ids
 
 
 def _prompt_ids(tok, body: TokenizeRequest) -> list[int]:

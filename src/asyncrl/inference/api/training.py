@@ -17,6 +17,7 @@ from fastapi import APIRouter
 from asyncrl.inference.api.deps import Config, Engine, WeightsLock
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.api.schemas import LoadLoraRequest, UpdateWeightsRequest
+from asyncrl.inference.weight_dir import is_dir
 
 router = APIRouter()
 
@@ -41,7 +42,7 @@ async def load_lora_adapter(body: LoadLoraRequest, engine: Engine, lock: Weights
     check_allowed(body.lora_path, config.allowed_weights_root, "lora_path")
     if body.lora_name == engine.model_name:
         raise InvalidRequest("lora_name must differ from the served model's name", param="lora_name")
-    if not Path(body.lora_path).is_dir():
+    if not is_dir(body.lora_path):
         raise InvalidRequest(f"lora_path '{body.lora_path}' is not a directory", param="lora_path")
     async with lock:
         await engine.load_lora_adapter(body.lora_name, body.lora_path)

@@ -3,7 +3,8 @@
 - /v1/chat/completions/tokens: vLLM's chat handler, with the rendered prompt replaced by the
   request's `tokens` (text-only chats);
 - /inference/v1/generate: vLLM's, but an over-long max_tokens is refused with the API's own context
-  check (vLLM would silently shorten it), and logprob tokens are named `token_id:N`.
+  check (vLLM would silently shorten it), as is an empty `trace_decode_token_ids` (vLLM: a 500), and
+  logprob tokens are named `token_id:N`.
 
 Their errors are vLLM's `ErrorResponse`s, already in the one error body. Imports vllm: vLLM env only.
 """
@@ -75,8 +76,11 @@ async def generate(
     serving: Annotated[object, Depends(_serving_tokens)],
     max_model_len: Annotated[int, Depends(_max_model_len)],
 ):
-    if request.sampling_params.max_tokens is not None:
-        resolve_max_tokens(request.sampling_params.max_tokens, len(request.token_ids), max_model_len)
+    sp = request.sampling_params
+    if sp.trace_decode_token_ids is not None and not sp.trace_decode_token_ids:  # vLLM: an AssertionError, 500
+        raise InvalidRequest("trace_decode_token_ids must be a non-empty list", param="trace_decode_token_ids")
+    if sp.max_tokens is not None:
+        resolve_max_tokens(sp.max_tokens, len(request.token_ids), max_model_len)
     return _answer(await serving.serve_tokens(request, raw_request), transform=with_token_strings)
 
 

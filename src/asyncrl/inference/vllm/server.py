@@ -20,7 +20,7 @@ from asyncrl.config.cli import to_toml
 from asyncrl.config.inference import MULTI_NODE_FIELDS, InferenceConfig
 from asyncrl.inference.api import training
 from asyncrl.inference.api.app import install_api
-from asyncrl.inference.vllm.shims import NullAssistantFieldsMiddleware
+from asyncrl.inference.vllm.shims import ErrorBodyMiddleware, NullAssistantFieldsMiddleware
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.errors import UserError
@@ -133,8 +133,10 @@ def mount_api(app, engine, config: InferenceConfig) -> None:
 
     routers = [training.router, routes.router]
     _drop_routes_on_our_paths(app, routers)
+    _drop_unserved_routes(app)
     app.state.asyncrl_tokens_chat = routes.tokens_chat_handler(app.state.openai_serving_chat)
     app.middleware_stack = None  # vLLM built its stack already; rebuilt lazily with ours in it
+    app.add_middleware(ErrorBodyMiddleware)
     app.add_middleware(NullAssistantFieldsMiddleware)
     install_api(app, engine, config, routers)  # auth last: outermost, before any body is read
 
@@ -146,6 +148,16 @@ def _drop_routes_on_our_paths(app, routers) -> None:
     app.router.routes[:] = [
         r for r in app.router.routes if not (isinstance(r, APIRoute) and any((r.path, m) in ours for m in r.methods))
     ]
+
+
+# vLLM registers these whatever the model, then answers every request 501 when the model cannot serve them;
+# a route the server cannot serve is an unknown one (404), as on the embedded server
+UNSERVED_WITHOUT_STATE = {"/v1/systemone": "serving_structured_decisions"}
+
+
+def _drop_unserved_routes(app) -> None:
+    unserved = {path for path, state in UNSERVED_WITHOUT_STATE.items() if getattr(app.state, state, None) is None}
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in unserved]
 
 
 # --- serving --------------------------------------------------------------------------------------
