@@ -268,6 +268,9 @@ def test_lora_adapter_validation(tiny_model_dir, tmp_path):
                 await engine.load_lora_adapter("x", str(adapter))
         with pytest.raises(InvalidRequest, match="adapter_config"):
             await engine.load_lora_adapter("x", str(tmp_path / "missing"))
+        (adapter / "adapter_config.json").write_text("[]")  # valid JSON, not a config
+        with pytest.raises(InvalidRequest, match="must hold a JSON object"):
+            await engine.load_lora_adapter("x", str(adapter))
 
     asyncio.run(main())
     assert engine.lora_names() == []

@@ -43,6 +43,8 @@ def read_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
         cfg = json.loads(cfg_file.read_text())
     except ValueError as e:
         raise _fail(f"{cfg_file} is not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise _fail(f"{cfg_file} must hold a JSON object (a PEFT adapter config), not {type(cfg).__name__}")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise _fail(f"adapter type {cfg.get('peft_type')} is not supported (only LORA)")
     for flag in ("use_dora", "fan_in_fan_out"):
