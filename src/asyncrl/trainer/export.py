@@ -4,6 +4,7 @@ The full state dict is gathered to rank 0 (CPU), LoRA adapters are merged into t
 tensors are cast back to the dtype of the checkpoint we loaded, a tied lm_head is dropped (HF re-ties
 it on load), and the files are written through `transport.files.publish_dir` (temp dir, rename,
 `STABLE` marker last). Large models are sharded into several safetensors files plus an index.
+A LoRA run can also publish the adapter alone in PEFT format (`export_weights(..., adapter=...)`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from asyncrl.trainer.lora import merge_lora_state_dict
+from asyncrl.trainer.lora import merge_lora_state_dict, peft_adapter
 from asyncrl.transport.files import STABLE, publish_dir
 from asyncrl.transport.layout import step_of
 from asyncrl.utils import failpoint
@@ -86,11 +87,15 @@ def export_weights(
     lora_scale: float | None,
     is_main: bool,
     generation_config=None,
+    adapter: tuple[Path, dict] | None = None,
 ) -> None:
-    """Collective: gather the weights and (rank 0) publish them to every dir in `dests`, marker last."""
+    """Collective: gather the weights and (rank 0) publish them to every dir in `dests`, marker last;
+    `adapter` = (dir, LoRA settings for `peft_adapter`): also the adapter alone there, in PEFT format."""
     state = gather_full_state_dict(model)
     if not is_main or not dests:
         return
+    if adapter is not None:
+        publish_adapter(adapter[0], *peft_adapter(state, **adapter[1]), dtype)
     hf_state = to_hf_state_dict(state, hf_config, dtype, lora_scale)
     del state
     first = dests[0]
@@ -104,3 +109,13 @@ def export_weights(
     publish_dir(first, write)
     for other in dests[1:]:
         publish_dir(other, lambda tmp: link_dir(first, tmp))
+
+
+def publish_adapter(path: Path, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """A PEFT adapter dir (config + safetensors in the export dtype), published atomically with STABLE last."""
+
+    def write(tmp: Path) -> None:
+        save_file({k: v.to(dtype) for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+    publish_dir(path, write)

@@ -3,7 +3,9 @@
 `LoRALinear` keeps the original layer as `.base` and adds `lora_A` (rank x in, random) and `lora_B`
 (out x rank, zeros, so a fresh adapter changes nothing): y = base(x) + scale * B(A(dropout(x))) with
 scale = alpha / rank. `merge_lora_state_dict` folds B @ A * scale into the base weight and restores
-the original key names, so the inference server receives a plain HF checkpoint.
+the original key names, so the inference server receives a plain HF checkpoint. `peft_adapter` gives the
+same adapter in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`, keys
+`base_model.model.<module>.lora_A.weight`), which `peft`, vLLM and our engine load on the base model.
 """
 
 from __future__ import annotations
@@ -75,3 +77,29 @@ def merge_lora_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[
         else:
             out[key] = value
     return out
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_adapter(
+    state: dict[str, torch.Tensor], rank: int, alpha: float, dropout: float, base_model: str
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Full state dict with LoRA keys -> (adapter_config.json contents, PEFT-named adapter tensors)."""
+    tensors = {PEFT_PREFIX + k: v.contiguous() for k, v in state.items() if k.endswith(_A) or k.endswith(_B)}
+    modules = sorted({k.removesuffix(_A).rsplit(".", 1)[-1] for k in state if k.endswith(_A)})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+    }
+    return config, tensors

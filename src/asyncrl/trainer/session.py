@@ -245,10 +245,15 @@ class TrainSession:
         }
         self.ckpt.save(step, self.model, self.optimizer, extra)
 
-    def export(self, dests: list[Path]) -> None:
-        """Collective: the current weights as a HF dir at every path in `dests` (rank 0 writes, STABLE last)."""
-        lm = self.lm
+    def export(self, dests: list[Path], adapter_step: int | None = None) -> None:
+        """Collective: the current weights as a HF dir at every path in `dests` (rank 0 writes, STABLE last);
+        with LoRA and `adapter_step`, the adapter alone too, in PEFT format, at `adapters/step_N`."""
+        lm, lora = self.lm, self.config.model.lora
         generation_config = getattr(self.model, "generation_config", None)
+        adapter = None
+        if lora is not None and adapter_step is not None:
+            settings = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout}
+            adapter = (self.layout.adapter_dir(adapter_step), {**settings, "base_model": self.config.model.name})
         export_weights(
             self.model,
             dests,
@@ -258,6 +263,7 @@ class TrainSession:
             lm.lora_scale,
             self.ctx.is_main,
             generation_config,
+            adapter,
         )
 
     def _log(self, step: int, m: dict) -> None:
