@@ -46,7 +46,8 @@ def logits_of(model) -> torch.Tensor:
 
 def test_the_exported_adapter_is_peft_format_and_moved(lora_run):
     adapter = RunLayout(lora_run).adapter_dir(2)
-    assert is_stable(adapter) and is_stable(RunLayout(lora_run).weights_dir(2))
+    assert is_stable(RunLayout(lora_run).weights_dir(2)) and adapter.parent == RunLayout(lora_run).weights_dir(2)
+    assert (RunLayout(lora_run).broadcast_dir(2) / "adapter" / "adapter_model.safetensors").is_file()
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
     assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"]

@@ -4,7 +4,7 @@ The full state dict is gathered to rank 0 (CPU), LoRA adapters are merged into t
 tensors are cast back to the dtype of the checkpoint we loaded, a tied lm_head is dropped (HF re-ties
 it on load), and the files are written through `transport.files.publish_dir` (temp dir, rename,
 `STABLE` marker last). Large models are sharded into several safetensors files plus an index.
-A LoRA run can also publish the adapter alone in PEFT format (`export_weights(..., adapter=...)`).
+A LoRA run also puts the adapter alone, in PEFT format, in each dir's `adapter/` (`export_weights(..., adapter=)`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from asyncrl.trainer.lora import merge_lora_state_dict, peft_adapter
 from asyncrl.transport.files import STABLE, publish_dir
-from asyncrl.transport.layout import step_of
+from asyncrl.transport.layout import ADAPTER, step_of
 from asyncrl.utils import failpoint
 
 MAX_SHARD_SIZE = "5GB"
@@ -68,8 +68,12 @@ def write_hf_dir(path: Path, state: dict[str, torch.Tensor], hf_config, tokenize
 
 
 def link_dir(src: Path, dst: Path) -> None:
-    """Fill `dst` with hard links to `src`'s files (copies where linking fails); the marker is skipped."""
+    """Fill `dst` with hard links to `src`'s files and subdirs' files (copies where linking fails); the marker
+    is skipped."""
     for f in src.iterdir():
+        if f.is_dir():
+            (dst / f.name).mkdir()
+            link_dir(f, dst / f.name)
         if f.name == STABLE or not f.is_file():
             continue
         try:
@@ -87,15 +91,14 @@ def export_weights(
     lora_scale: float | None,
     is_main: bool,
     generation_config=None,
-    adapter: tuple[Path, dict] | None = None,
+    adapter: dict | None = None,
 ) -> None:
     """Collective: gather the weights and (rank 0) publish them to every dir in `dests`, marker last;
-    `adapter` = (dir, LoRA settings for `peft_adapter`): also the adapter alone there, in PEFT format."""
+    `adapter` (LoRA settings for `peft_adapter`): the adapter alone too, in PEFT format, in `<dir>/adapter`."""
     state = gather_full_state_dict(model)
     if not is_main or not dests:
         return
-    if adapter is not None:
-        publish_adapter(adapter[0], *peft_adapter(state, **adapter[1]), dtype)
+    peft = peft_adapter(state, **adapter) if adapter is not None else None
     hf_state = to_hf_state_dict(state, hf_config, dtype, lora_scale)
     del state
     first = dests[0]
@@ -104,6 +107,8 @@ def export_weights(
         write_hf_dir(tmp, hf_state, hf_config, tokenizer, dtype)
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
+        if peft is not None:
+            write_adapter(tmp / ADAPTER, *peft, dtype)
         failpoint.reached("trainer.weights", step_of(first.name))
 
     publish_dir(first, write)
@@ -111,11 +116,8 @@ def export_weights(
         publish_dir(other, lambda tmp: link_dir(first, tmp))
 
 
-def publish_adapter(path: Path, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """A PEFT adapter dir (config + safetensors in the export dtype), published atomically with STABLE last."""
-
-    def write(tmp: Path) -> None:
-        save_file({k: v.to(dtype) for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
-        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-
-    publish_dir(path, write)
+def write_adapter(path: Path, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """A PEFT adapter dir: adapter_config.json + adapter_model.safetensors (in the export dtype)."""
+    path.mkdir()
+    save_file({k: v.to(dtype) for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))

@@ -245,15 +245,15 @@ class TrainSession:
         }
         self.ckpt.save(step, self.model, self.optimizer, extra)
 
-    def export(self, dests: list[Path], adapter_step: int | None = None) -> None:
+    def export(self, dests: list[Path]) -> None:
         """Collective: the current weights as a HF dir at every path in `dests` (rank 0 writes, STABLE last);
-        with LoRA and `adapter_step`, the adapter alone too, in PEFT format, at `adapters/step_N`."""
+        with LoRA, the adapter alone too, in PEFT format, in each dir's `adapter/`."""
         lm, lora = self.lm, self.config.model.lora
         generation_config = getattr(self.model, "generation_config", None)
         adapter = None
-        if lora is not None and adapter_step is not None:
-            settings = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout}
-            adapter = (self.layout.adapter_dir(adapter_step), {**settings, "base_model": self.config.model.name})
+        if lora is not None:
+            adapter = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout}
+            adapter["base_model"] = self.config.model.name
         export_weights(
             self.model,
             dests,

@@ -6,7 +6,7 @@ On disk (under `output_dir`)::
     broadcast/step_{n}/                         HF dir (safetensors, config, tokenizer), trainer -> server
     broadcast/step_{n}/STABLE                   empty marker: the dir is complete
     weights/step_{n}/ (+ STABLE)                same HF format, kept at checkpoint steps and at the end
-    adapters/step_{n}/ (+ STABLE)               a LoRA run's adapter alone (PEFT format), beside weights/step_{n}
+    {broadcast,weights}/step_{n}/adapter/       a LoRA run's adapter alone (PEFT format) in each of those dirs
     checkpoints/step_{n}/trainer/               DCP shards, progress.json, STABLE (written last)
     checkpoints/step_{n}/orchestrator/          progress.json, buffer.json
                                                 (a run resumes at a step with a complete trainer checkpoint;
@@ -40,6 +40,7 @@ from asyncrl.utils.errors import UserError
 
 STABLE = "STABLE"
 TRAINER = "trainer"  # the trainer's checkpoint component: complete once it has its STABLE marker
+ADAPTER = "adapter"  # a LoRA run's PEFT adapter, inside each exported weight dir
 ORCHESTRATOR = "orchestrator"  # the orchestrator's: complete once it exists (it is renamed into place whole)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -81,7 +82,6 @@ class RunLayout:
         self.rollouts = self.root / "rollouts"
         self.broadcast = self.root / "broadcast"
         self.weights = self.root / "weights"
-        self.adapters = self.root / "adapters"
         self.checkpoints = self.root / checkpoints  # `ckpt.path`: relative to the output dir, or absolute
         self.logs = self.root / "logs"
         self.metrics = self.root / "metrics"
@@ -108,7 +108,8 @@ class RunLayout:
         return self.weights / f"step_{step}"
 
     def adapter_dir(self, step: int) -> Path:
-        return self.adapters / f"step_{step}"
+        """A LoRA run's adapter of step `step`, in PEFT format (inside the kept weights)."""
+        return self.weights_dir(step) / ADAPTER
 
     def checkpoint_dir(self, step: int, component: str) -> Path:
         return self.checkpoints / f"step_{step}" / component
@@ -156,7 +157,7 @@ class RunLayout:
 
     def remove_leftovers(self) -> list[Path]:
         """Temporary dirs (`.tmp_*`) of publishes a killed process never finished; only while no process runs."""
-        roots = [self.rollouts, self.broadcast, self.weights, self.adapters, *step_dirs(self.checkpoints).values()]
+        roots = [self.rollouts, self.broadcast, self.weights, *step_dirs(self.checkpoints).values()]
         left = [p for root in roots if root.is_dir() for p in root.iterdir() if p.name.startswith(".tmp_")]
         for path in left:
             shutil.rmtree(path, ignore_errors=True)

@@ -210,8 +210,7 @@ class RLLoop(Loop):
 
     def _publish(self, step: int, keep_weights: bool) -> None:
         layout = self.session.layout
-        kept = [layout.weights_dir(step)] if keep_weights else []
-        self.session.export([layout.broadcast_dir(step)] + kept, step if keep_weights else None)
+        self.session.export([layout.broadcast_dir(step)] + ([layout.weights_dir(step)] if keep_weights else []))
 
     def _prune(self, step: int) -> None:
         """Rank 0: drop broadcast dirs outside the async window (except around kept checkpoints), consumed batches."""

@@ -162,7 +162,7 @@ class SFTLoop(Loop):
 
     def _export(self, step: int) -> None:
         path = self.session.layout.weights_dir(step)
-        self.session.export([path], step)
+        self.session.export([path])
         if self.session.ctx.is_main:
             logger.info(f"wrote weights {path}")
 
