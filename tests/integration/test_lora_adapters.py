@@ -100,3 +100,39 @@ def test_the_embedded_engine_serves_the_adapter_by_name(lora_run, tiny_model_dir
     assert ids == logits.argmax(-1).tolist()
     ref = logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(lps), ref, atol=1e-4)
+
+
+def test_rl_serves_each_policy_as_the_runs_adapter(tiny_model_dir, tmp_path):
+    """`--orchestrator.lora-name`: every policy reaches the server through /load_lora_adapter (the base weights
+    never change) and requests name the adapter. On-policy (async level 0), the trainer's logprobs of each batch
+    equal the server's only if the server generated with exactly the trainer's adapter: mismatch KL ~ 0."""
+    import subprocess
+    import sys
+
+    from asyncrl.utils.process import free_port
+
+    out = tmp_path / "run"
+    args = ["--model.name", str(tiny_model_dir), "--output-dir", str(out), "--max-steps", "5", "--seq-len", "96",
+            "--max-async-level", "0", "--inference.server.port", str(free_port()), "--orchestrator.batch-size", "16",
+            "--orchestrator.rollouts-per-example", "4", "--orchestrator.sampling.max-tokens", "8",
+            "--trainer.model.lora", "--trainer.model.lora.rank", "4", "--trainer.optim.lr", "5e-2",
+            "--orchestrator.lora-name", "run-a"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "asyncrl.entrypoints.rl", *args], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    server_log = RunLayout(out).log_file("inference").read_text()
+    assert server_log.count("loaded LoRA adapter 'run-a'") == 4  # policies 1..4 (step 0 uses the base model)
+    assert "loaded weights from" not in server_log and "reloaded base weights" not in server_log
+    rows = [json.loads(x) for x in RunLayout(out).metrics_file("trainer").read_text().splitlines()]
+    assert max(r["mismatch_kl"] for r in rows) < 1e-6, [r["mismatch_kl"] for r in rows]
+    assert max(abs(r["grad_norm"]) for r in rows) > 0
+
+
+def test_rl_refuses_an_adapter_name_without_lora(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    args = ["--model.name", str(tiny_model_dir), "--output-dir", str(tmp_path), "--orchestrator.lora-name", "a"]
+    done = subprocess.run([sys.executable, "-m", "asyncrl.entrypoints.rl", *args, "--dry-run"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "add --trainer.model.lora" in done.stderr and "Traceback" not in done.stderr

@@ -92,6 +92,12 @@ class OrchestratorConfig(BaseConfig):
         True, description="pack each group's common prompt once; the trainer computes it once (--no-share-prefix: off)"
     )
     max_concurrent: int | None = Field(None, ge=1, description="cap on requests in flight (None: no cap)")
+    lora_name: str | None = Field(
+        None,
+        description="serve each policy as this LoRA adapter on the server's unchanged base model (the trainer "
+        "trains LoRA): /load_lora_adapter with broadcast/step_N/adapter instead of /update_weights, and requests "
+        "name the adapter; several runs can share one server this way (None: full weight updates)",
+    )
     max_steps: int | None = Field(None, ge=1, description="stop after this step")
     max_async_level: int = Field(2, ge=0, description="async bound k: rollouts of step n use policy >= n-k")
     weights_timeout: float | None = Field(

@@ -68,6 +68,11 @@ class RLConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
+        if self.orchestrator.lora_name is not None and self.trainer.model.lora is None:
+            raise ValueError(
+                f"orchestrator.lora_name = {self.orchestrator.lora_name!r} serves LoRA adapters, but the trainer "
+                "trains the full model: add --trainer.model.lora (or drop --orchestrator.lora-name)"
+            )
         if self.inference is not None:
             mml = self.inference.model.max_model_len
             if mml is not None and mml < self.orchestrator.seq_len:

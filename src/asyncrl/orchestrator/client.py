@@ -87,6 +87,10 @@ class InferenceClient:
         """Make the server load the HF weights in `weight_dir` (its prefix cache is reset too)."""
         await self._post("/update_weights", {"weight_dir": str(Path(weight_dir).resolve())})
 
+    async def load_lora_adapter(self, name: str, adapter_dir: str | Path) -> None:
+        """Make the server load (or replace) the LoRA adapter `name` from the PEFT dir `adapter_dir`."""
+        await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(adapter_dir).resolve())})
+
     async def reload_weights(self) -> None:
         """Make the server go back to the base model's weights."""
         await self._post("/reload_weights", {})

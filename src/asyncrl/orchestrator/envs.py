@@ -235,8 +235,9 @@ def make_vf_client(cfg: ClientConfig, client_type: str = TOKEN_CLIENT) -> Any:
     return classes[client_type](client)
 
 
-def verifiers_run_group(vf_client: Any, model: str) -> RunGroup:
-    """The production RunGroup: the slot's environment runs and scores the group via verifiers."""
+def verifiers_run_group(vf_client: Any, model: str | Callable[[], str]) -> RunGroup:
+    """The production RunGroup: the slot's environment runs and scores the group via verifiers; `model` is the
+    served model's name, or a function giving it at each group (a LoRA run's adapter, once loaded)."""
 
     async def run(slot: EnvSlot, inputs: list[dict], args: dict) -> list[dict]:
         merged = {
@@ -244,7 +245,8 @@ def verifiers_run_group(vf_client: Any, model: str) -> RunGroup:
             **args,
             "extra_body": {**(slot.env.sampling_args.get("extra_body") or {}), **args.get("extra_body", {})},
         }
-        return await slot.env.run_group(inputs, vf_client, model, merged, state_columns=["trajectory"])
+        name = model() if callable(model) else model
+        return await slot.env.run_group(inputs, vf_client, name, merged, state_columns=["trajectory"])
 
     return run
 

@@ -36,7 +36,7 @@ from asyncrl.orchestrator.packing import PackItem, PackStats, pack
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts
 from asyncrl.orchestrator.samples import TrajectoryConverter
 from asyncrl.transport.batch import MicroBatch, write_batch
-from asyncrl.transport.layout import RunLayout
+from asyncrl.transport.layout import ADAPTER, RunLayout
 from asyncrl.utils.errors import UserError
 from asyncrl.utils.logging import setup_logger
 from asyncrl.utils.monitor import MetricsSink, drop_rows_from
@@ -58,6 +58,7 @@ class Orchestrator:
         self.eval_mixture = eval_mixture
         self.run_group = run_group
         self.server = server
+        self.served_model = config.model.name  # what requests name: the base model, or the run's LoRA adapter
         self.sink = sink or MetricsSink(config.output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"))
         self.converter = TrajectoryConverter(config.trajectory_strategy)
         self.problems = problems_per_step(config.batch_size, config.rollouts_per_example)
@@ -101,8 +102,14 @@ class Orchestrator:
         if policy.step == self.loaded_policy:
             return 0.0
         start = time.perf_counter()
+        lora = self.config.lora_name
         if policy.is_base:
-            await self.server.reload_weights()
+            if lora is None:  # an adapter run never changes the base weights (others may be serving them)
+                await self.server.reload_weights()
+            self.served_model = self.config.model.name
+        elif lora is not None:
+            await self.server.load_lora_adapter(lora, policy.path / ADAPTER)
+            self.served_model = lora
         else:
             await self.server.update_weights(policy.path)
         self.loaded_policy = policy.step
@@ -363,11 +370,13 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
         await server.check_key()
         if run_group is None:
             vf_client = make_vf_client(config.client)
-            run_group = verifiers_run_group(vf_client, config.model.name)
+            name = config.model.name if config.bench else (lambda: orchestrator.served_model)
+            run_group = verifiers_run_group(vf_client, name)
         if config.bench:
             await run_bench(config, mixture, run_group)
         else:
-            await Orchestrator(config, mixture, run_group, server, eval_mixture).run()
+            orchestrator = Orchestrator(config, mixture, run_group, server, eval_mixture)
+            await orchestrator.run()
     finally:
         await server.close()
         if vf_client is not None:
