@@ -84,6 +84,8 @@ class Launcher:
         if cfg.inference is not None:
             if cfg.inference.num_threads is None and cfg.inference.backend == "embedded":
                 cfg.inference.num_threads = self.placement.server_threads
+            if cfg.orchestrator.lora_name is not None and cfg.inference.backend == "vllm":
+                cfg.inference.vllm_args += vllm_lora_flags(cfg.inference.vllm_args, cfg.trainer.model.lora.rank)
             if cfg.inference.allowed_weights_root is None:  # the trainer's weights are all under the run's dir
                 cfg.inference.allowed_weights_root = Path(cfg.trainer.output_dir).resolve()
             configs["inference"] = cfg.inference
@@ -288,3 +290,14 @@ def launch(config: RLConfig) -> None:
     finally:
         launcher.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def vllm_lora_flags(given: list[str], rank: int) -> list[str]:
+    """What vLLM needs to serve a run's adapters (unless the user set it): LoRA on, a max rank that fits."""
+    flags = [] if "--enable-lora" in given else ["--enable-lora"]
+    if "--max-lora-rank" not in given:
+        flags += ["--max-lora-rank", str(next((r for r in VLLM_LORA_RANKS if r >= rank), rank))]
+    return flags
