@@ -74,3 +74,11 @@ def test_cuda_leaves_threads_alone(monkeypatch):
 def test_bad_placement_is_a_one_line_error():
     with pytest.raises(UserError, match="cpu.placement|cpu_placement"):
         _config("--cpu-placement", "spread")
+
+
+def test_vllm_gets_lora_flags_for_an_adapter_run_unless_set():
+    from asyncrl.launcher.supervisor import vllm_lora_flags
+
+    assert vllm_lora_flags([], 4) == ["--enable-lora", "--max-lora-rank", "8"]
+    assert vllm_lora_flags([], 16) == ["--enable-lora", "--max-lora-rank", "16"]
+    assert vllm_lora_flags(["--enable-lora", "--max-lora-rank", "64"], 16) == []
