@@ -74,12 +74,12 @@ class Launcher:
 
     # ------------------------------------------------------------ start
 
-    def _write_configs(self) -> dict[str, Path]:
+    def _write_configs(self, start: int) -> dict[str, Path]:
         cfg = self.config
         cfg.orchestrator.num_train_workers = self.placement.trainer_ranks
         for ckpt in (cfg.trainer.ckpt, cfg.orchestrator.ckpt):  # both resume at the one step resolved here
             if ckpt is not None and ckpt.resume_step is not None:
-                ckpt.resume_step = self._start_step()
+                ckpt.resume_step = start
         configs = {"trainer": cfg.trainer, "orchestrator": cfg.orchestrator}
         if cfg.inference is not None:
             if cfg.inference.num_threads is None and cfg.inference.backend == "embedded":
@@ -163,11 +163,11 @@ class Launcher:
         start = self._start_step()
         self.layout.remove_leftovers()
         self.layout.clear_stale(start)
-        metrics = self.layout.metrics_file
-        for rows in (metrics("orchestrator"), metrics("trainer"), self.layout.samples):
-            drop_rows_from(rows, start)  # the steps this run redoes (before the tailer reads a row)
+        # the steps this run redoes, gone before the tailer reads a row (each process drops its own files' rows
+        # too, later; the tailer cannot wait for the orchestrator's)
+        drop_rows_from(self.layout.metrics_file("orchestrator"), start)
         self.steps = StepTailer(self.layout.metrics_file("orchestrator"), start)
-        paths = self._write_configs()
+        paths = self._write_configs(start)
         py = sys.executable
         server = None
         if "inference" in paths:
@@ -184,7 +184,7 @@ class Launcher:
             self.placement.orchestrator_env(),
         )
         self._spawn("trainer", self._trainer_cmd(paths["trainer"]), self.placement.trainer_env(), stream=True)
-        self.bar.done = self._start_step()
+        self.bar.done = start
         self.bar.waiting(f"step {self.bar.done}: its rollouts (the trainer loads the model meanwhile)")
         self.last_news = self.last_step = time.monotonic()
 
