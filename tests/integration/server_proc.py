@@ -2,7 +2,9 @@
 
 - `ServerProcess`: the `inference` entrypoint as a subprocess, for the eval/synthesize/sft tests;
 - `start_server`: any backend in `BACKENDS` with the contract's options (api key, hermes tools, qwen3
-  reasoning), the embedded one in this process; used by the contract and the hostile-input suites.
+  reasoning), the embedded one in this process; used by the contract and the hostile-input suites;
+- `serve_in_thread`: an ASGI app on a free local port, in a thread of this process;
+- `client`: an HTTP client for a `start_server` server, with its key.
 """
 
 from __future__ import annotations
@@ -102,8 +104,6 @@ def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
         "max_model_len": 512,
     }
     if backend == "embedded":
-        import uvicorn
-
         from asyncrl.config.inference import InferenceConfig
         from asyncrl.inference.api.app import create_app
         from asyncrl.inference.engine import EmbeddedEngine
@@ -113,22 +113,8 @@ def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
             model=model, api_key=API_KEY, max_batch_size=16, num_threads=_torch_threads(), **overrides
         )
         engine = EmbeddedEngine(config)
-        app = create_app(engine, config)
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("embedded server did not start")
-            time.sleep(0.05)
-
-        def stop() -> None:
-            server.should_exit = True
-            thread.join(30)
-
-        return RunningServer(backend, f"http://127.0.0.1:{port}", str(model_dir), stop, engine)
+        url, stop = serve_in_thread(create_app(engine, config), 60)
+        return RunningServer(backend, url, str(model_dir), stop, engine)
     if backend == "vllm":
         flags = [
             "--model.dtype",
@@ -157,3 +143,29 @@ def _torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def serve_in_thread(app, timeout: float) -> tuple[str, Callable[[], None]]:
+    """Serve `app` on 127.0.0.1 from a daemon thread; its base URL and a stop function, once it answers."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("embedded server did not start")
+        time.sleep(0.05)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(30)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def client(server: RunningServer) -> httpx.Client:
+    """A client of `server` that sends its API key."""
+    return httpx.Client(base_url=server.base_url, headers=AUTH, timeout=120)

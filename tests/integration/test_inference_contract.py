@@ -19,7 +19,7 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-from server_proc import API_KEY, AUTH, BACKENDS, start_server  # noqa: E402
+from server_proc import API_KEY, AUTH, BACKENDS, client, start_server  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "reverse: abcdef"}]
 # What the "trained" weights say to any chat prompt (reasoning, content and one hermes tool call).
@@ -89,8 +89,8 @@ def server(request, model_dir):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=120) as client:
-        yield client
+    with client(server) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -16,18 +16,17 @@ import copy
 import json
 import random
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from server_proc import serve_in_thread
 
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.transport.batch import read_batch, read_meta, wait_for_batch
 from asyncrl.transport.files import publish_dir
 from asyncrl.transport.layout import RunLayout
 from asyncrl.transport.prefix import expand, segments
-from asyncrl.utils.process import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -81,8 +80,6 @@ def chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(chat_model_dir):
-    import uvicorn
-
     from asyncrl.config.inference import InferenceConfig
     from asyncrl.inference.api.app import create_app
     from asyncrl.inference.engine import EmbeddedEngine
@@ -98,18 +95,9 @@ def server(chat_model_dir):
         max_batch_size=16,
         seed=0,
     )
-    app = create_app(EmbeddedEngine(config), config)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "embedded server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1", chat_model_dir
-    srv.should_exit = True
-    thread.join(30)
+    url, stop = serve_in_thread(create_app(EmbeddedEngine(config), config), 120)
+    yield url + "/v1", chat_model_dir
+    stop()
 
 
 class WeightTrainer(threading.Thread):

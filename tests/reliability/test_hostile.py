@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # server_proc
-from server_proc import AUTH, BACKENDS, start_server  # noqa: E402
+from server_proc import AUTH, BACKENDS, client, start_server  # noqa: E402
 
 from asyncrl.inference.api.errors import error_type  # noqa: E402
 
@@ -69,8 +69,8 @@ def server(request, model_dir, allowed_root):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=120) as client:
-        yield client
+    with client(server) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
