@@ -98,3 +98,14 @@ def test_a_full_disk_is_one_line_wherever_the_writer_fails(tmp_path, monkeypatch
         publish_dir(RunLayout(tmp_path).batch_dir(3), write, marker=False)
     assert got.value.errno == errno.ENOSPC and disk_full(got.value).endswith("complete checkpoints are intact")
     assert list((tmp_path / "rollouts").iterdir()) == []  # the half-written dir is gone
+
+
+@pytest.mark.parametrize("spec", ["trainer.checkpoint", "trainer.ckpt:4", "trainer.step:x", "trainer.step:1:2:3"])
+def test_a_malformed_fail_point_is_one_line_not_a_point_that_never_fires(monkeypatch, spec):
+    from asyncrl.utils import failpoint
+
+    monkeypatch.setenv(failpoint.VAR, spec)
+    with pytest.raises(UserError, match=r"ASYNCRL_FAILPOINT=.*expected <point>:<step>\[:<rank>\]"):
+        failpoint.reached("trainer.step", 1)
+    monkeypatch.setenv(failpoint.VAR, "trainer.step:2")
+    failpoint.reached("trainer.step", 1)  # another step: nothing happens

@@ -29,7 +29,7 @@ from asyncrl.config.rl import RLConfig
 from asyncrl.launcher.placement import Placement
 from asyncrl.launcher.tailer import StepTailer
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
-from asyncrl.utils import runstate
+from asyncrl.utils import failpoint, runstate
 from asyncrl.utils.errors import FULL_HINT, LOW_SPACE_BYTES, UserError
 from asyncrl.utils.monitor import drop_rows_from
 from asyncrl.utils.process import (
@@ -160,6 +160,8 @@ class Launcher:
 
     def start(self) -> None:
         # a trainer that starts before the orchestrator's own clean-up could otherwise read a stale batch
+        if spec := os.environ.get(failpoint.VAR):
+            failpoint.parse(spec)  # a bad one: one line now, not a child's death later
         start = self._start_step()
         self.layout.remove_leftovers()
         self.layout.clear_stale(start)

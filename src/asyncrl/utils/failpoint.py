@@ -16,7 +16,10 @@ from __future__ import annotations
 import os
 import signal
 
+from asyncrl.utils.errors import UserError
+
 VAR = "ASYNCRL_FAILPOINT"
+POINTS = ("trainer.step", "trainer.weights", "trainer.checkpoint", "orchestrator.batch", "orchestrator.checkpoint")
 
 
 def reached(point: str, step: int | None) -> None:
@@ -24,9 +27,17 @@ def reached(point: str, step: int | None) -> None:
     spec = os.environ.get(VAR)
     if not spec:
         return
-    name, at, *rank = spec.split(":")
+    name, at, *rank = parse(spec)
     if name == point and str(step) == at and (not rank or rank[0] == os.environ.get("RANK", "0")):
         from loguru import logger
 
         logger.warning(f"failpoint {point} at step {step} (pid {os.getpid()}): SIGKILL")  # into this rank's log
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parse(spec: str) -> list[str]:
+    """`<point>:<step>[:<rank>]` as its parts; a one-line error for anything else (it would never fire)."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or parts[0] not in POINTS or not all(p.isdigit() for p in parts[1:]):
+        raise UserError(f"{VAR}={spec!r}: expected <point>:<step>[:<rank>] with point one of {', '.join(POINTS)}")
+    return parts
