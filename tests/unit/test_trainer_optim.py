@@ -71,7 +71,7 @@ def test_lora_unknown_targets():
 
 def _model_with_grad(grad: float):
     model = nn.Linear(2, 1, bias=False)
-    optimizer = build_optimizer(model, OptimConfig(lr=0.1, weight_decay=0.0))
+    optimizer = build_optimizer(list(model.parameters()), OptimConfig(lr=0.1, weight_decay=0.0))
     scheduler = build_scheduler(optimizer, SchedulerConfig(type="constant"), None)
     model.weight.grad = torch.full_like(model.weight, grad)
     return model, optimizer, scheduler, model.weight.detach().clone()

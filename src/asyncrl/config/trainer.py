@@ -116,3 +116,38 @@ class TrainerConfig(BaseConfig):
     seed: int = Field(0, description="random seed")
     bench: bool = Field(False, description="benchmark on fake data for a few steps and print throughput/MFU")
     recv_timeout: float | None = Field(None, gt=0, description="seconds to wait for a batch before failing")
+    max_concurrent_runs: int | None = Field(
+        None,
+        ge=1,
+        description="multi-run: train up to N LoRA runs at once, one adapter each, found as {output_dir}/run_NAME/"
+        "run.toml (needs model.lora; off unless set)",
+    )
+    runs: list[str] | None = Field(
+        None, description="multi-run: end once these runs have ended (rl sets it; unset: serve runs until stopped)"
+    )
+
+    @model_validator(mode="after")
+    def _multi_run(self) -> TrainerConfig:
+        if self.max_concurrent_runs is None:
+            if self.runs is not None:
+                raise ValueError("runs is a multi-run setting: set max_concurrent_runs too")
+            return self
+        if self.model.lora is None:
+            raise ValueError(
+                "max_concurrent_runs trains one LoRA adapter per run: add --model.lora (the base model is shared)"
+            )
+        if self.bench or self.data.fake is not None:
+            raise ValueError("max_concurrent_runs trains runs' rollout batches: drop --bench / --data.fake")
+        return self
+
+
+class RunConfig(BaseConfig):
+    """One run of a multi-run trainer, `{output_dir}/run_NAME/run.toml`: what differs from the trainer's
+    own settings (unset: the trainer's)."""
+
+    max_steps: int | None = Field(None, ge=1, description="the run's steps (default: the trainer's max_steps)")
+    optim: OptimConfig | None = Field(None, description="the run's optimizer (own AdamW state in any case)")
+    scheduler: SchedulerConfig | None = Field(None, description="the run's learning-rate schedule")
+    loss: LossConfig | None = Field(None, description="the run's policy-gradient loss")
+    ckpt: CkptConfig | None = Field(None, description="the run's checkpointing (under run_NAME/checkpoints)")
+    seed: int | None = Field(None, description="the run's seed (adapter init, dropout)")

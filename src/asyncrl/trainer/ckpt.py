@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from loguru import logger
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from asyncrl.config.base import CkptConfig
 from asyncrl.transport.files import mark_stable
@@ -46,10 +46,11 @@ def complete_steps(layout: RunLayout) -> list[int]:
 class CheckpointManager:
     """Saves (sync or async) and loads trainer checkpoints. Every method is collective over all ranks."""
 
-    def __init__(self, layout: RunLayout, cfg: CkptConfig, rank: int) -> None:
+    def __init__(self, layout: RunLayout, cfg: CkptConfig, rank: int, only: set[str] | None = None) -> None:
         self.layout = layout
         self.cfg = cfg
         self.rank = rank
+        self.only = only  # model state names to keep (a multi-run trainer's run: its adapter slot); None: all
         self._group = dist.new_group(backend="gloo")  # async writes must not share the training group
         self._pending: tuple[Future, int, dict[str, Any]] | None = None
 
@@ -63,8 +64,7 @@ class CheckpointManager:
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)
         dist.barrier(group=self._group)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = self._state(model, optimizer)
         if self.cfg.save_async:
             future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
             self._pending = (future, step, extra)
@@ -109,8 +109,7 @@ class CheckpointManager:
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model + optimizer in place from step `step`; returns its progress.json."""
         path = self.layout.checkpoint_dir(step, TRAINER)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = self._state(model, optimizer)
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self._group)
             extra = json.loads((path / PROGRESS).read_text())
@@ -122,8 +121,15 @@ class CheckpointManager:
             ) from None
         except (OSError, ValueError, RuntimeError) as e:
             raise UserError(f"checkpoint {path} is corrupted and cannot be loaded ({type(e).__name__}: {e})") from e
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        model_sd, optim_sd, options = state["model"], state["optim"], StateDictOptions(strict=self.only is None)
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
         return extra
+
+    def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        if self.only is not None:
+            model_sd = {k: v for k, v in model_sd.items() if k in self.only}
+        return {"model": model_sd, "optim": optim_sd}
 
     def close(self) -> None:
         self.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,22 @@ class DistContext:
         if self.world_size > 1:
             dist.all_reduce(out, op=dist.ReduceOp.MAX)
         return int(out.item())
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` (picklable), on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def first_error(self, error: str | None) -> str | None:
+        """The first rank's non-None `error`, prefixed with that rank, on every rank (None: no rank had one)."""
+        if self.world_size == 1:
+            return error
+        errors: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(errors, error)
+        return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from asyncrl.trainer.lora import merge_lora_state_dict, peft_adapter
+from asyncrl.trainer.lora import merge_lora_state_dict, peft_adapter, peft_config
 from asyncrl.transport.files import STABLE, publish_dir
 from asyncrl.transport.layout import ADAPTER, step_of
 from asyncrl.utils import failpoint
@@ -101,7 +101,6 @@ def export_weights(
     peft = peft_adapter(state, **adapter) if adapter is not None else None
     hf_state = to_hf_state_dict(state, hf_config, dtype, lora_scale)
     del state
-    first = dests[0]
 
     def write(tmp: Path) -> None:
         write_hf_dir(tmp, hf_state, hf_config, tokenizer, dtype)
@@ -109,11 +108,34 @@ def export_weights(
             generation_config.save_pretrained(tmp)
         if peft is not None:
             write_adapter(tmp / ADAPTER, *peft, dtype)
-        failpoint.reached("trainer.weights", step_of(first.name))
+        failpoint.reached("trainer.weights", step_of(dests[0].name))
 
-    publish_dir(first, write)
+    _publish(dests, write)
+
+
+def export_adapter(
+    params: list[tuple[str, torch.Tensor]], dests: list[Path], adapter: dict, dtype: torch.dtype, is_main: bool
+) -> None:
+    """Collective: a multi-run trainer's run publishes its adapter alone (`(PEFT key, parameter)` pairs, each
+    gathered whole) as `<dir>/adapter` of every dir in `dests`, marker last; the dirs hold no base weights."""
+    tensors = {key: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for key, p in params}
+    if not is_main or not dests:
+        return
+    tensors = {k: v.detach().cpu() for k, v in tensors.items()}
+    config = peft_config(tensors, **adapter)
+
+    def write(tmp: Path) -> None:
+        write_adapter(tmp / ADAPTER, config, tensors, dtype)
+        failpoint.reached("trainer.weights", step_of(dests[0].name))
+
+    _publish(dests, write)
+
+
+def _publish(dests: list[Path], write) -> None:
+    """`write` fills the first dir; the others hard-link its files (each published whole, marker last)."""
+    publish_dir(dests[0], write)
     for other in dests[1:]:
-        publish_dir(other, lambda tmp: link_dir(first, tmp))
+        publish_dir(other, lambda tmp: link_dir(dests[0], tmp))
 
 
 def write_adapter(path: Path, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:

@@ -6,6 +6,12 @@ scale = alpha / rank. `merge_lora_state_dict` folds B @ A * scale into the base 
 the original key names, so the inference server receives a plain HF checkpoint. `peft_adapter` gives the
 same adapter in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`, keys
 `base_model.model.<module>.lora_A.weight`), which `peft`, vLLM and our engine load on the base model.
+
+Multi-run training (`trainer.runs`) uses `MultiLoRALinear` instead: `slots` adapters per layer, allocated
+when the model loads (FSDP2 cannot take parameters added after sharding), one `lora_A.<i>` / `lora_B.<i>`
+parameter pair per slot so each run's optimizer owns its slot's tensors and nothing else. The shared
+`SlotSelector` says which slot every layer applies; a slot whose adapter did not run gets no gradient
+(FSDP2 reduces only parameters that have one).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from asyncrl.utils.errors import UserError
 
@@ -43,22 +50,29 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
 
     Returns the number of wrapped layers (0 is a user error: the names match nothing).
     """
+    found = _target_linears(model, target_modules)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for _, parent, name, child in found:
+        setattr(parent, name, LoRALinear(child, rank, alpha, dropout))
+    return len(found)
+
+
+def _target_linears(model: nn.Module, target_modules: list[str]) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """(module path, parent, attribute, layer) of every nn.Linear named in `target_modules` (none: UserError)."""
     targets = set(target_modules)
-    found = []
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if name in targets and isinstance(child, nn.Linear):
-                found.append((parent, name, child))
+    found = [
+        (f"{path}.{name}" if path else name, parent, name, child)
+        for path, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if name in targets and isinstance(child, nn.Linear)
+    ]
     if not found:
         linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise UserError(
             f"model.lora.target_modules {sorted(targets)} match no linear layer; this model has {linear_names}"
         )
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for parent, name, child in found:
-        setattr(parent, name, LoRALinear(child, rank, alpha, dropout))
-    return len(found)
+    return found
 
 
 def merge_lora_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
@@ -79,6 +93,49 @@ def merge_lora_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[
     return out
 
 
+class SlotSelector:
+    """The adapter slot every `MultiLoRALinear` of one model applies (one object shared by all layers)."""
+
+    def __init__(self) -> None:
+        self.active = 0
+
+
+class MultiLoRALinear(nn.Module):
+    """`slots` independent adapters on one frozen linear layer; the selector's active slot is applied."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, slots: int, sel: SlotSelector):
+        super().__init__()
+        self.base, self.rank, self.scale, self._sel = base, rank, alpha / rank, sel
+        a_shape, b_shape, dtype = (rank, base.in_features), (base.out_features, rank), base.weight.dtype
+        self.lora_A = nn.ParameterList([nn.Parameter(torch.empty(a_shape, dtype=dtype)) for _ in range(slots)])
+        self.lora_B = nn.ParameterList([nn.Parameter(torch.zeros(b_shape, dtype=dtype)) for _ in range(slots)])
+        for a in self.lora_A:
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        i = self._sel.active
+        return self.base(x) + F.linear(F.linear(self.dropout(x), self.lora_A[i]), self.lora_B[i]) * self.scale
+
+
+def apply_multi_lora(
+    model: nn.Module, rank: int, alpha: float, dropout: float, target_modules: list[str], slots: int
+) -> tuple[SlotSelector, list[dict[str, str]]]:
+    """Wrap the target linears with `slots` adapters each; freeze the rest. Returns the selector and, per
+    slot, {parameter name: PEFT key} of its tensors (names as the model's state dict has them)."""
+    found = _target_linears(model, target_modules)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    sel = SlotSelector()
+    names: list[dict[str, str]] = [{} for _ in range(slots)]
+    for path, parent, name, child in found:
+        setattr(parent, name, MultiLoRALinear(child, rank, alpha, dropout, slots, sel))
+        for i in range(slots):
+            for ab in ("A", "B"):
+                names[i][f"{path}.lora_{ab}.{i}"] = f"{PEFT_PREFIX}{path}.lora_{ab}.weight"
+    return sel, names
+
+
 PEFT_PREFIX = "base_model.model."
 
 
@@ -87,8 +144,13 @@ def peft_adapter(
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Full state dict with LoRA keys -> (adapter_config.json contents, PEFT-named adapter tensors)."""
     tensors = {PEFT_PREFIX + k: v.contiguous() for k, v in state.items() if k.endswith(_A) or k.endswith(_B)}
-    modules = sorted({k.removesuffix(_A).rsplit(".", 1)[-1] for k in state if k.endswith(_A)})
-    config = {
+    return peft_config(tensors, rank, alpha, dropout, base_model), tensors
+
+
+def peft_config(tensors: dict[str, torch.Tensor], rank: int, alpha: float, dropout: float, base_model: str) -> dict:
+    """adapter_config.json of the PEFT-named adapter `tensors`."""
+    modules = sorted({k.removesuffix(_A).rsplit(".", 1)[-1] for k in tensors if k.endswith(_A)})
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
@@ -102,4 +164,3 @@ def peft_adapter(
         "use_dora": False,
         "inference_mode": True,
     }
-    return config, tensors

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from asyncrl.config.trainer import TrainerModelConfig
-from asyncrl.trainer.lora import apply_lora
+from asyncrl.trainer.lora import SlotSelector, apply_lora, apply_multi_lora
 from asyncrl.utils.errors import UserError, model_hint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -34,6 +34,8 @@ class LoadedModel:
     matmul_params: int  # weights of all linear layers (incl. lm_head), for FLOP estimates
     lora_scale: float | None  # alpha / rank when LoRA is on
     stackable: bool  # packed rows stacked into [rows, length] keep their samples apart (see check_packing)
+    selector: SlotSelector | None = None  # multi-run: which adapter slot the model applies
+    slot_names: list[dict[str, str]] | None = None  # multi-run: per slot, {parameter name: PEFT key}
 
 
 def _load_hf(name: str, attn: str, trust_remote_code: bool):
@@ -157,8 +159,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerModelConfig) -> 
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
 
 
-def load_model(cfg: TrainerModelConfig, tokenizer_name: str | None, mesh: DeviceMesh) -> LoadedModel:
-    """Load, check packing, add LoRA / activation checkpointing, shard onto `mesh`."""
+def load_model(
+    cfg: TrainerModelConfig, tokenizer_name: str | None, mesh: DeviceMesh, slots: int | None = None
+) -> LoadedModel:
+    """Load, check packing, add LoRA (`slots` adapters per layer for multi-run training) / activation
+    checkpointing, shard onto `mesh`."""
     logger.info(f"loading model {cfg.name}")  # a big one takes a while: say so before
     model, export_dtype = _load_hf(cfg.name, cfg.attn_implementation, cfg.trust_remote_code)
     tokenizer = load_tokenizer(tokenizer_name or cfg.name, cfg.trust_remote_code)
@@ -166,8 +171,13 @@ def load_model(cfg: TrainerModelConfig, tokenizer_name: str | None, mesh: Device
     if not stackable:
         logger.info(f"attention {cfg.attn_implementation} isolates samples within one row only: rows are concatenated")
     matmul = count_matmul_params(model)
-    lora_scale = None
-    if cfg.lora is not None:
+    lora_scale, selector, slot_names = None, None, None
+    if slots is not None:
+        lora = cfg.lora
+        selector, slot_names = apply_multi_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, slots)
+        per_slot = sum(p.numel() for p in model.parameters() if p.requires_grad) // slots
+        logger.info(f"{slots} LoRA adapter slots of rank {lora.rank}: {per_slot:,} trainable parameters each")
+    elif cfg.lora is not None:
         n = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
         lora_scale = cfg.lora.alpha / cfg.lora.rank
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -182,4 +192,6 @@ def load_model(cfg: TrainerModelConfig, tokenizer_name: str | None, mesh: Device
         f"loaded {cfg.name}: {total:,} parameters, compute {cfg.optimization_dtype}, reduce {cfg.reduce_dtype}, "
         f"attention {model.config._attn_implementation}, world {mesh.size()}"
     )
-    return LoadedModel(model, tokenizer, model.config, export_dtype, matmul, lora_scale, stackable)
+    return LoadedModel(
+        model, tokenizer, model.config, export_dtype, matmul, lora_scale, stackable, selector, slot_names
+    )

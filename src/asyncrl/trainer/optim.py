@@ -12,8 +12,8 @@ from asyncrl.config.trainer import OptimConfig, SchedulerConfig
 from asyncrl.utils.errors import UserError
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over `params` (the trainable ones: all weights, the LoRA adapters, or one run's adapter slot)."""
     if not params:
         raise UserError("the model has no trainable parameters (check model.lora.target_modules)")
     return torch.optim.AdamW(

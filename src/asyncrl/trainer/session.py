@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,8 @@ from asyncrl.config.sft import SFTConfig
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.trainer.ckpt import CheckpointManager
 from asyncrl.trainer.dist import DistContext, init_distributed, peer_lost
-from asyncrl.trainer.export import export_weights
-from asyncrl.trainer.model import load_model
+from asyncrl.trainer.export import export_adapter, export_weights
+from asyncrl.trainer.model import LoadedModel, load_model
 from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler
 from asyncrl.trainer.perf import FlopModel, bench_summary, mfu, peak_flops, peak_memory_gib, reset_peak_memory
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
@@ -45,6 +46,19 @@ from asyncrl.utils.progress import Bar
 BENCH_STEPS = 5  # --bench without --max-steps: one warm-up step + four timed ones
 
 TrainConfig = TrainerConfig | SFTConfig
+
+
+@dataclass
+class AdapterSlot:
+    """One adapter slot of a multi-run trainer's model: what a run's session trains and exports."""
+
+    lm: LoadedModel
+    index: int
+    params: list[tuple[str, torch.nn.Parameter, str]]  # (state-dict name, parameter, PEFT key)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.params]
 
 
 @dataclass
@@ -118,9 +132,14 @@ class Loop:
 
 def run_training(config: TrainConfig, loop_cls: type[Loop]) -> list[dict]:
     """Train until `max_steps` or the end of the data; returns every step's metrics (on every rank)."""
+    return in_process_group(config, lambda ctx: TrainSession(config, ctx, loop_cls).run())
+
+
+def in_process_group(config: TrainConfig, body: Callable[[DistContext], Any]) -> Any:
+    """`body(ctx)` in a joined process group; a rank that went away is one clear line, not a traceback."""
     ctx = init_distributed(config.device)
     try:
-        return TrainSession(config, ctx, loop_cls).run()
+        return body(ctx)
     except Exception as e:
         if (lost := peer_lost(e)) is None:
             raise
@@ -135,21 +154,27 @@ def run_training(config: TrainConfig, loop_cls: type[Loop]) -> list[dict]:
 class TrainSession:
     """Process group, model, optimizer, schedule, checkpoints, metrics and progress of one run."""
 
-    def __init__(self, config: TrainConfig, ctx: DistContext, loop_cls: type[Loop]) -> None:
+    def __init__(
+        self, config: TrainConfig, ctx: DistContext, loop_cls: type[Loop], slot: AdapterSlot | None = None
+    ) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        self.config, self.ctx = config, ctx
+        self.config, self.ctx, self.slot = config, ctx, slot
         self.out = Path(config.output_dir)
         self.layout = RunLayout(self.out, config.ckpt.path if config.ckpt else "checkpoints")
         self.max_steps = config.max_steps if config.max_steps or not config.bench else BENCH_STEPS
         self.loop = loop_cls(self)
         self.resume_step = self._resume_step()  # a bad one fails before the (slow) model load
-        self._load_model()
+        if slot is None:
+            self._load_model()
+        else:
+            self._use_model(slot.lm, [p for _, p, _ in slot.params])
         self.loop.start()
-        self.optimizer = build_optimizer(self.model, config.optim)
+        self.optimizer = build_optimizer(self.params, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.scheduler, self.loop.planned_steps())
-        self.ckpt = CheckpointManager(self.layout, config.ckpt, ctx.rank) if self._checkpoints else None
+        only = set(slot.names) if slot is not None else None
+        self.ckpt = CheckpointManager(self.layout, config.ckpt, ctx.rank, only) if self._checkpoints else None
         self.progress = {"step": 0, "tokens": 0, "samples": 0}
         self.sink = MetricsSink(
             self.out, self.loop.metrics_name, config.wandb, config.model_dump(mode="json"), ctx.is_main
@@ -165,9 +190,11 @@ class TrainSession:
 
     def _load_model(self) -> None:
         torch.manual_seed(self.config.seed)
-        self.lm = load_model(self.config.model, self.config.tokenizer.name, self.ctx.mesh)
-        self.model = self.lm.model
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        lm = load_model(self.config.model, self.config.tokenizer.name, self.ctx.mesh)
+        self._use_model(lm, [p for p in lm.model.parameters() if p.requires_grad])
+
+    def _use_model(self, lm: LoadedModel, params: list[torch.nn.Parameter]) -> None:
+        self.lm, self.model, self.params = lm, lm.model, params
         self.flops = FlopModel.from_hf_config(self.lm.hf_config, self.lm.matmul_params)
         self.peak = peak_flops(self.ctx.device)
 
@@ -247,13 +274,18 @@ class TrainSession:
 
     def export(self, dests: list[Path]) -> None:
         """Collective: the current weights as a HF dir at every path in `dests` (rank 0 writes, STABLE last);
-        with LoRA, the adapter alone too, in PEFT format, in each dir's `adapter/`."""
+        with LoRA, the adapter alone too, in PEFT format, in each dir's `adapter/`; a run of a multi-run
+        trainer (`slot`), its adapter alone."""
         lm, lora = self.lm, self.config.model.lora
         generation_config = getattr(self.model, "generation_config", None)
         adapter = None
         if lora is not None:
             adapter = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout}
             adapter["base_model"] = self.config.model.name
+        if self.slot is not None:
+            tensors = [(key, p) for _, p, key in self.slot.params]
+            export_adapter(tensors, dests, adapter, lm.export_dtype, self.ctx.is_main)
+            return
         export_weights(
             self.model,
             dests,
@@ -285,28 +317,43 @@ class TrainSession:
         self.loop.restore(step, extra)
         return step
 
-    def run(self) -> list[dict]:
+    def begin(self) -> int:
+        """Resume if asked; the first step to run (its metrics rows and later ones are dropped: redone)."""
         step = self._resume()
         self.sink.restart_at(step)
+        return step
+
+    def run_step(self, step: int) -> dict | None:
+        """Train step `step`, write its outputs and log it; its metrics (None: the data had ended)."""
+        metrics = self.train_step(step)
+        if metrics is None:
+            return None
+        if not self.config.bench:
+            metrics.update(self.loop.end_step(step + 1, self.is_final(step + 1)))
+        self._log(step, metrics)
+        return metrics
+
+    def is_final(self, done: int) -> bool:
+        """Whether the run ends once `done` steps are done."""
+        return done == self.max_steps or self.loop.exhausted()
+
+    def run(self) -> list[dict]:
+        step = self.begin()
         history: list[dict] = []
         with Bar(self.loop.metrics_name, self.loop.planned_steps(), step, enabled=self.ctx.is_main) as bar:
             while self.max_steps is None or step < self.max_steps:
-                metrics = self.train_step(step)
+                metrics = self.run_step(step)
                 if metrics is None:
                     break
                 step += 1
-                final = step == self.max_steps or self.loop.exhausted()
-                if not self.config.bench:
-                    metrics.update(self.loop.end_step(step, final))
-                self._log(step - 1, metrics)
                 bar.update(step, loss=metrics.get("loss"), **{"tok/s": metrics.get("tokens_per_s")})
                 history.append(metrics)
-                if final:
+                if self.is_final(step):
                     break
-        self._close(history, step)
+        self.close(history, step)
         return history
 
-    def _close(self, history: list[dict], step: int) -> None:
+    def close(self, history: list[dict], step: int) -> None:
         if self.ckpt is not None:
             self.ckpt.close()
         self.sink.close()

@@ -15,6 +15,9 @@ On disk (under `output_dir`)::
     logs/<component>.pid                        the process's pid, host, start; exit code and error at its end
     metrics/<component>.jsonl                   one JSON row per step
     configs/<component>.toml                    the resolved config the launcher gave each process
+    run_{name}/                                 multi-run: one LoRA run, itself a run dir of this layout, plus
+    run_{name}/run.toml, STOP, run_status.json    its trainer settings (appearing: the run starts), a request
+                                                to end it, the trainer's word on how it ended
 
 Steps are 0-based: `step_{n}` holds the policy after n updates ("ckpt n"; step 0 is the base model and
 is never written). Trainer step n consumes `rollouts/step_{n}` and publishes `broadcast/step_{n+1}`;
@@ -43,6 +46,8 @@ TRAINER = "trainer"  # the trainer's checkpoint component: complete once it has 
 ADAPTER = "adapter"  # a LoRA run's PEFT adapter, inside each exported weight dir
 ORCHESTRATOR = "orchestrator"  # the orchestrator's: complete once it exists (it is renamed into place whole)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+RUN_PREFIX = "run_"
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # also a served adapter (model) name
 
 
 def step_of(name: str) -> int | None:
@@ -88,6 +93,19 @@ class RunLayout:
         self.configs = self.root / "configs"
         self.samples = self.root / "samples.jsonl"  # each step's best and worst rollout, for the run report
         self.trainer_world = self.root / "trainer_world.json"  # trainer rank 0 at start: {"world_size": N}
+        self.run_config = self.root / "run.toml"  # multi-run: this run's trainer settings (config.trainer.RunConfig)
+        self.run_stop = self.root / "STOP"  # multi-run: anyone may ask the trainer to end this run
+        self.run_status = self.root / "run_status.json"  # multi-run: {"state": done|failed|stopped, "step", "error"}
+
+    def run_dir(self, name: str) -> Path:
+        return self.root / f"{RUN_PREFIX}{name}"
+
+    def run_names(self) -> list[str]:
+        """Names of the `run_{name}` dirs whose run.toml exists (a run appears once its settings do), sorted."""
+        if not self.root.is_dir():
+            return []
+        dirs = (d for d in self.root.iterdir() if d.name.startswith(RUN_PREFIX) and (d / "run.toml").is_file())
+        return sorted(d.name.removeprefix(RUN_PREFIX) for d in dirs)
 
     def log_file(self, component: str, suffix: str = ".log") -> Path:
         return self.logs / f"{component}{suffix}"

@@ -52,6 +52,7 @@ from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import is_stable
 from asyncrl.transport.prefix import expand, segments
 from asyncrl.utils import failpoint
+from asyncrl.utils.errors import UserError
 
 MASKED_ATTENTION = ("sdpa", "eager")  # take an explicit 4D mask, so shared prefixes stay in one row
 # a forward pass's fixed cost, as the FLOPs of this many tokens (CPU, tiny model: ~64; the plan is not sensitive)
@@ -59,8 +60,13 @@ FORWARD_OVERHEAD_TOKENS = 64
 MASK_BUDGET_BYTES = 2**30  # a dense [rows, 1, L, L] mask beyond this: expand the rows instead (L = 32k: 1 GiB)
 
 
-def train(config: TrainerConfig) -> list[dict]:
-    """Train until `max_steps` (or forever); returns the metrics of every step run (on every rank)."""
+def train(config: TrainerConfig) -> list[dict] | dict[str, list[dict]]:
+    """Train until `max_steps` (or forever); returns the metrics of every step run (on every rank). With
+    `max_concurrent_runs`, serve the runs under the output dir instead (`trainer.runs`): metrics by run."""
+    if config.max_concurrent_runs is not None:
+        from asyncrl.trainer.runs import train_runs
+
+        return train_runs(config)
     return run_training(config, RLLoop)
 
 
@@ -90,7 +96,13 @@ class RLLoop(Loop):
         ctx = self.session.ctx
         self._dists = defaultdict(list) if self.session.sink.extras_due(step, "distributions") else None
         start = time.perf_counter()
-        rows = [prepare(mb, ctx.device) for mb in self._shareable(self.source.get(step))]
+        rows, error = [], None
+        try:
+            rows = [prepare(mb, ctx.device) for mb in self._shareable(self.source.get(step))]
+        except UserError as e:
+            error = str(e)
+        if (error := ctx.first_error(error)) is not None:  # every rank stops, with the one that could not read
+            raise UserError(error)
         failpoint.reached("trainer.step", step)
         wait_s = time.perf_counter() - start
         loss_tokens, tokens, samples, flops = ctx.all_reduce_sum(self._counts(rows)).tolist()
