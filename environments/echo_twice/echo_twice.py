@@ -4,12 +4,20 @@ The user asks the model to say a random word; the environment answers once with 
 ("Say it again.") and the rollout ends after the model's second reply. Reward 1.0 when both
 replies (stripped) equal the word. Small on purpose: it exercises the multi-turn path of an
 inference server and orchestrator (env messages between model turns) with a learnable task.
+SFT warm-up data in the same format: `python -m echo_twice --sft-out FILE --n N` (words from their own
+random stream, so not the RL prompts).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import random
 import string
+import sys
+from difflib import SequenceMatcher
+from pathlib import Path
 from typing import Any
 
 import verifiers as vf
@@ -17,6 +25,7 @@ from datasets import Dataset
 
 USER_TEMPLATE = "Say exactly: {word}"
 DEFAULT_FOLLOW_UP = "Say it again."
+REWARD_WEIGHTS = {"exact": [1.0, 0.0, 0.0], "similarity": [0.0, 1.0, 0.0]}  # over both_correct, similarity, replies
 
 
 def random_words(n: int, seed: int, split: str, min_len: int, max_len: int) -> list[str]:
@@ -33,6 +42,12 @@ def _replies(parser: vf.Parser, completion: vf.Messages) -> list[str]:
 def both_correct(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
     replies = _replies(parser, completion)
     return float(len(replies) == 2 and all(r == answer for r in replies))
+
+
+def similarity(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
+    """Partial credit: each of the two replies' similarity to the word (2*matched / total length), averaged."""
+    replies = (_replies(parser, completion) + ["", ""])[:2]
+    return sum(SequenceMatcher(None, r, answer).ratio() for r in replies) / 2
 
 
 def correct_replies(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
@@ -59,8 +74,15 @@ def load_environment(
     seed: int = 0,
     system_prompt: str | None = None,
     follow_up: str = DEFAULT_FOLLOW_UP,
+    reward: str = "exact",
 ) -> EchoTwiceEnv:
-    """Say a random lowercase word of `min_len`..`max_len` letters, then repeat it once asked."""
+    """Say a random lowercase word of `min_len`..`max_len` letters, then repeat it once asked.
+
+    `reward`: "exact" (1 when both replies are the word, the default) or "similarity" (partial credit: the
+    replies' mean similarity to the word); all three are logged.
+    """
+    if reward not in REWARD_WEIGHTS:
+        raise ValueError(f"reward must be one of {sorted(REWARD_WEIGHTS)}, got {reward!r}")
     if min_len < 1 or max_len < min_len:
         raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
     if num_train_examples < 1 or num_eval_examples < 0:
@@ -78,7 +100,7 @@ def load_environment(
         )
 
     parser = vf.Parser()
-    rubric = vf.Rubric(funcs=[both_correct, correct_replies], weights=[1.0, 0.0], parser=parser)
+    rubric = vf.Rubric(funcs=[both_correct, similarity, correct_replies], weights=REWARD_WEIGHTS[reward], parser=parser)
     return EchoTwiceEnv(
         follow_up=follow_up,
         dataset=dataset(num_train_examples, "train"),
@@ -86,3 +108,35 @@ def load_environment(
         parser=parser,
         rubric=rubric,
     )
+
+
+def sft_examples(n: int, seed: int = 0, min_len: int = 3, max_len: int = 6) -> list[dict[str, Any]]:
+    """`n` prompt/completion rows, alternately the first turn and the second (after the follow-up)."""
+    rows = []
+    for i, word in enumerate(random_words(n, seed, "sft", min_len, max_len)):
+        ask, said = {"role": "user", "content": USER_TEMPLATE.format(word=word)}, {"role": "assistant", "content": word}
+        prompt = [ask] if i % 2 == 0 else [ask, said, {"role": "user", "content": DEFAULT_FOLLOW_UP}]
+        rows.append({"prompt": prompt, "completion": [said]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m echo_twice", description="Write echo-twice SFT data (JSONL).")
+    ap.add_argument("--sft-out", required=True, help="output .jsonl file")
+    ap.add_argument("--n", type=int, default=4000, help="number of examples")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.n < 1:
+        print(f"error: --n must be >= 1, got {args.n}", file=sys.stderr)
+        return 2
+    out = Path(args.sft_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in sft_examples(args.n, args.seed)))
+    os.replace(tmp, out)
+    print(f"wrote {args.n} examples to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

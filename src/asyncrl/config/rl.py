@@ -20,8 +20,40 @@ from asyncrl.config import loader
 from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, ModelConfig, WandbConfig, report_field
 from asyncrl.config.inference import InferenceConfig, chosen_backend
 from asyncrl.config.orchestrator import OrchestratorConfig
-from asyncrl.config.trainer import TrainerConfig
+from asyncrl.config.trainer import RunConfig, TrainerConfig
+from asyncrl.transport.layout import RUN_NAME, RunLayout
 from asyncrl.utils.errors import UserError
+
+
+class RunSpec(BaseConfig):
+    """One run of a multi-run `rl` (`[[runs]]`): its own settings over the shared ones (see README, Multi-run)."""
+
+    name: str = Field(description="run name: its dir {output_dir}/run_NAME and the model name of its adapter")
+    max_steps: int | None = Field(None, ge=1, description="the run's steps (default: max_steps)")
+    lr: float | None = Field(None, gt=0, description="the run's learning rate (shorthand for trainer.optim.lr)")
+    orchestrator: dict[str, Any] = Field(
+        default_factory=dict, description="the run's orchestrator settings, over [orchestrator] (env, sampling, ...)"
+    )
+    trainer: RunConfig = Field(
+        default_factory=RunConfig, description="the run's trainer settings (optim, scheduler, loss, ckpt, seed)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RunSpec:
+        if not RUN_NAME.match(self.name):
+            raise ValueError(f"run name {self.name!r}: use letters, digits, '_', '.', '-' (it becomes a model name)")
+        if self.lr is not None and self.trainer.optim is not None and "lr" in self.trainer.optim.model_fields_set:
+            raise ValueError(f"run {self.name!r} sets lr twice (lr and trainer.optim.lr); set it once")
+        return self
+
+    def run_settings(self) -> dict[str, Any]:
+        """The run's run.toml: what it sets of the trainer's settings."""
+        raw = self.trainer.model_dump(mode="json", exclude_unset=True)
+        if self.lr is not None:
+            raw.setdefault("optim", {})["lr"] = self.lr
+        if self.max_steps is not None:
+            raw["max_steps"] = self.max_steps
+        return raw
 
 
 class RLConfig(BaseConfig):
@@ -59,6 +91,11 @@ class RLConfig(BaseConfig):
     stall_timeout: float = Field(
         1800.0, ge=0, description="seconds without a step before rl stops the run, naming what looks hung (0: never)"
     )
+    runs: list[RunSpec] | None = Field(
+        None,
+        description="multi-run: [[runs]] tables, one LoRA run each (own orchestrator, adapter, optimizer) on one "
+        "trainer and one server",
+    )
     bench: bool = Field(
         False,
         description="benchmark: run the tiny-Qwen3 reverse-text job on a model it warms itself, print s/step, "
@@ -68,6 +105,8 @@ class RLConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
+        if self.runs is not None:
+            self._check_runs()
         if self.orchestrator.lora_name is not None and self.trainer.model.lora is None:
             raise ValueError(
                 f"orchestrator.lora_name = {self.orchestrator.lora_name!r} serves LoRA adapters, but the trainer "
@@ -81,6 +120,37 @@ class RLConfig(BaseConfig):
                     "raise it or lower seq_len"
                 )
         return self
+
+    def _check_runs(self) -> None:
+        names = [r.name for r in self.runs]
+        if not names:
+            raise ValueError("runs is empty: give at least one [[runs]] table (or none for a single run)")
+        if len(set(names)) < len(names):
+            raise ValueError(f"run names must differ, got {names}")
+        if self.trainer.model.lora is None:
+            raise ValueError("[[runs]] train one LoRA adapter each on the shared base model: add [trainer.model.lora]")
+        if self.orchestrator.lora_name is not None:
+            raise ValueError("with [[runs]] each run's adapter is served as the run name: drop orchestrator.lora_name")
+        if self.bench:
+            raise ValueError("--bench runs its own single-run job: drop [[runs]]")
+
+    def run_orchestrators(self) -> dict[str, OrchestratorConfig]:
+        """Each run's orchestrator: [orchestrator] with the run's settings over it, writing to run_NAME/ and
+        serving its adapter as NAME; a bad setting is a UserError naming the run."""
+        out, base = RunLayout(self.trainer.output_dir), self.orchestrator.model_dump(mode="json")
+        configs = {}
+        for run in self.runs or []:
+            raw = loader.deep_merge(base, run.orchestrator)
+            raw.update(output_dir=str(out.run_dir(run.name)), lora_name=run.name)
+            if run.max_steps is not None:
+                raw["max_steps"] = run.max_steps
+            if raw.get("wandb") is not None:
+                raw["wandb"]["name"] = f"{raw['wandb'].get('name') or 'orchestrator'}-{run.name}"
+            try:
+                configs[run.name] = loader.validate(OrchestratorConfig, raw)
+            except UserError as e:
+                raise UserError(f"[[runs]] {run.name!r}: {e}") from None
+        return configs
 
 
 # shared field -> where it lives in each component (None: component lacks it)
@@ -231,4 +301,6 @@ def resolve_rl(raw: dict, args: loader.ParsedArgs | None = None) -> RLConfig:
             if isinstance(raw.get(comp), dict):
                 raw[comp]["output_dir"] = out
         raw["output_dir"] = out
-    return loader.validate(RLConfig, raw)
+    config = loader.validate(RLConfig, raw)
+    config.run_orchestrators()  # a run's bad orchestrator setting: one line now
+    return config

@@ -1,4 +1,4 @@
-"""`rl`: start and supervise inference server, orchestrator and trainer for one RL run."""
+"""`rl`: start and supervise inference server, orchestrator(s) and trainer for one RL run, or several ([[runs]])."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from asyncrl.utils.logging import setup_logger
 SUMMARY = (
     "RL launcher: `rl @ rl.toml` or `rl --trainer @ t.toml --orchestrator @ o.toml [--inference @ i.toml]`.\n"
     "Shared top-level fields (model, max_steps, seq_len, max_async_level, output_dir, wandb, ckpt, log)\n"
-    "are propagated to every component. `rl --bench` runs the benchmark job (see README, RL)."
+    "are propagated to every component. `rl --bench` runs the benchmark job (see README, RL).\n"
+    "[[runs]] tables in the file: several LoRA runs on one trainer and one server (see README, Multi-run)."
 )
 
 
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
         if config.report and not config.bench:
             from asyncrl.report.report import report_at_end
 
-            report_at_end(config.trainer.output_dir)
+            for run in [r.name for r in config.runs] if config.runs else [None]:  # multi-run: one report per run
+                report_at_end(config.trainer.output_dir / f"run_{run}" if run else config.trainer.output_dir)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ the others are stopped and the launcher names the dead one with the end of its l
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,12 +23,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomli_w
 from loguru import logger
 
 from asyncrl.config.cli import to_toml
 from asyncrl.config.rl import RLConfig
 from asyncrl.launcher.placement import Placement
 from asyncrl.launcher.tailer import StepTailer
+from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
 from asyncrl.utils import failpoint, runstate
 from asyncrl.utils.errors import FULL_HINT, LOW_SPACE_BYTES, UserError
@@ -59,6 +62,8 @@ class Child:
     proc: subprocess.Popen
     stdout_path: Path
     log_path: Path
+    layout: RunLayout  # the run dir its files are under
+    run: str | None = None  # multi-run: the run this orchestrator serves
 
 
 class Launcher:
@@ -68,8 +73,10 @@ class Launcher:
         self.layout = RunLayout(config.trainer.output_dir, ckpt.path if ckpt else "checkpoints")
         self.placement = Placement(config)
         self.children: list[Child] = []
-        self.steps = StepTailer(self.layout.metrics_file("orchestrator"), 0)
-        self.bar = Bar("rl", config.trainer.max_steps)
+        self.runs = config.run_orchestrators()  # multi-run: each run's orchestrator config; empty: one run
+        self.tailers: dict[str | None, StepTailer] = {}  # by run (None: the single run)
+        total = sum(c.max_steps or 0 for c in self.runs.values()) if self.runs else config.trainer.max_steps
+        self.bar = Bar("rl", total or None)
         self.last_news = self.last_step = time.monotonic()
 
     # ------------------------------------------------------------ start
@@ -81,11 +88,19 @@ class Launcher:
             if ckpt is not None and ckpt.resume_step is not None:
                 ckpt.resume_step = start
         configs = {"trainer": cfg.trainer, "orchestrator": cfg.orchestrator}
+        if self.runs:  # the trainer serves the runs; each run's orchestrator and settings go to its own dir
+            del configs["orchestrator"]
+            cfg.trainer.max_concurrent_runs = cfg.trainer.max_concurrent_runs or len(self.runs)
+            cfg.trainer.runs = list(self.runs)
+            if cfg.trainer.ckpt is not None:
+                cfg.trainer.ckpt.resume_step = None  # each run's own, in its run.toml
         if cfg.inference is not None:
             if cfg.inference.num_threads is None and cfg.inference.backend == "embedded":
                 cfg.inference.num_threads = self.placement.server_threads
-            if cfg.orchestrator.lora_name is not None and cfg.inference.backend == "vllm":
-                cfg.inference.vllm_args += vllm_lora_flags(cfg.inference.vllm_args, cfg.trainer.model.lora.rank)
+            adapters = len(self.runs) if self.runs else (1 if cfg.orchestrator.lora_name is not None else 0)
+            if adapters and cfg.inference.backend == "vllm":
+                rank, given = cfg.trainer.model.lora.rank, cfg.inference.vllm_args
+                cfg.inference.vllm_args += vllm_lora_flags(given, rank, cfg.trainer.max_concurrent_runs or adapters)
             if cfg.inference.allowed_weights_root is None:  # the trainer's weights are all under the run's dir
                 cfg.inference.allowed_weights_root = Path(cfg.trainer.output_dir).resolve()
             configs["inference"] = cfg.inference
@@ -99,11 +114,44 @@ class Launcher:
             paths[name] = path
         return paths
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], stream: bool = False) -> Child:
-        stdout_path, log_path = self.layout.log_file(name, ".stdout"), self.layout.log_file(name)
+    def _prepare_runs(self, requested: int | None) -> dict[str, Path]:
+        """Multi-run: each run's dir cleaned for its start step, its orchestrator config, then its run.toml
+        (the trainer admits a run once that appears); returns each run's orchestrator config path."""
+        specs, paths = {r.name: r for r in self.config.runs}, {}
+        for name, orch in self.runs.items():
+            run = RunLayout(self.layout.run_dir(name), orch.ckpt.path if orch.ckpt else "checkpoints")
+            settings = specs[name].run_settings()
+            start = 0 if requested is None else resolve_resume_step(run, requested, orch.max_steps)
+            self._clean(run, start)
+            for stale in (run.run_status, run.run_stop, run.run_config):  # how an earlier attempt ended
+                stale.unlink(missing_ok=True)
+            orch.num_train_workers = self.placement.trainer_ranks
+            if requested is not None and orch.ckpt is not None:
+                orch.ckpt.resume_step = start
+                settings.setdefault("ckpt", {})["resume_step"] = start
+            paths[name] = run.configs / "orchestrator.toml"
+            write_text_atomic(paths[name], to_toml(orch))
+            write_text_atomic(run.run_config, tomli_w.dumps(settings))
+            self.tailers[name] = StepTailer(run.metrics_file("orchestrator"), start, label=name)
+            self.bar.done += start
+        return paths
+
+    def _clean(self, layout: RunLayout, start: int) -> None:
+        """What an earlier attempt left past `start`: temp dirs, stale batches and weights, metrics rows (each
+        process drops its own files' rows too, later; the tailer cannot wait for the orchestrator's)."""
+        layout.remove_leftovers()
+        layout.clear_stale(start)
+        drop_rows_from(layout.metrics_file("orchestrator"), start)
+
+    def _spawn(
+        self, name: str, cmd: list[str], env: dict[str, str], stream: bool = False, run: str | None = None
+    ) -> Child:
+        layout = RunLayout(self.layout.run_dir(run)) if run is not None else self.layout
+        component = "orchestrator" if run is not None else name
+        stdout_path, log_path = layout.log_file(component, ".stdout"), layout.log_file(component)
         logger.info(f"starting {name}: {' '.join(cmd)}")
         out = (PIPED if self.bar.enabled else None) if stream else stdout_path
-        child = Child(name, spawn(cmd, out, env), stdout_path, log_path)
+        child = Child(name, spawn(cmd, out, env), stdout_path, log_path, layout, run)
         if out is PIPED:
             threading.Thread(target=copy_lines, args=(child.proc.stdout,), daemon=True).start()
         cores = self.placement.affinity(name)
@@ -162,13 +210,16 @@ class Launcher:
         # a trainer that starts before the orchestrator's own clean-up could otherwise read a stale batch
         if spec := os.environ.get(failpoint.VAR):
             failpoint.parse(spec)  # a bad one: one line now, not a child's death later
-        start = self._start_step()
-        self.layout.remove_leftovers()
-        self.layout.clear_stale(start)
-        # the steps this run redoes, gone before the tailer reads a row (each process drops its own files' rows
-        # too, later; the tailer cannot wait for the orchestrator's)
-        drop_rows_from(self.layout.metrics_file("orchestrator"), start)
-        self.steps = StepTailer(self.layout.metrics_file("orchestrator"), start)
+        ckpt = self.config.trainer.ckpt
+        requested = ckpt.resume_step if ckpt is not None else None
+        start, run_paths = 0, {}
+        if self.runs:
+            run_paths = self._prepare_runs(requested)
+        else:
+            start = self._start_step()
+            self._clean(self.layout, start)
+            self.tailers[None] = StepTailer(self.layout.metrics_file("orchestrator"), start)
+            self.bar.done = start
         paths = self._write_configs(start)
         py = sys.executable
         server = None
@@ -180,13 +231,12 @@ class Launcher:
                 self.placement.inference_env(),
             )
         self._wait_for_server(server)
-        self._spawn(
-            "orchestrator",
-            [py, "-m", "asyncrl.entrypoints.orchestrator", "@", str(paths["orchestrator"])],
-            self.placement.orchestrator_env(),
-        )
+        orchestrators = run_paths or {None: paths["orchestrator"]}
+        for run, path in orchestrators.items():
+            name = "orchestrator" if run is None else f"orchestrator-{run}"
+            cmd = [py, "-m", "asyncrl.entrypoints.orchestrator", "@", str(path)]
+            self._spawn(name, cmd, self.placement.orchestrator_env(), run=run)
         self._spawn("trainer", self._trainer_cmd(paths["trainer"]), self.placement.trainer_env(), stream=True)
-        self.bar.done = start
         self.bar.waiting(f"step {self.bar.done}: its rollouts (the trainer loads the model meanwhile)")
         self.last_news = self.last_step = time.monotonic()
 
@@ -210,17 +260,19 @@ class Launcher:
         return f": the disk holding {self.layout.root} is full ({free / 2**20:.1f} MiB free); {FULL_HINT}"
 
     def _show_progress(self) -> None:
-        row = self.steps.poll()
+        rows = [row for t in self.tailers.values() if (row := t.poll()) is not None]
         now = time.monotonic()
-        if row is not None:
+        if rows:
             self.last_news = self.last_step = now
+            row, done = rows[-1], sum(t.next_step for t in self.tailers.values())
             fields = {"reward": row["reward/mean"], "off-policy": row.get("off_policy/level")}
-            self.bar.update(row["step"] + 1, **fields, **{"gen tok/s": row.get("perf/gen_tokens_per_s")})
+            self.bar.update(done, **fields, **{"gen tok/s": row.get("perf/gen_tokens_per_s")})
         elif now - self.last_step > (self.config.stall_timeout or float("inf")):
             self._stalled(now - self.last_step)
         elif now - self.last_news > QUIET_S:
             self.last_news = now
-            last = tail(self.layout.log_file("orchestrator"), lines=1).strip()
+            log = next((c.log_path for c in self.children if c.name.startswith("orchestrator")), None)
+            last = tail(log, lines=1).strip() if log else ""
             self.bar.waiting(
                 f"step {self.bar.done} (none for {QUIET_S:.0f}s; {self._suspects()}orchestrator's last line: {last})"
             )
@@ -253,14 +305,46 @@ class Launcher:
                 code = child.proc.poll()
                 if code is None or child.name in finished:
                     continue
-                if code != 0:
-                    self._died(child)
                 finished.add(child.name)
-                logger.info(f"{child.name} finished")
-            if {"trainer", "orchestrator"} <= finished:
-                self.steps.poll()
+                if code != 0 and child.run is None:
+                    self._died(child)
+                if code != 0:
+                    self._run_lost(child, code)
+                else:
+                    logger.info(f"{child.name} finished")
+            if self.runs:
+                self._stop_ended_runs(finished)
+            if {c.name for c in self.children if c.name != "inference"} <= finished:
+                for t in self.tailers.values():
+                    t.poll()
                 return
             time.sleep(0.5)
+
+    def _run_lost(self, child: Child, code: int) -> None:
+        """Multi-run: a run's orchestrator died; the trainer ends that run (STOP) and the others go on."""
+        write_text_atomic(child.layout.run_stop, f"its orchestrator died (exit code {code})\n")
+        logger.warning(
+            f"run {child.run}: its orchestrator died (exit code {code}); the run stops, the others go on. "
+            f"Last lines of {child.log_path}:\n{telling_tail(child.log_path, prefix='    ')}"
+        )
+
+    def _stop_ended_runs(self, finished: set[str]) -> None:
+        """Multi-run: an orchestrator whose run the trainer ended (failed, stopped) would wait for weights forever."""
+        for child in self.children:
+            if child.run is None or child.name in finished or not child.layout.run_status.exists():
+                continue
+            if json.loads(child.layout.run_status.read_text()).get("state") != "done":
+                stop_groups([child.proc], STOP_GRACE_S)
+                runstate.close(child.layout.pid_file("orchestrator"), runstate.STOPPED)
+                finished.add(child.name)
+
+    def run_outcomes(self) -> dict[str, dict]:
+        """Multi-run: each run's run_status.json (how the trainer ended it)."""
+        out = {}
+        for name in self.runs:
+            path = RunLayout(self.layout.run_dir(name)).run_status
+            out[name] = json.loads(path.read_text()) if path.exists() else {"state": "unknown", "step": None}
+        return out
 
     def stop(self) -> None:
         running = [c for c in self.children if c.proc.poll() is None]
@@ -269,10 +353,19 @@ class Launcher:
         for proc in stop_groups([c.proc for c in self.children], STOP_GRACE_S):
             logger.warning(f"{next(c.name for c in self.children if c.proc is proc)} ignored SIGTERM; killed it")
         for child in running:  # their run records say rl stopped them (one that died keeps no exit: killed)
-            runstate.close(self.layout.pid_file(child.name), runstate.STOPPED)
+            runstate.close(child.layout.pid_file("orchestrator" if child.run else child.name), runstate.STOPPED)
 
     def summary(self, elapsed: float) -> str:
-        return self.steps.summary(elapsed, self.layout.weights)
+        if not self.runs:
+            return self.tailers[None].summary(elapsed, self.layout.weights)
+        lines = []
+        for name, outcome in self.run_outcomes().items():
+            run = RunLayout(self.layout.run_dir(name))
+            said = self.tailers[name].summary(elapsed, run.weights).removeprefix("[rl] ").removeprefix("done: ")
+            lines.append(
+                f"[rl {name}] {outcome['state']}: {said}" + (f" ({outcome['error']})" if outcome.get("error") else "")
+            )
+        return "\n".join(lines)
 
 
 def launch(config: RLConfig) -> None:
@@ -289,6 +382,12 @@ def launch(config: RLConfig) -> None:
             launcher.start()
             launcher.supervise()
         print(launcher.summary(time.monotonic() - start), flush=True)
+        if bad := {n: o for n, o in launcher.run_outcomes().items() if o["state"] != "done"}:
+            said = "; ".join(
+                f"{n} {o['state']} at step {o['step']}" + (f" ({o['error']})" if o.get("error") else "")
+                for n, o in bad.items()
+            )
+            raise UserError(f"{len(bad)} of {len(launcher.runs)} runs did not finish: {said}; the others did")
     finally:
         launcher.stop()
         signal.signal(signal.SIGTERM, previous)
@@ -297,9 +396,12 @@ def launch(config: RLConfig) -> None:
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
-def vllm_lora_flags(given: list[str], rank: int) -> list[str]:
-    """What vLLM needs to serve a run's adapters (unless the user set it): LoRA on, a max rank that fits."""
+def vllm_lora_flags(given: list[str], rank: int, adapters: int = 1) -> list[str]:
+    """What vLLM needs to serve runs' adapters (unless the user set it): LoRA on, a max rank that fits, room
+    for `adapters` adapters in one batch."""
     flags = [] if "--enable-lora" in given else ["--enable-lora"]
     if "--max-lora-rank" not in given:
         flags += ["--max-lora-rank", str(next((r for r in VLLM_LORA_RANKS if r >= rank), rank))]
+    if adapters > 1 and "--max-loras" not in given:
+        flags += ["--max-loras", str(adapters)]
     return flags

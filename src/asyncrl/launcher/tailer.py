@@ -13,8 +13,8 @@ from pathlib import Path
 
 
 class StepTailer:
-    def __init__(self, path: Path, start_step: int):
-        self.path = path
+    def __init__(self, path: Path, start_step: int, label: str | None = None):
+        self.path, self.label = path, label  # label: a multi-run run's name, on each of its lines
         self.pos = 0
         self.next_step = start_step  # steps arrive in order; one already counted is not counted again
         self.rewards: list[tuple[int, float]] = []
@@ -26,7 +26,7 @@ class StepTailer:
             if row.get("kind", "train") == "train" and "reward/mean" in row and row.get("step", -1) >= self.next_step:
                 self.next_step = row["step"] + 1
                 self.rewards.append((row["step"], row["reward/mean"]))
-                print(step_line(row), flush=True)
+                print(step_line(row, self.label), flush=True)
                 last = row
         return last
 
@@ -58,12 +58,13 @@ class StepTailer:
         return rows
 
 
-def step_line(row: dict) -> str:
-    """`[rl] step N  reward R  <env> exact_match ...  off-policy L` for one training row."""
+def step_line(row: dict, label: str | None = None) -> str:
+    """`[rl] step N  reward R  <env> exact_match ...  off-policy L` for one training row (`[rl NAME]`: a run's)."""
     matches = [(k, v) for k, v in row.items() if k.startswith("metrics/") and k.endswith("exact_match")]
     extras = "".join(f"  {k.rsplit('/', 1)[-1]} {v:.3f}" for k, v in matches)
     level = row.get("off_policy/level", "?")
-    return f"[rl] step {row['step']:>4}  reward {row['reward/mean']:.3f}{extras}  off-policy {level}"
+    who = f"rl {label}" if label else "rl"
+    return f"[{who}] step {row['step']:>4}  reward {row['reward/mean']:.3f}{extras}  off-policy {level}"
 
 
 def _mean(rewards: list[tuple[int, float]]) -> float:

@@ -1,0 +1,74 @@
+"""`[[runs]]` in an rl config: what each run's orchestrator and run.toml get, and the one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.config.rl import resolve_rl
+from asyncrl.launcher.supervisor import vllm_lora_flags
+from asyncrl.transport.layout import RunLayout
+from asyncrl.utils.errors import UserError
+
+BASE = {
+    "model": {"name": "m"},
+    "max_steps": 10,
+    "output_dir": "/tmp/x",
+    "trainer": {"model": {"lora": {"rank": 8}}, "optim": {"lr": 1e-4}},
+    "orchestrator": {"batch_size": 16, "rollouts_per_example": 4, "sampling": {"max_tokens": 7}},
+}
+
+
+def rl(runs, **top):
+    return resolve_rl({**BASE, **top, "runs": runs})
+
+
+def test_each_run_gets_the_shared_settings_with_its_own_over_them():
+    cfg = rl(
+        [
+            {"name": "a", "orchestrator": {"env": [{"id": "reverse-text"}]}},
+            {"name": "b", "lr": 3e-3, "max_steps": 4, "orchestrator": {"env": [{"id": "echo-twice"}], "batch_size": 8}},
+        ]
+    )
+    orch = cfg.run_orchestrators()
+    assert orch["a"].output_dir == RunLayout("/tmp/x").run_dir("a") and orch["a"].lora_name == "a"
+    assert orch["a"].sampling.max_tokens == 7 and orch["a"].max_steps == 10 and orch["a"].env[0].id == "reverse-text"
+    assert orch["b"].batch_size == 8 and orch["b"].max_steps == 4 and orch["b"].env[0].id == "echo-twice"
+    assert orch["b"].rollouts_per_example == 4 and orch["b"].model.name == "m"
+    assert cfg.runs[0].run_settings() == {}  # the trainer's own settings apply
+    assert cfg.runs[1].run_settings() == {"optim": {"lr": 3e-3}, "max_steps": 4}
+
+
+def test_trainer_settings_of_a_run_keep_only_what_it_sets():
+    cfg = rl([{"name": "a", "trainer": {"optim": {"betas1": 0.8}, "loss": {"type": "grpo"}, "seed": 3}}])
+    assert cfg.runs[0].run_settings() == {"optim": {"betas1": 0.8}, "loss": {"type": "grpo"}, "seed": 3}
+
+
+@pytest.mark.parametrize(
+    ("runs", "extra", "says"),
+    [
+        ([], {}, "runs is empty"),
+        ([{"name": "a"}, {"name": "a"}], {}, "run names must differ"),
+        ([{"name": "a b"}], {}, "use letters, digits"),
+        ([{"name": "a", "lr": 1e-3, "trainer": {"optim": {"lr": 2e-3}}}], {}, "sets lr twice"),
+        ([{"name": "a", "trainer": {"optim": {"lrr": 1}}}], {}, "lrr"),
+        ([{"name": "a"}], {"trainer": {"optim": {"lr": 1e-4}}}, "add [trainer.model.lora]"),
+        ([{"name": "a"}], {"orchestrator": {"lora_name": "x"}}, "drop orchestrator.lora_name"),
+        ([{"name": "a", "orchestrator": {"batch_size": 0}}], {}, "[[runs]] 'a'"),
+        ([{"name": "a", "orchestrator": {"bogus": 1}}], {}, "bogus"),
+    ],
+)
+def test_bad_runs_are_one_line_errors(runs, extra, says):
+    raw = {**BASE, **extra, "runs": runs}
+    if "trainer" in extra:
+        raw["trainer"] = extra["trainer"]
+    if "orchestrator" in extra:
+        raw["orchestrator"] = {**BASE["orchestrator"], **extra["orchestrator"]}
+    with pytest.raises(UserError, match=None) as err:
+        resolve_rl(raw)
+    assert says in str(err.value) and "\n" not in str(err.value).strip()
+
+
+def test_vllm_gets_room_for_every_run():
+    assert vllm_lora_flags([], 16, 3) == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "3"]
+    assert vllm_lora_flags(["--max-loras", "8"], 12, 3) == ["--enable-lora", "--max-lora-rank", "16"]
+    assert vllm_lora_flags([], 8) == ["--enable-lora", "--max-lora-rank", "8"]
