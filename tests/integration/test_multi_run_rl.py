@@ -59,7 +59,8 @@ def rewards(run: RunLayout) -> list[float]:
 
 
 def rises(values: list[float]) -> bool:
-    k = max(3, len(values) // 4)
+    """The last third's mean reward beats the first third's (per-step noise is ~0.025 here)."""
+    k = len(values) // 3
     return sum(values[-k:]) / k > sum(values[:k]) / k + 0.01
 
 
@@ -73,30 +74,30 @@ def adapter(run: RunLayout, step: int) -> dict[str, torch.Tensor]:
 
 def test_two_runs_learn_side_by_side_and_one_resumes_alone(warm_model, tmp_path):
     out = tmp_path / "out"
-    cfg = write_config(tmp_path / "rl.toml", warm_model, out, 20, [REV, ECHO])
+    cfg = write_config(tmp_path / "rl.toml", warm_model, out, 30, [REV, ECHO])
     proc = subprocess.run([*RL, "@", str(cfg)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rev, echo = (RunLayout(out / f"run_{n}") for n in ("rev", "echo"))
     assert rises(rewards(rev)), rewards(rev)
     assert rises(rewards(echo)), rewards(echo)
     assert status(rev)["state"] == status(echo)["state"] == "done"
-    a, b = adapter(rev, 20), adapter(echo, 20)
+    a, b = adapter(rev, 30), adapter(echo, 30)
     assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
     trained = [json.loads(x) for x in rev.metrics_file("trainer").read_text().splitlines()]
-    assert {m["lr"] for m in trained} == {2e-3} and len(trained) == 20
-    assert "[rl rev] step   19" in proc.stdout and "[rl echo] step   19" in proc.stdout
+    assert {m["lr"] for m in trained} == {2e-3} and len(trained) == 30
+    assert "[rl rev] step   29" in proc.stdout and "[rl echo] step   29" in proc.stdout
     for run in (rev, echo):  # each run: its own logs, config, checkpoints, report
         assert (run.logs / "orchestrator.log").exists() and (run.logs / "trainer.log").exists()
         assert (run.configs / "orchestrator.toml").exists() and (run.root / "report.html").exists()
 
-    # rev alone, from its checkpoint at step 20, five more steps; echo's files stay as they are
+    # rev alone, from its checkpoint at step 30, five more steps; echo's files stay as they are
     echo_files = {p: p.stat().st_mtime_ns for p in echo.root.rglob("*") if p.is_file()}
-    cfg = write_config(tmp_path / "rev.toml", warm_model, out, 25, [REV])
+    cfg = write_config(tmp_path / "rev.toml", warm_model, out, 35, [REV])
     proc = subprocess.run([*RL, "@", str(cfg), "--ckpt.resume-step", "-1"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "[rev] run rev started in adapter slot 0 at step 20" in (rev.logs / "trainer.log").read_text()
-    assert status(rev) == {**status(rev), "state": "done", "step": 25}
-    assert len(rewards(rev)) == 25 and (rev.weights_dir(25) / "adapter").is_dir()
+    assert "[rev] run rev started in adapter slot 0 at step 30" in (rev.logs / "trainer.log").read_text()
+    assert status(rev) == {**status(rev), "state": "done", "step": 35}
+    assert len(rewards(rev)) == 35 and (rev.weights_dir(35) / "adapter").is_dir()
     assert {p: p.stat().st_mtime_ns for p in echo.root.rglob("*") if p.is_file()} == echo_files
 
 

@@ -129,22 +129,22 @@ def test_exported_adapter_is_what_peft_loads(tiny_model_dir, tmp_path):
 
 
 def test_a_checkpoint_resumes_its_run_alone_and_exactly(tiny_model_dir, tmp_path):
-    straight = add_run(tmp_path / "straight", "a", tiny_model_dir, range(4), seed=4, max_steps=4)
-    train(trainer_config(tiny_model_dir, tmp_path / "straight", ["a"]))
+    straight = add_run(tmp_path / "straight", "b", tiny_model_dir, range(4), seed=4, max_steps=4)
+    train(trainer_config(tiny_model_dir, tmp_path / "straight", ["b"]))
 
     out = tmp_path / "resumed"
-    a = add_run(out, "a", tiny_model_dir, range(4), seed=4, max_steps=2, ckpt={"interval": 2})
-    b = add_run(out, "b", tiny_model_dir, range(2), seed=5, max_steps=2)
+    a = add_run(out, "a", tiny_model_dir, range(2), seed=5, max_steps=2)
+    b = add_run(out, "b", tiny_model_dir, range(4), seed=4, max_steps=2, ckpt={"interval": 2})  # in slot 1
     train(trainer_config(tiny_model_dir, out, ["a", "b"]))
-    b_files = {p: p.stat().st_mtime_ns for p in b.root.rglob("*")}
-    a.run_status.unlink()  # admit A again: resume its checkpoint, two more steps; B stays as it ended
-    write_settings(a, max_steps=4, ckpt={"interval": 2, "resume_step": -1})
-    results = train(trainer_config(tiny_model_dir, out, ["a"]))
+    a_files = {p: p.stat().st_mtime_ns for p in a.root.rglob("*")}
+    b.run_status.unlink()  # admit B again, alone (so in slot 0): resume its checkpoint, two more steps
+    write_settings(b, max_steps=4, ckpt={"interval": 2, "resume_step": -1})
+    results = train(trainer_config(tiny_model_dir, out, ["b"]))
 
-    assert len(results["a"]) == 2 and status(a) == {**status(a), "state": "done", "step": 4}
-    assert same(adapter(a, 4), adapter(straight, 4))  # adapter, AdamW state and schedule all came back
-    assert {p: p.stat().st_mtime_ns for p in b.root.rglob("*")} == b_files
-    assert [json.loads(x)["step"] for x in a.metrics_file("trainer").read_text().splitlines()] == [0, 1, 2, 3]
+    assert len(results["b"]) == 2 and status(b) == {**status(b), "state": "done", "step": 4}
+    assert same(adapter(b, 4), adapter(straight, 4))  # adapter, AdamW state and schedule all came back
+    assert {p: p.stat().st_mtime_ns for p in a.root.rglob("*")} == a_files
+    assert [json.loads(x)["step"] for x in b.metrics_file("trainer").read_text().splitlines()] == [0, 1, 2, 3]
 
 
 def test_a_failing_or_stopped_run_ends_alone(tiny_model_dir, tmp_path):

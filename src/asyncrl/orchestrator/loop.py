@@ -285,7 +285,10 @@ class Orchestrator:
                     f"rollouts failed because the inference server at {self.server.root} stopped "
                     f"answering; {start_hint(self.server.url)}"
                 ) from e
-            raise
+            raise UserError(  # the model's or the environment's doing, not a bug here: one line, in the log
+                f"step {step}: {e}; the server answers, so the environment or the policy's replies fail (a policy "
+                "that collapsed to empty replies: lower the learning rate, resume from an earlier checkpoint)"
+            ) from e
         finally:
             self.sink.close()
         logger.success(f"orchestrator finished {step - start} steps ({self.progress.total_samples} samples in total)")

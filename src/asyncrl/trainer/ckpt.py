@@ -46,11 +46,13 @@ def complete_steps(layout: RunLayout) -> list[int]:
 class CheckpointManager:
     """Saves (sync or async) and loads trainer checkpoints. Every method is collective over all ranks."""
 
-    def __init__(self, layout: RunLayout, cfg: CkptConfig, rank: int, only: set[str] | None = None) -> None:
+    def __init__(self, layout: RunLayout, cfg: CkptConfig, rank: int, only: dict[str, str] | None = None) -> None:
         self.layout = layout
         self.cfg = cfg
         self.rank = rank
-        self.only = only  # model state names to keep (a multi-run trainer's run: its adapter slot); None: all
+        # a multi-run trainer's run: the parameters of its adapter slot, by the slot-free names its checkpoint
+        # stores them under (it may resume in another slot); None: the whole model
+        self.only = only
         self._group = dist.new_group(backend="gloo")  # async writes must not share the training group
         self._pending: tuple[Future, int, dict[str, Any]] | None = None
 
@@ -121,16 +123,27 @@ class CheckpointManager:
             ) from None
         except (OSError, ValueError, RuntimeError) as e:
             raise UserError(f"checkpoint {path} is corrupted and cannot be loaded ({type(e).__name__}: {e})") from e
-        model_sd, optim_sd, options = state["model"], state["optim"], StateDictOptions(strict=self.only is None)
+        model_sd, optim_sd = state["model"], state["optim"]
+        if self.only is not None:
+            back = {stored: name for name, stored in self.only.items()}
+            model_sd, optim_sd = _renamed(model_sd, optim_sd, back)
+        options = StateDictOptions(strict=self.only is None)
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
         return extra
 
     def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         if self.only is not None:
-            model_sd = {k: v for k, v in model_sd.items() if k in self.only}
+            model_sd, optim_sd = _renamed({k: v for k, v in model_sd.items() if k in self.only}, optim_sd, self.only)
         return {"model": model_sd, "optim": optim_sd}
 
     def close(self) -> None:
         self.wait()
         dist.destroy_process_group(self._group)
+
+
+def _renamed(model_sd: dict, optim_sd: dict, names: dict[str, str]) -> tuple[dict, dict]:
+    """Model and (FQN-keyed) optimizer state dicts with their parameter names mapped through `names`."""
+    groups = [{**g, "params": [names[p] for p in g["params"]]} for g in optim_sd["param_groups"]]
+    optim = {"state": {names[k]: v for k, v in optim_sd["state"].items()}, "param_groups": groups}
+    return {names[k]: v for k, v in model_sd.items()}, optim

@@ -56,10 +56,6 @@ class AdapterSlot:
     index: int
     params: list[tuple[str, torch.nn.Parameter, str]]  # (state-dict name, parameter, PEFT key)
 
-    @property
-    def names(self) -> list[str]:
-        return [name for name, _, _ in self.params]
-
 
 @dataclass
 class StepBatch:
@@ -173,7 +169,7 @@ class TrainSession:
         self.loop.start()
         self.optimizer = build_optimizer(self.params, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.scheduler, self.loop.planned_steps())
-        only = set(slot.names) if slot is not None else None
+        only = {name: key for name, _, key in slot.params} if slot is not None else None
         self.ckpt = CheckpointManager(self.layout, config.ckpt, ctx.rank, only) if self._checkpoints else None
         self.progress = {"step": 0, "tokens": 0, "samples": 0}
         self.sink = MetricsSink(
