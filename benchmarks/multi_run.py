@@ -9,9 +9,13 @@ come from the base model) on a locally built model, each in its own `trainer` pr
 
 Per configuration: steps trained per second over all runs, tokens per second, the median compute time of
 one run's step (`step_time_s`), the trainer's peak RSS, and what N runs cost next to N separate `lora`
-trainers (each holding its own copy of the base model). Runs alternate within one invocation.
+trainers (each holding its own copy of the base model).
 
-    .venv/bin/python benchmarks/multi_run.py [--hidden 512 --layers 8 --steps 6 --runs 1 2 4]
+`--e2e`: then whole `rl` jobs on the tiny model (reverse-text, 64 rollouts per run-step): one full-weight
+run, and `[[runs]]` of 1, 2, 4 LoRA runs sharing one server and one trainer; run-steps per second over all
+runs (each run-step = one batch generated, trained and published), from the orchestrators' metrics.
+
+    .venv/bin/python benchmarks/multi_run.py [--hidden 512 --layers 8 --steps 6 --runs 1 2 4] [--e2e]
 """
 
 from __future__ import annotations
@@ -111,12 +115,56 @@ def measure(model: Path, data: list[list[dict]], root: Path, lora: bool, runs: i
     }
 
 
+RL_JOB = """max_steps = {steps}
+seq_len = 128
+max_async_level = 1
+output_dir = "{out}"
+[model]
+name = "{model}"
+[trainer.optim]
+lr = 1e-4
+[orchestrator]
+batch_size = 64
+rollouts_per_example = 8
+[orchestrator.sampling]
+max_tokens = 16
+[inference.server]
+host = "127.0.0.1"
+port = {port}
+"""
+
+
+def measure_rl(model: Path, root: Path, steps: int, runs: int | None) -> dict:
+    """One `rl` job: a full-weight run (runs None) or `runs` LoRA runs; run-steps/s after each run's step 1."""
+    from asyncrl.utils.process import free_port
+
+    out = root / f"rl_{runs or 'full'}"
+    text = RL_JOB.format(steps=steps, out=out, model=model, port=free_port())
+    if runs:
+        text += "[trainer.model.lora]\nrank = 16\nalpha = 32\n"
+        text += "".join(f'[[runs]]\nname = "r{i}"\n' for i in range(runs))
+    cfg = root / f"{out.name}.toml"
+    cfg.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.entrypoints.rl", "@", str(cfg)], capture_output=True)
+    if proc.returncode != 0:
+        sys.exit(f"{out.name} failed: {proc.stderr.decode()[-2000:]}")
+    dirs = [RunLayout(out).run_dir(f"r{i}") for i in range(runs)] if runs else [out]
+    rows = [json.loads(x) for d in dirs for x in RunLayout(d).metrics_file("orchestrator").read_text().splitlines()]
+    rows = [r for r in rows if r.get("kind", "train") == "train"]
+    start = max(r["time"] for r in rows if r["step"] == 1)  # every run warmed up
+    timed = [r for r in rows if r["time"] > start]
+    wall = max(r["time"] for r in timed) - start
+    return {"config": "full" if runs is None else f"runs{runs}", "runs": runs or 1, "steps_per_s": len(timed) / wall}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6, help="steps per run (the first is a warm-up)")
     ap.add_argument("--runs", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--e2e", action="store_true", help="also whole rl jobs (tiny model, reverse-text)")
+    ap.add_argument("--rl-steps", type=int, default=12, help="steps per run of each rl job")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="multi_run_bench_") as tmp:
         root = Path(tmp)
@@ -125,6 +173,10 @@ def main() -> None:
         data = batches(model, args.steps)
         results = [measure(model, data, root, lora=False, runs=None), measure(model, data, root, lora=True, runs=None)]
         results += [measure(model, data, root, lora=True, runs=n) for n in args.runs]
+        if args.e2e:
+            tiny = build_tiny_model(root / "tiny", hidden_size=128, num_layers=4)
+            e2e = [measure_rl(tiny, root, args.rl_steps, None)]
+            e2e += [measure_rl(tiny, root, args.rl_steps, n) for n in args.runs]
     lora = results[1]
     shape = f"{ROWS} rows x {SAMPLES * SAMPLE_LEN} tokens per run-step, {args.steps - 1} timed steps per run"
     print(f"model: hidden {args.hidden}, {args.layers} layers, {params / 1e6:.1f}M parameters; {shape}; "
@@ -135,6 +187,11 @@ def main() -> None:
         vs = r["rss_gib"] / (lora["rss_gib"] * r["runs"]) if r["config"].startswith("runs") else float("nan")
         print(f"{r['config']:<8} {r['runs']:>4} {r['steps_per_s']:>8.2f} {r['tokens_per_s']:>8,.0f} "
               f"{r['step_s']:>10.3f} {r['rss_gib']:>12.2f} {vs:>13.2f}")  # fmt: skip
+    if args.e2e:
+        print(f"\nrl end to end (tiny model, reverse-text, 64 rollouts per run-step, {args.rl_steps} steps per run)")
+        print(f"{'config':<8} {'runs':>4} {'run-steps/s':>11} {'per run':>8}")
+        for r in e2e:
+            print(f"{r['config']:<8} {r['runs']:>4} {r['steps_per_s']:>11.2f} {r['steps_per_s'] / r['runs']:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -200,3 +200,12 @@ def test_two_ranks_give_the_one_rank_adapters(tiny_model_dir, tmp_path):
         assert got.keys() == want.keys()
         for key in want:
             torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-4)
+
+
+def test_one_wandb_run_per_run(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    runs = [add_run(tmp_path, name, tiny_model_dir, range(2), seed=12) for name in ("a", "b")]
+    train(trainer_config(tiny_model_dir, tmp_path, ["a", "b"], max_steps=2, wandb={"offline": True, "name": "x"}))
+    for run in runs:  # each run its own W&B run (named x-a, x-b), in its own dir, both open at once
+        (found,) = (run.root / "wandb").glob("offline-run-*")
+        assert (found / "files").is_dir()

@@ -72,3 +72,14 @@ def test_vllm_gets_room_for_every_run():
     assert vllm_lora_flags([], 16, 3) == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "3"]
     assert vllm_lora_flags(["--max-loras", "8"], 12, 3) == ["--enable-lora", "--max-lora-rank", "16"]
     assert vllm_lora_flags([], 8) == ["--enable-lora", "--max-lora-rank", "8"]
+
+
+@pytest.mark.parametrize("path", ["examples/multi_run/rl.toml", "examples/multi_run/rl_gpu.toml"])
+def test_the_examples_parse(path):
+    from asyncrl.config.cli import parse_or_exit
+    from asyncrl.config.rl import RLConfig
+
+    cfg = parse_or_exit(RLConfig, "rl", "", ["@", path], resolve=resolve_rl)
+    orch = cfg.run_orchestrators()
+    assert [r.name for r in cfg.runs] == ["reverse", "echo"] and cfg.trainer.model.lora is not None
+    assert [o.env[0].id for o in orch.values()] == ["reverse-text", "echo-twice"]

@@ -50,6 +50,7 @@ class MetricsSink:
                 mode="offline" if wandb_cfg.offline else None,
                 config=run_config,
                 dir=str(output_dir),
+                reinit="create_new",  # a multi-run trainer holds one W&B run per run, side by side
             )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
