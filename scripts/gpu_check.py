@@ -3,8 +3,9 @@
 Checks: the GPU itself; FSDP2 over NCCL (torchrun'd `trainer --bench`, up to 2 ranks); `trainer --bench`
 at Qwen3-0.6B's shape (random init, built here) and seq_len 16384, with MFU; the vLLM backend on the GPU
 with `/update_weights` (the served answer changes); a single-GPU `rl` run (inference and trainer sharing
-GPU 0) whose reward rises, with shared-prefix training on the CUDA attention path. Without CUDA it says
-so, prints each command, checks every asyncrl command line with the entrypoint's own `--dry-run`, and
+GPU 0) whose reward rises, with shared-prefix training on the CUDA attention path; two `[[runs]]` LoRA
+runs on one trainer with vLLM serving both adapters (it reuses the rl check's SFT model). Without CUDA it
+says so, prints each command, checks every asyncrl command line with the entrypoint's own `--dry-run`, and
 exits 0 unless one of them is broken. Run it as `bash scripts/gpu_check.sh`.
 """
 
@@ -67,6 +68,19 @@ def reward_rises(work: Path, _: list[str]) -> str:
     assert late > early + 0.02, f"reward {early:.3f} -> {late:.3f}"
     assert shared > 0, "no shared-prefix tokens were trained"
     return f"reward {early:.3f} -> {late:.3f}, shared prefix {shared:.0%} of tokens"
+
+
+def runs_train_on_vllm(work: Path, _: list[str]) -> str:
+    said = []
+    for name in ("reverse", "echo"):
+        run = work / "multi" / f"run_{name}"
+        status = json.loads((run / "run_status.json").read_text())
+        assert status["state"] == "done", f"run {name}: {status}"
+        rows = [json.loads(x) for x in (run / "metrics" / "trainer.jsonl").read_text().splitlines()]
+        kl = sorted(r["mismatch_kl"] for r in rows)[len(rows) // 2]
+        assert kl < 0.05, f"run {name}: median mismatch KL {kl:.3g} (is vLLM serving the run's adapter?)"
+        said.append(f"{name} {len(rows)} steps, mismatch KL {kl:.1e}")
+    return "; ".join(said)
 
 
 VLLM_PROBE = r"""
@@ -171,6 +185,34 @@ CHECKS = [
             ],
         ],
         reward_rises,
+    ),  # fmt: skip
+    Check(
+        "rl_multi_run_lora_vllm",
+        lambda w: [
+            [
+                PY,
+                "-m",
+                ENTRY + "rl",
+                "@",
+                "examples/multi_run/rl.toml",
+                "--model.name",
+                str(w / "sft" / "weights" / "step_150"),
+                "--output-dir",
+                str(w / "multi"),
+                "--max-steps",
+                "20",
+                "--inference.backend",
+                "vllm",
+                "--inference-gpu-ids",
+                "[0]",
+                "--trainer-gpu-ids",
+                "[0]",
+                "--inference.gpu-memory-utilization",
+                "0.3",
+            ],
+        ],
+        runs_train_on_vllm,
+        needs_vllm=True,
     ),  # fmt: skip
 ]
 

@@ -6,7 +6,14 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKS = ["cuda", "fsdp2_nccl", "bench_qwen3_0.6b_16k", "vllm_update_weights", "rl_single_gpu_shared_prefix"]
+CHECKS = [
+    "cuda",
+    "fsdp2_nccl",
+    "bench_qwen3_0.6b_16k",
+    "vllm_update_weights",
+    "rl_single_gpu_shared_prefix",
+    "rl_multi_run_lora_vllm",
+]
 
 
 def gpu_check(**env: str) -> subprocess.CompletedProcess:
