@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 ENTRY = "asyncrl.entrypoints."
+ONE_GPU = ["--inference-gpu-ids", "[0]", "--trainer-gpu-ids", "[0]", "--inference.gpu-memory-utilization", "0.3"]
 EXTRA = os.environ.get("GPU_CHECK_EXTRA_TRAINER_ARGS", "").split()  # e.g. a broken flag, to see the check fail
 
 
@@ -176,12 +177,7 @@ CHECKS = [
                 str(w / "rl"),
                 "--max-steps",
                 "40",
-                "--inference-gpu-ids",
-                "[0]",
-                "--trainer-gpu-ids",
-                "[0]",
-                "--inference.gpu-memory-utilization",
-                "0.3",
+                *ONE_GPU,
             ],
         ],
         reward_rises,
@@ -203,12 +199,7 @@ CHECKS = [
                 "20",
                 "--inference.backend",
                 "vllm",
-                "--inference-gpu-ids",
-                "[0]",
-                "--trainer-gpu-ids",
-                "[0]",
-                "--inference.gpu-memory-utilization",
-                "0.3",
+                *ONE_GPU,
             ],
         ],
         runs_train_on_vllm,

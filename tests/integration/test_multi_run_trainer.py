@@ -209,3 +209,15 @@ def test_one_wandb_run_per_run(tiny_model_dir, tmp_path, monkeypatch):
     for run in runs:  # each run its own W&B run (named x-a, x-b), in its own dir, both open at once
         (found,) = (run.root / "wandb").glob("offline-run-*")
         assert (found / "files").is_dir()
+
+
+def test_more_runs_than_slots_wait_and_a_reused_slot_carries_nothing_over(tiny_model_dir, tmp_path):
+    alone = add_run(tmp_path / "alone", "c", tiny_model_dir, range(2), seed=13)
+    train(trainer_config(tiny_model_dir, tmp_path / "alone", ["c"], max_steps=2, slots=1))
+    out = tmp_path / "queued"
+    runs = [add_run(out, name, tiny_model_dir, range(2), seed=s) for name, s in (("a", 14), ("b", 15), ("c", 13))]
+    results = train(trainer_config(tiny_model_dir, out, ["a", "b", "c"], max_steps=2, slots=2))
+    assert all(status(r)["state"] == "done" for r in runs) and all(len(results[n]) == 2 for n in "abc")
+    log = runs[2].log_file("trainer").read_text()
+    assert "run c started in adapter slot" in log  # after a or b ended
+    assert same(adapter(runs[2], 2), adapter(alone, 2))  # the slot's last tenant left nothing behind

@@ -74,10 +74,17 @@ class Launcher:
         self.placement = Placement(config)
         self.children: list[Child] = []
         self.runs = config.run_orchestrators()  # multi-run: each run's orchestrator config; empty: one run
-        self.tailers: dict[str | None, StepTailer] = {}  # by run (None: the single run)
+        self.tailers: dict[str | None, StepTailer] = {}  # by run (None: the single run); start() sets their steps
+        for run in self.runs or [None]:
+            metrics = self.of(run).metrics_file("orchestrator")
+            self.tailers[run] = StepTailer(metrics, 0, label=run)
         total = sum(c.max_steps or 0 for c in self.runs.values()) if self.runs else config.trainer.max_steps
         self.bar = Bar("rl", total or None)
         self.last_news = self.last_step = time.monotonic()
+
+    def of(self, run: str | None) -> RunLayout:
+        """Run `run`'s dir (multi-run), or the run's own (None)."""
+        return RunLayout(self.layout.run_dir(run)) if run is not None else self.layout
 
     # ------------------------------------------------------------ start
 
@@ -146,7 +153,7 @@ class Launcher:
     def _spawn(
         self, name: str, cmd: list[str], env: dict[str, str], stream: bool = False, run: str | None = None
     ) -> Child:
-        layout = RunLayout(self.layout.run_dir(run)) if run is not None else self.layout
+        layout = self.of(run)
         component = "orchestrator" if run is not None else name
         stdout_path, log_path = layout.log_file(component, ".stdout"), layout.log_file(component)
         logger.info(f"starting {name}: {' '.join(cmd)}")
@@ -271,8 +278,8 @@ class Launcher:
             self._stalled(now - self.last_step)
         elif now - self.last_news > QUIET_S:
             self.last_news = now
-            log = next((c.log_path for c in self.children if c.name.startswith("orchestrator")), None)
-            last = tail(log, lines=1).strip() if log else ""
+            run = next(iter(self.runs), None)  # multi-run: the first run's orchestrator speaks for them
+            last = tail(self.of(run).log_file("orchestrator"), lines=1).strip()
             self.bar.waiting(
                 f"step {self.bar.done} (none for {QUIET_S:.0f}s; {self._suspects()}orchestrator's last line: {last})"
             )
@@ -342,7 +349,7 @@ class Launcher:
         """Multi-run: each run's run_status.json (how the trainer ended it)."""
         out = {}
         for name in self.runs:
-            path = RunLayout(self.layout.run_dir(name)).run_status
+            path = self.of(name).run_status
             out[name] = json.loads(path.read_text()) if path.exists() else {"state": "unknown", "step": None}
         return out
 
@@ -360,7 +367,7 @@ class Launcher:
             return self.tailers[None].summary(elapsed, self.layout.weights)
         lines = []
         for name, outcome in self.run_outcomes().items():
-            run = RunLayout(self.layout.run_dir(name))
+            run = self.of(name)
             said = self.tailers[name].summary(elapsed, run.weights).removeprefix("[rl] ").removeprefix("done: ")
             lines.append(
                 f"[rl {name}] {outcome['state']}: {said}" + (f" ({outcome['error']})" if outcome.get("error") else "")

@@ -103,9 +103,9 @@ def reset_slot(slot: AdapterSlot, seed: int) -> None:
             bound = 1 / math.sqrt(p.shape[1])  # what kaiming_uniform_(a=sqrt(5)) draws for a [rank, in] weight
             full.uniform_(-bound, bound, generator=g)
         with torch.no_grad():
-            if isinstance(p, DTensor):
-                local = p.to_local()
-                local.copy_(distribute_tensor(full.to(local.device), p.device_mesh, p.placements).to_local())
+            if isinstance(p, DTensor):  # this rank's shard (on the mesh's device; CPU offload keeps it on CPU)
+                mesh = p.device_mesh
+                p.to_local().copy_(distribute_tensor(full.to(mesh.device_type), mesh, p.placements).to_local())
             else:
                 p.copy_(full)
 
