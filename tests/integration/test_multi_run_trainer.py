@@ -174,8 +174,12 @@ def test_bad_settings_are_one_line_errors(tiny_model_dir, tmp_path):
     bad = RunLayout(RunLayout(tmp_path).run_dir("a"))
     bad.root.mkdir(parents=True)
     bad.run_config.write_text("max_steps = [")
-    train(trainer_config(tiny_model_dir, tmp_path, ["a"]))
+    nothing = add_run(tmp_path, "b", tiny_model_dir, range(0), ckpt={"resume_step": -1})  # no checkpoint to resume
+    good = add_run(tmp_path, "c", tiny_model_dir, range(3), seed=16)
+    train(trainer_config(tiny_model_dir, tmp_path, ["a", "b", "c"], slots=1))
     assert "is not readable TOML" in status(bad)["error"]
+    assert "no checkpoint" in status(nothing)["error"] and status(nothing)["state"] == "failed"
+    assert status(good)["state"] == "done"  # in the one slot, after both failed to start
 
 
 def test_two_ranks_give_the_one_rank_adapters(tiny_model_dir, tmp_path):

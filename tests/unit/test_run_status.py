@@ -102,3 +102,21 @@ def test_asyncrl_cli_mistakes_are_one_line(argv, says):
 def test_a_dir_that_is_no_run(tmp_path):
     with pytest.raises(UserError, match="has no logs/ or metrics/"):
         status_lines(tmp_path)
+
+
+def test_a_multi_run_dir_has_a_line_per_run(tmp_path):
+    top = RunLayout(tmp_path)
+    record(top, "trainer")
+    runs = {name: RunLayout(top.run_dir(name)) for name in ("a", "b", "c")}
+    for run in runs.values():
+        run.root.mkdir(parents=True)
+        run.run_config.write_text("")
+    metrics(runs["a"], "orchestrator", [{"step": 9, "reward/mean": 0.75}])
+    runs["a"].run_status.write_text(json.dumps({"state": "done", "step": 10, "error": None}))
+    metrics(runs["b"], "trainer", [{"step": 3, "loss": 0.1}])
+    runs["b"].run_status.write_text(json.dumps({"state": "failed", "step": 4, "error": "loss is nan at step 4"}))
+    lines = status_lines(tmp_path)
+    said = {line.split()[1]: line for line in lines if line.startswith("  run ")}
+    assert said["a"].split()[2] == "done" and "step 9" in said["a"] and "reward 0.750" in said["a"]
+    assert said["b"].split()[2] == "failed" and "waiting for a slot" in said["c"]
+    assert "  run b: loss is nan at step 4" in lines

@@ -3,7 +3,8 @@
 Reads only what the processes write (`logs/<component>.pid` records, `metrics/*.jsonl`, `configs/*.toml`,
 `logs/*.log`), so it works on a run still going, a finished one, a crashed one, or one on a shared disk.
 Per process: alive / finished / failed (with its error) / killed; the last step, reward or loss and
-throughput; the orchestrator's off-policy lag; the last error lines of the logs.
+throughput; the orchestrator's off-policy lag; the last error lines of the logs. A multi-run dir adds one
+line per run (`run_NAME/`): done / stopped / failed (its error under errors) / training, its last step.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def status_lines(run_dir: Path) -> list[str]:
     lines = [f"run {run_dir}{header}"]
     attempt = runstate.read(layout.pid_file("rl")).get("started", 0.0)  # when `rl` last (re)started the run
     lines += [_component_line(layout, name, max_steps, attempt) for name in names]
-    errors = _errors(layout, names)
+    runs = {name: _ended(layout, name) for name in layout.run_names()}  # multi-run: each run's own line
+    lines += [_run_line(layout, name, ended) for name, ended in runs.items()]
+    errors = _errors(layout, names) + [f"run {n}: {e['error']}" for n, e in runs.items() if e.get("state") == "failed"]
     lines.append("errors: none" if not errors else "errors:")
     lines += [f"  {e}" for e in errors]
     return lines
@@ -57,6 +60,25 @@ def _component_line(layout: RunLayout, name: str, max_steps: int | None, attempt
     if row:
         of = f"/{max_steps}" if max_steps and name in STEPPED else ""  # eval's steps are weights steps
         parts.append(f"step {row['step']}{of}")
+        parts += [f"{label} {fmt.format(row[key])}" for key, label, fmt in SHOWN if row.get(key) is not None]
+        parts.append(f"({_ago(row.get('time'))})")
+    return "  ".join(parts).rstrip()
+
+
+def _ended(layout: RunLayout, name: str) -> dict:
+    """How the trainer ended run `name` (its run_status.json), or {} while it has not."""
+    path = RunLayout(layout.run_dir(name)).run_status
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _run_line(layout: RunLayout, name: str, ended: dict) -> str:
+    """`  run NAME  done  step 59  reward 0.208 ...`: a multi-run run, from its own dir's files."""
+    run = RunLayout(layout.run_dir(name))
+    state = ended.get("state") or ("training" if run.metrics_file("trainer").exists() else "waiting for a slot")
+    row = last_row(run.metrics_file("orchestrator"), kind="train")
+    parts = [f"  run {name:<9} {state:<22}"]
+    if row:
+        parts.append(f"step {row['step']}")
         parts += [f"{label} {fmt.format(row[key])}" for key, label, fmt in SHOWN if row.get(key) is not None]
         parts.append(f"({_ago(row.get('time'))})")
     return "  ".join(parts).rstrip()

@@ -192,6 +192,7 @@ class MultiRunTrainer:
             path = RunLayout(self.layout.run_dir(name)).log_file("trainer")
             sink = logger.add(path, level=self.config.log.level.upper(), filter=lambda r: r["extra"].get("run") == name)
         with logger.contextualize(run=name):
+            session = None
             try:
                 if isinstance(raw, str):
                     raise UserError(raw)
@@ -199,7 +200,9 @@ class MultiRunTrainer:
                 reset_slot(self.slots[slot], cfg.seed * 1_000_003 + zlib.crc32(name.encode()))
                 session = TrainSession(cfg, self.ctx, RLLoop, slot=self.slots[slot])
                 run = Run(name, slot, session, session.begin(), sink)
-            except UserError as e:
+            except UserError as e:  # e.g. a checkpoint it cannot resume from: the run fails, not the trainer
+                if session is not None:
+                    session.close([], 0)
                 self.free.insert(0, slot)
                 self._record(name, FAILED, 0, str(e), sink)
                 return
