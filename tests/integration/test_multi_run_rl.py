@@ -26,17 +26,20 @@ from asyncrl.utils.process import free_port
 pytestmark = pytest.mark.slow
 
 RL = [sys.executable, "-m", "asyncrl.entrypoints.rl"]
-REV = {"name": "rev", "lr": 2e-3, "orchestrator": {"env": [{"id": "reverse-text"}]}}
-ECHO = {"name": "echo", "lr": 1e-3, "orchestrator": {"env": [{"id": "echo-twice", "args": {"reward": "similarity"}}]}}
+REV = {"name": "rev", "lr": 1e-3, "orchestrator": {"env": [{"id": "reverse-text"}]}}
+ECHO = {"name": "echo", "lr": 5e-4, "orchestrator": {"env": [{"id": "echo-twice", "args": {"reward": "similarity"}}]}}
 
 
-def write_config(path: Path, model: Path, out: Path, steps: int, runs: list[dict], ckpt: bool = True) -> Path:
+def write_config(
+    path: Path, model: Path, out: Path, steps: int, runs: list[dict], ckpt: bool = True, batch: int = 64
+) -> Path:
     lines = [
         f'max_steps = {steps}\nseq_len = 128\nmax_async_level = 1\noutput_dir = "{out}"\n',
         f'[model]\nname = "{model}"\n',
         "[trainer.model.lora]\nrank = 16\nalpha = 32\n",
         "[trainer.optim]\nweight_decay = 0.0\n",
-        "[orchestrator]\nbatch_size = 64\nrollouts_per_example = 8\nseed = 1\n",
+        f"[orchestrator]\nbatch_size = {batch}\nrollouts_per_example = 8\nseed = 1\n",
+        f"[inference]\nmax_batch_size = {batch}\n",
         "[orchestrator.sampling]\nmax_tokens = 16\n",
         f'[inference.server]\nhost = "127.0.0.1"\nport = {free_port()}\n',
         "[ckpt]\ninterval = 5\n" if ckpt else "",
@@ -59,9 +62,15 @@ def rewards(run: RunLayout) -> list[float]:
 
 
 def rises(values: list[float]) -> bool:
-    """The last third's mean reward beats the first third's (per-step noise is ~0.025 here)."""
-    k = len(values) // 3
-    return sum(values[-k:]) / k > sum(values[:k]) / k + 0.01
+    """The least-squares line through the per-step rewards climbs by more than 0.01 over the run.
+
+    Per-step noise is ~0.025 here, so a fit over all steps is steadier than comparing thirds. Measured over
+    40 steps at these settings: rev +0.015..+0.049 (nine runs), echo at lr 5e-4 +0.049..+0.065; 50 steps
+    here for margin. (Echo at lr 2e-3 is unstable: its entropy climbs and its reward can fall.)
+    """
+    n, mid, mean = len(values), (len(values) - 1) / 2, sum(values) / len(values)
+    slope = sum((i - mid) * (v - mean) for i, v in enumerate(values)) / sum((i - mid) ** 2 for i in range(n))
+    return slope * (n - 1) > 0.01
 
 
 def status(run: RunLayout) -> dict:
@@ -74,30 +83,30 @@ def adapter(run: RunLayout, step: int) -> dict[str, torch.Tensor]:
 
 def test_two_runs_learn_side_by_side_and_one_resumes_alone(warm_model, tmp_path):
     out = tmp_path / "out"
-    cfg = write_config(tmp_path / "rl.toml", warm_model, out, 30, [REV, ECHO])
+    cfg = write_config(tmp_path / "rl.toml", warm_model, out, 50, [REV, ECHO], batch=128)
     proc = subprocess.run([*RL, "@", str(cfg)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rev, echo = (RunLayout(out / f"run_{n}") for n in ("rev", "echo"))
     assert rises(rewards(rev)), rewards(rev)
     assert rises(rewards(echo)), rewards(echo)
     assert status(rev)["state"] == status(echo)["state"] == "done"
-    a, b = adapter(rev, 30), adapter(echo, 30)
+    a, b = adapter(rev, 50), adapter(echo, 50)
     assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
     trained = [json.loads(x) for x in rev.metrics_file("trainer").read_text().splitlines()]
-    assert {m["lr"] for m in trained} == {2e-3} and len(trained) == 30
-    assert "[rl rev] step   29" in proc.stdout and "[rl echo] step   29" in proc.stdout
+    assert {m["lr"] for m in trained} == {REV["lr"]} and len(trained) == 50
+    assert "[rl rev] step   49" in proc.stdout and "[rl echo] step   49" in proc.stdout
     for run in (rev, echo):  # each run: its own logs, config, checkpoints, report
         assert (run.logs / "orchestrator.log").exists() and (run.logs / "trainer.log").exists()
         assert (run.configs / "orchestrator.toml").exists() and (run.root / "report.html").exists()
 
-    # rev alone, from its checkpoint at step 30, five more steps; echo's files stay as they are
+    # rev alone, from its checkpoint at step 50, five more steps; echo's files stay as they are
     echo_files = {p: p.stat().st_mtime_ns for p in echo.root.rglob("*") if p.is_file()}
-    cfg = write_config(tmp_path / "rev.toml", warm_model, out, 35, [REV])
+    cfg = write_config(tmp_path / "rev.toml", warm_model, out, 55, [REV], batch=128)
     proc = subprocess.run([*RL, "@", str(cfg), "--ckpt.resume-step", "-1"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "[rev] run rev started in adapter slot 0 at step 30" in (rev.logs / "trainer.log").read_text()
-    assert status(rev) == {**status(rev), "state": "done", "step": 35}
-    assert len(rewards(rev)) == 35 and (rev.weights_dir(35) / "adapter").is_dir()
+    assert "[rev] run rev started in adapter slot 0 at step 50" in (rev.logs / "trainer.log").read_text()
+    assert status(rev) == {**status(rev), "state": "done", "step": 55}
+    assert len(rewards(rev)) == 55 and (rev.weights_dir(55) / "adapter").is_dir()
     assert {p: p.stat().st_mtime_ns for p in echo.root.rglob("*") if p.is_file()} == echo_files
 
 
@@ -117,6 +126,6 @@ def test_killing_one_runs_orchestrator_leaves_the_other_training(warm_model, tmp
 
     assert proc.returncode == 2, said[-4000:]
     assert status(rev)["state"] == "done" and status(rev)["step"] == 14 and len(rewards(rev)) == 14
-    assert status(echo)["state"] == "stopped"
+    assert status(echo) == {**status(echo), "state": "stopped", "error": "its orchestrator died (exit code -9)"}
     assert "run echo: its orchestrator died (exit code -9)" in said
     assert "1 of 2 runs did not finish: echo stopped" in said

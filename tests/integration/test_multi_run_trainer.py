@@ -154,7 +154,7 @@ def test_a_failing_or_stopped_run_ends_alone(tiny_model_dir, tmp_path):
     rows[0]["advantages"] = torch.where(rows[0]["loss_mask"], float("nan"), 0.0)
     write_batch(bad.root, 1, [rows])
     quiet = add_run(tmp_path, "quiet", tiny_model_dir, range(1), seed=9)  # its orchestrator "died" after step 0
-    (quiet.root / "STOP").touch()
+    (quiet.root / "STOP").write_text("its orchestrator died (exit code -9)\n")
     typo = RunLayout(RunLayout(tmp_path).run_dir("typo"))
     write_settings(typo, optim={"lrr": 1.0})
     results = train(trainer_config(tiny_model_dir, tmp_path, ["a", "bad", "quiet", "typo"], slots=4))
@@ -162,7 +162,7 @@ def test_a_failing_or_stopped_run_ends_alone(tiny_model_dir, tmp_path):
     assert status(a)["state"] == "done" and len(results["a"]) == 3
     assert status(bad)["state"] == "failed" and status(bad)["step"] == 1
     assert "loss is nan at step 1" in status(bad)["error"] and not bad.broadcast_dir(2).exists()
-    assert status(quiet)["state"] == "stopped"
+    assert status(quiet)["state"] == "stopped" and status(quiet)["error"] == "its orchestrator died (exit code -9)"
     assert status(typo)["state"] == "failed" and "lrr" in status(typo)["error"]
 
 

@@ -329,9 +329,11 @@ class Launcher:
 
     def _run_lost(self, child: Child, code: int) -> None:
         """Multi-run: a run's orchestrator died; the trainer ends that run (STOP) and the others go on."""
-        write_text_atomic(child.layout.run_stop, f"its orchestrator died (exit code {code})\n")
+        error = runstate.read(child.layout.pid_file("orchestrator")).get("error")
+        why = f"its orchestrator died (exit code {code})" + (f": {error}" if error else "")
+        write_text_atomic(child.layout.run_stop, why + "\n")
         logger.warning(
-            f"run {child.run}: its orchestrator died (exit code {code}); the run stops, the others go on. "
+            f"run {child.run}: {why}; the run stops, the others go on. "
             f"Last lines of {child.log_path}:\n{telling_tail(child.log_path, prefix='    ')}"
         )
 

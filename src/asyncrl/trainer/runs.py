@@ -27,6 +27,7 @@ import time
 import tomllib
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from loguru import logger
@@ -61,13 +62,22 @@ class Run:
 class Plan:
     """What every rank does this round, in this order (rank 0 decides)."""
 
-    stop: list[str] = field(default_factory=list)
+    stop: dict[str, str] = field(default_factory=dict)  # run -> why (the STOP file says it, or nothing)
     admit: list[tuple[str, dict | str]] = field(default_factory=list)  # run.toml's contents, or why it is unreadable
     train: list[str] = field(default_factory=list)
     exit: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.stop or self.admit or self.train or self.exit)
+
+
+def _stop_reason(stop: Path) -> str:
+    """What a run's STOP file says (rl writes why, e.g. its orchestrator died), or that it was asked to end."""
+    try:
+        said = stop.read_text().strip()
+    except OSError:
+        said = ""
+    return said or f"{stop} asked it to end"
 
 
 def run_trainer_config(base: TrainerConfig, layout: RunLayout, name: str, raw: dict) -> TrainerConfig:
@@ -151,7 +161,8 @@ class MultiRunTrainer:
 
     def _look(self) -> Plan:
         plan, layout = Plan(), self.layout
-        plan.stop = [n for n in self.runs if (layout.run_dir(n) / "STOP").exists()]
+        stops = {n: layout.run_dir(n) / "STOP" for n in self.runs}
+        plan.stop = {n: _stop_reason(path) for n, path in stops.items() if path.exists()}
         free = len(self.free) + len(plan.stop)
         for name in layout.run_names():
             if free == 0:
@@ -174,8 +185,8 @@ class MultiRunTrainer:
             plan = self.ctx.broadcast(self._plan() if self.ctx.is_main else None)
             if plan.exit:
                 break
-            for name in plan.stop:
-                self._end(self.runs[name], STOPPED, f"{self.layout.run_dir(name) / 'STOP'} asked it to end")
+            for name, why in plan.stop.items():
+                self._end(self.runs[name], STOPPED, why)
             for name, raw in plan.admit:
                 self._admit(name, raw)
             for name in plan.train:
