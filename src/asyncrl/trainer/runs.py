@@ -161,7 +161,7 @@ class MultiRunTrainer:
 
     def _look(self) -> Plan:
         plan, layout = Plan(), self.layout
-        stops = {n: layout.run_dir(n) / "STOP" for n in self.runs}
+        stops = {n: r.session.layout.run_stop for n, r in self.runs.items()}
         plan.stop = {n: _stop_reason(path) for n, path in stops.items() if path.exists()}
         free = len(self.free) + len(plan.stop)
         for name in layout.run_names():
