@@ -88,7 +88,7 @@ class StepClock(__import__("transformers").TrainerCallback):
             self.gen_rows[-1]["reward/mean"] = logs["reward"]
 
 
-def grpo_config(out: Path, max_steps: int):
+def grpo_config(out: Path, max_steps: int, seed: int = 0):
     return trl.GRPOConfig(
         output_dir=str(out),
         max_steps=max_steps,
@@ -107,12 +107,12 @@ def grpo_config(out: Path, max_steps: int):
         report_to="none",
         use_cpu=True,
         bf16=False,
-        seed=0,
+        seed=seed,
         disable_tqdm=True,
     )
 
 
-def train(model_dir: Path, out: Path, max_steps: int) -> tuple[dict, float]:
+def train(model_dir: Path, out: Path, max_steps: int, seed: int = 0) -> tuple[dict, float]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
@@ -121,7 +121,7 @@ def train(model_dir: Path, out: Path, max_steps: int) -> tuple[dict, float]:
     trainer = TimedGRPOTrainer(
         model=str(model_dir),
         reward_funcs=exact_match,
-        args=grpo_config(out, max_steps),
+        args=grpo_config(out, max_steps, seed),
         train_dataset=dataset(),
         processing_class=tokenizer,
         callbacks=[clock],
@@ -140,12 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="start model (default: rl --bench's warmed model)")
     ap.add_argument("--max-steps", type=int, default=job.STEPS)
     ap.add_argument("--output-dir", type=Path, default=Path("outputs/bench-trl"))
+    ap.add_argument("--seed", type=int, default=0, help="TRL's seed (sampling, data order)")
     args = ap.parse_args(argv)
     model = args.model or ensure_warm_model(job.warm_dir(job.DEFAULT_OUTPUT_DIR)).path
     words = heldout.heldout_words()
     before = heldout.accuracy(model, words)
     load_start = list(os.getloadavg())
-    numbers, wall = train(model, args.output_dir, args.max_steps)
+    numbers, wall = train(model, args.output_dir, args.max_steps, args.seed)
     after = heldout.accuracy(args.output_dir / "final", words)
     result = {**numbers, "wall_s": wall, "heldout": {"before": before, "after": after}, "model": str(model)}
     result["machine"] = {"cpus": os.cpu_count(), "load_avg_start": load_start, "load_avg_end": list(os.getloadavg())}

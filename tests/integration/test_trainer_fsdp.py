@@ -7,6 +7,7 @@ model itself, so step 0 must see ratio 1 / mismatch_kl 0 through the whole FSDP2
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -162,6 +163,26 @@ def test_rows_per_forward_do_not_change_the_step_with_lora(tiny_model_dir, tmp_p
     assert runs[0]["loss"] == pytest.approx(runs[1]["loss"], rel=1e-5)
     assert runs[0]["grad_norm"] == pytest.approx(runs[1]["grad_norm"], rel=1e-4) and runs[0]["grad_norm"] > 0
     assert runs[0]["entropy"] == pytest.approx(runs[1]["entropy"], rel=1e-5)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["frozen-copy", "lora-adapters-off"])
+def test_ref_kl_entropy_bonus_and_ratio_quantiles(tiny_model_dir, tmp_path, lora):
+    """ref_kl: 0 while the policy is the start, then > 0 (a frozen copy, or a LoRA model with adapters off);
+    the entropy bonus trains; the importance ratio's quantiles are logged every step (1 at step 0)."""
+    write_steps(tiny_model_dir, tmp_path, range(3), 1, [[9, 7], [12]])
+    model = {"name": str(tiny_model_dir)}
+    if lora:
+        model["lora"] = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    loss = {"type": "dppo", "kl_tau": 1e-3, "ref_kl": 0.1, "entropy_coef": 0.01, "token_is_cap": 2.0}
+    history = run_train(config(tiny_model_dir, tmp_path, model=model, loss=loss, optim={"lr": 1e-2}))
+    assert history[0]["ref_kl"] < 1e-9 and history[2]["ref_kl"] > 1e-6
+    assert history[0]["importance_ratio/p50"] == pytest.approx(1.0, abs=1e-5)
+    assert (
+        history[0]["importance_ratio/p01"] <= history[0]["importance_ratio/p99"] <= history[0]["importance_ratio/max"]
+    )
+    assert history[2]["importance_ratio/max"] != pytest.approx(1.0, abs=1e-4)  # the policy moved
+    assert {"trust_masked_high_frac", "trust_masked_low_frac", "token_truncated_frac"} <= history[1].keys()
+    assert all(math.isfinite(h["loss"]) and h["grad_norm"] > 0 for h in history)
 
 
 def test_nan_loss_stops_without_weights(tiny_model_dir, tmp_path):

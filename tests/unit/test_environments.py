@@ -20,13 +20,14 @@ import verifiers as vf
 from openai import AsyncOpenAI
 
 ENV_DIR = Path(__file__).resolve().parents[2] / "environments"
-for _name in ("reverse_text", "tool_calc", "echo_twice"):
+for _name in ("reverse_text", "tool_calc", "echo_twice", "sort_letters"):
     # Editable installs make these importable; a fresh checkout without them still tests.
     if importlib.util.find_spec(_name) is None:
         sys.path.insert(0, str(ENV_DIR / _name))
 
 import echo_twice  # noqa: E402
 import reverse_text  # noqa: E402
+import sort_letters  # noqa: E402
 import tool_calc  # noqa: E402
 
 from asyncrl.config import loader  # noqa: E402
@@ -424,6 +425,152 @@ def test_echo_twice_dataset_deterministic():
     assert all(3 <= len(w) <= 6 for w in a.get_dataset()["answer"])
 
 
+# ---------------------------------------------------------------- sort-letters
+
+
+def _sort_text(user_content: str) -> str:
+    assert user_content.startswith("Sort the letters: "), user_content
+    return user_content.removeprefix("Sort the letters: ")
+
+
+def test_sort_letters_dataset_deterministic_sized_and_split():
+    a = sort_letters.load_environment(num_train_examples=50, num_eval_examples=20, seed=3)
+    b = sort_letters.load_environment(num_train_examples=50, num_eval_examples=20, seed=3)
+    c = sort_letters.load_environment(num_train_examples=50, num_eval_examples=20, seed=4)
+    assert len(a.get_dataset()) == 50 and len(a.get_eval_dataset()) == 20
+    assert a.get_dataset()["prompt"] == b.get_dataset()["prompt"]
+    assert a.get_eval_dataset()["prompt"] == b.get_eval_dataset()["prompt"]
+    assert a.get_dataset()["prompt"] != c.get_dataset()["prompt"]
+    for row in [*a.get_dataset(), *a.get_eval_dataset()]:
+        (user,) = row["prompt"]
+        text = _sort_text(user["content"])
+        assert 5 <= len(text) <= 8 and text.isalpha() and text.islower()
+        assert row["answer"] == "".join(sorted(text))
+    # train, eval and sft are independent streams: different strings for the same seed
+    train = [_sort_text(r["prompt"][-1]["content"]) for r in a.get_dataset()]
+    held_out = [_sort_text(r["prompt"][-1]["content"]) for r in a.get_eval_dataset()]
+    sft = [_sort_text(r["prompt"][-1]["content"]) for r in sort_letters.sft_examples(20, seed=3)]
+    assert train[:20] != held_out and train[:20] != sft and held_out != sft
+    assert train[:20] == sort_letters.random_strings(20, 3, "train", 5, 8)
+    assert held_out == sort_letters.random_strings(20, 3, "eval", 5, 8)
+
+
+def test_sort_letters_lengths_system_prompt_and_no_eval():
+    env = sort_letters.load_environment(
+        num_train_examples=30, num_eval_examples=0, min_len=2, max_len=3, system_prompt="Be brief."
+    )
+    assert {len(a) for a in env.get_dataset()["answer"]} <= {2, 3}
+    assert env.eval_dataset is None
+    first = env.get_dataset()[0]["prompt"]
+    assert first[0] == {"role": "system", "content": "Be brief."}
+    assert first[1]["role"] == "user"
+    assert all(list(a) == sorted(a) for a in env.get_dataset()["answer"])
+
+
+def test_sort_letters_rewards_hand_checked():
+    parser = vf.Parser()
+
+    def sim(text: str) -> float:
+        return sort_letters.similarity(parser, [_assistant(text)], "ehllo")
+
+    assert sort_letters.sorted_letters("hello") == "ehllo"
+    assert sim("ehllo") == 1.0
+    assert sim("  ehllo\n") == 1.0  # whitespace is stripped
+    assert sim("") == 0.0
+    assert sim("xyz") == 0.0
+    assert sim("ehlxx") == pytest.approx(2 * 3 / 10)  # 3 of 5 characters match in order
+    assert sim("hello") == pytest.approx(2 * 4 / 10)  # unsorted: "ello" lines up, the "h" does not
+    assert sort_letters.similarity(parser, [], "ehllo") == 0.0  # no assistant message
+    assert sort_letters.exact_match(parser, [_assistant(" ehllo ")], "ehllo") == 1.0
+    assert sort_letters.exact_match(parser, [_assistant("hello")], "ehllo") == 0.0
+
+
+def test_sort_letters_rubric_scores_completions():
+    env = sort_letters.load_environment(num_train_examples=5, num_eval_examples=0)
+    right, partial, wrong = _score(env, "abcd", [[_assistant("abcd")], [_assistant("abxx")], [_assistant("zz")]])
+    assert right["reward"] == 1.0 and right["metrics"]["exact_match"] == 1.0
+    assert partial["reward"] == pytest.approx(0.5) and partial["metrics"]["exact_match"] == 0.0
+    assert wrong["reward"] == 0.0 and wrong["metrics"]["exact_match"] == 0.0
+    assert set(right["metrics"]) == {"similarity", "exact_match", "num_turns"}
+
+    exact_env = sort_letters.load_environment(num_train_examples=5, num_eval_examples=0, reward="exact")
+    right, partial = _score(exact_env, "abcd", [[_assistant(" abcd\n")], [_assistant("abxx")]])
+    assert right["reward"] == 1.0 and partial["reward"] == 0.0
+    assert partial["metrics"]["similarity"] == pytest.approx(0.5)
+
+
+def test_sort_letters_rollout_through_openai_client():
+    env = sort_letters.load_environment(num_train_examples=3, num_eval_examples=0, seed=1)
+    row = env.get_dataset()[0]
+    server = ScriptedServer([{"content": row["answer"]}])
+    out = _rollout(env, server)
+    assert out["reward"] == 1.0 and out["metrics"]["exact_match"] == 1.0
+    (request,) = server.requests
+    assert request["messages"] == row["prompt"]
+
+
+def test_sort_letters_sft_matches_env_prompt_format():
+    env = sort_letters.load_environment(num_train_examples=20, num_eval_examples=0, seed=7, system_prompt="S")
+    rows = sort_letters.sft_examples(20, seed=7, system_prompt="S")
+    assert rows == sort_letters.sft_examples(20, seed=7, system_prompt="S")
+    assert len(rows) == 20
+    for row in rows:
+        (completion,) = row["completion"]
+        text = _sort_text(row["prompt"][-1]["content"])
+        assert row["prompt"] == sort_letters.make_prompt(text, "S")
+        assert completion == {"role": "assistant", "content": "".join(sorted(text))}
+    assert [r["prompt"] for r in rows] != env.get_dataset()["prompt"]
+
+
+def test_sort_letters_sft_cli(tmp_path):
+    out = tmp_path / "sub" / "sft.jsonl"
+    cmd = [sys.executable, "-m", "sort_letters", "--sft-out", str(out), "--n", "12", "--seed", "2", "--max-len", "6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ENV_DIR / "sort_letters")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows == sort_letters.sft_examples(12, seed=2, max_len=6)
+    assert not list(out.parent.glob(".*tmp"))  # temp file was renamed away
+    never = tmp_path / "never.jsonl"
+    for bad_args, message in [
+        (["--min-len", "9", "--max-len", "3"], "error: max_len (3) must be >= min_len (9)"),
+        (["--n", "0"], "error: n must be >= 1, got 0"),
+        (["--min-len", "0"], "error: min_len must be >= 1, got 0"),
+    ]:
+        bad = subprocess.run(
+            [sys.executable, "-m", "sort_letters", "--sft-out", str(never), *bad_args],
+            capture_output=True,
+            text=True,
+            cwd=ENV_DIR / "sort_letters",
+        )
+        assert bad.returncode == 2 and bad.stderr.strip() == message, bad.stderr
+        assert not never.exists()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"min_len": 0}, "min_len must be >= 1, got 0"),
+        ({"min_len": 6, "max_len": 5}, r"max_len \(5\) must be >= min_len \(6\)"),
+        ({"num_train_examples": 0}, "need num_train_examples >= 1"),
+        ({"num_eval_examples": -1}, "num_eval_examples >= 0"),
+        ({"reward": "lcs"}, "reward must be one of"),
+    ],
+)
+def test_sort_letters_rejects_bad_args(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sort_letters.load_environment(**kwargs)
+
+
+def test_sort_letters_prompt_fits_tiny_context(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = sort_letters.sft_examples(200, seed=0)
+    longest = max(rows, key=lambda r: len(r["completion"][0]["content"]))
+    enc = tok.apply_chat_template(longest["prompt"] + longest["completion"], tokenize=True, return_dict=True)
+    assert len(enc["input_ids"]) <= 64, len(enc["input_ids"])
+
+
 # ---------------------------------------------------------------- loading by id
 
 
@@ -433,6 +580,7 @@ def test_echo_twice_dataset_deterministic():
         ("reverse-text", {"num_train_examples": 8, "max_len": 6}, vf.SingleTurnEnv),
         ("tool-calc", {"num_train_examples": 8, "max_turns": 4}, vf.ToolEnv),
         ("echo-twice", {"num_train_examples": 8}, vf.MultiTurnEnv),
+        ("sort-letters", {"num_train_examples": 8, "max_len": 6}, vf.SingleTurnEnv),
     ],
 )
 def test_load_environment_by_id(env_id, args, cls):

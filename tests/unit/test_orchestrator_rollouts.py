@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 from orch_fakes import FakeRunner, fake_mixture
 
-from asyncrl.config.orchestrator import BufferConfig
+from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure
 from asyncrl.orchestrator.samples import TrajectoryConverter
 
@@ -16,7 +16,7 @@ def collector(runner, mixture=None, filtering=False, fail_limit=8, n=4):
         TrajectoryConverter(),
         n,
         BufferConfig(online_difficulty_filtering=filtering),
-        "mean",
+        AdvantageConfig(),
         fail_limit,
     )
 

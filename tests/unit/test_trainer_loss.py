@@ -10,6 +10,7 @@ from asyncrl.trainer.loss import (
     BUILTIN,
     LossInputs,
     LossOutput,
+    entropy_with_grad,
     get_loss_fn,
     mismatch_kl_sum,
     token_entropy,
@@ -89,6 +90,99 @@ def test_cispo_hand_computed():
     assert out.loss.item() == pytest.approx(1 + 2.56 - 0.8 - 1)
     assert grad.tolist() == pytest.approx([0, -1.0, -1.28, 0, 1.6, 2.0])
     assert out.metrics["clipped_frac"].item() == 2
+
+
+def dppo_inputs(ref_logprobs: torch.Tensor | None = None) -> LossInputs:
+    """Two samples [p, c, c][p, c, c] with real probabilities: A = +1 then -1.
+
+    π / μ per completion token: 0.5/0.25 (rose 0.25), 0.3/0.2 (rose 0.1) | 0.1/0.4 (fell 0.3), 0.2/0.25 (fell 0.05).
+    """
+    seg = segments(torch.tensor([0, 1, 2, 0, 1, 2]))
+    p = torch.tensor([1.0, 0.5, 0.3, 1.0, 0.1, 0.2])
+    mu = torch.tensor([1.0, 0.25, 0.2, 1.0, 0.4, 0.25])
+    adv = torch.tensor([0.0, 1.0, 1.0, 0.0, -1.0, -1.0])
+    mask = torch.tensor([False, True, True, False, True, True])
+    lp = p.log().requires_grad_(True)
+    return LossInputs(lp, mu.log(), adv, mask, seg.sample_ids, seg.num_samples, ref_logprobs)
+
+
+def test_dppo_hand_computed():
+    out, grad = run("dppo", dppo_inputs())
+    # token 1 (A > 0, rose 0.25 > 0.2) and token 4 (A < 0, fell 0.3 > 0.2) leave the trust region: dropped.
+    # kept: -A·r = -1.5 (r = 1.5) and +0.8 (r = 0.8); d/dlogπ of -A·r is -A·r
+    assert out.loss.item() == pytest.approx(-1.5 + 0.8)
+    assert grad.tolist() == pytest.approx([0, 0, -1.5, 0, 0, 0.8])
+    assert out.metrics["trust_masked_high_frac"].item() == 1
+    assert out.metrics["trust_masked_low_frac"].item() == 1
+    assert out.metrics["masked_frac"].item() == 2
+
+
+def test_dppo_wider_region_keeps_everything():
+    out, grad = run("dppo", dppo_inputs(), dppo_mask_low=0.5, dppo_mask_high=0.5)
+    assert out.loss.item() == pytest.approx(-2 - 1.5 + 0.25 + 0.8)
+    assert grad.tolist() == pytest.approx([0, -2, -1.5, 0, 0.25, 0.8])
+
+
+def test_kl_tau_adds_squared_log_ratio_on_every_loss_token():
+    x = dppo_inputs()
+    out = get_loss_fn(LossConfig(type="dppo", kl_tau=0.1))(x, LossConfig(type="dppo", kl_tau=0.1))
+    out.loss.backward()
+    logr = [0, math.log(2), math.log(1.5), 0, math.log(0.25), math.log(0.8)]
+    assert out.loss.item() == pytest.approx(-0.7 + 0.1 * sum(v * v for v in logr))
+    # masked tokens too get the pull back: 0.2·log r
+    expected = [0.2 * v + g for v, g in zip(logr, [0, 0, -1.5, 0, 0, 0.8])]
+    assert x.logprobs.grad.tolist() == pytest.approx(expected)
+
+
+def test_token_tis_truncates_the_weight():
+    out, grad = run("aipo", make_inputs(), token_mask_high=100.0, token_is_cap=2.0)
+    # weights min(r, 2) = [1, 2, 0.5, 1] (token 2's r = 10 truncated instead of masked)
+    assert out.loss.item() == pytest.approx(-(1 * -1 + 2 * -2 + 0.5 * -2 * -0.5 + 1 * -2 * -0.5))
+    assert grad.tolist() == pytest.approx([0, -1, -2, 0, 1, 2])
+    assert out.metrics["token_truncated_frac"].item() == 1
+
+
+def test_sequence_tis_scales_a_whole_sample():
+    out, grad = run("aipo", make_inputs(), token_mask_high=100.0, sequence_is_cap=2.0)
+    f = 2 / math.sqrt(10)  # sample 0's geometric-mean ratio sqrt(10) truncated at 2; sample 1's (0.71) untouched
+    assert grad.tolist() == pytest.approx([0, -1 * f, -10 * f, 0, 1, 2])
+    assert out.metrics["sequence_truncated_frac"].item() == 2
+
+
+def test_tis_on_a_clipped_objective_scales_its_gradient():
+    _, plain = run("grpo", make_inputs(logmu_token1=-1.0 - math.log(1.1)))
+    _, capped = run("grpo", make_inputs(logmu_token1=-1.0 - math.log(1.1)), token_is_cap=1.05)
+    # token 1: r = 1.1 inside the clip, gradient -A·r = -1.1; with the cap its weight is 1.05
+    assert plain[1].item() == pytest.approx(-1.1) and capped[1].item() == pytest.approx(-1.05)
+
+
+def test_ref_kl_pulls_toward_the_reference_and_is_logged():
+    x0 = dppo_inputs()
+    ref = x0.logprobs.detach().clone()
+    ref[1] += math.log(2)  # the reference gives token 1 twice the policy's probability
+    x = dppo_inputs(ref_logprobs=ref)
+    cfg = LossConfig(type="dppo", ref_kl=0.5)
+    out = get_loss_fn(cfg)(x, cfg)
+    out.loss.backward()
+    k3 = 2 - math.log(2) - 1  # e^δ - δ - 1 with δ = log 2
+    assert out.metrics["ref_kl"].item() == pytest.approx(k3)
+    assert out.loss.item() == pytest.approx(-0.7 + 0.5 * k3)
+    # d k3 / d logπ = 1 - e^δ = -1: descent raises logπ toward the reference
+    assert x.logprobs.grad.tolist() == pytest.approx([0, -0.5, -1.5, 0, 0, 0.8])
+    off = get_loss_fn(LossConfig())(dppo_inputs(ref_logprobs=ref), LossConfig())
+    assert off.metrics["ref_kl"].item() == pytest.approx(k3)  # logged without the penalty too
+
+
+def test_entropy_with_grad_matches_and_raises_entropy():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5, requires_grad=True)
+    temps = torch.ones(6)
+    ent = entropy_with_grad(logits, temps, chunk=4)
+    assert torch.allclose(ent, token_entropy(logits, temps, chunk=4))
+    (-ent.sum()).backward()  # the bonus: minimise -entropy
+    with torch.no_grad():
+        after = token_entropy(logits - 0.5 * logits.grad, temps)
+    assert after[1:].sum() > ent[1:].sum()
 
 
 def test_mismatch_kl_hand_computed():

@@ -83,12 +83,17 @@ def test_rows_of_a_batch_keep_their_own_logprobs(model, rows, stack):
             at += n
 
 
+def loss_config(loss: str) -> dict:
+    """dppo with a trust region narrow enough to engage on these rows (and its kl_tau term on)."""
+    return {"type": loss} | ({"dppo_mask_low": 0.01, "dppo_mask_high": 0.01, "kl_tau": 1e-3} if loss == "dppo" else {})
+
+
 def run_step(
     model, rows: list[PackedRow], loss: str, size: int, stack: bool, sizes: list[int] | None = None
 ) -> tuple[dict, list[torch.Tensor]]:
     """The loop's forward/backward over every micro-batch: summed metrics and the accumulated gradients."""
     model.zero_grad(set_to_none=True)
-    loop = RLLoop(SimpleNamespace(config=TrainerConfig(loss={"type": loss}), model=model))
+    loop = RLLoop(SimpleNamespace(config=TrainerConfig(loss=loss_config(loss)), model=model))
     scale = 1.0 / sum(int(r.loss_mask.sum()) for r in rows)
     sums: dict = defaultdict(float)
     for mb in micro_batches(rows, size, stack, sizes):
@@ -97,7 +102,7 @@ def run_step(
     return dict(sums), [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("loss", ["aipo", "grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("loss", ["aipo", "dppo", "grpo", "gspo", "cispo"])
 def test_micro_batch_size_keeps_loss_metrics_and_gradients(model, rows, loss):
     model.train()
     one_sums, one_grads = run_step(model, rows, loss, 1, True)

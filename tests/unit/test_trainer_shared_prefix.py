@@ -94,10 +94,15 @@ def test_rows_are_shared_and_shorter(model):
     assert [int(r["loss_mask"].sum()) for r in rows] == [int(r["loss_mask"].sum()) for r in expanded]
 
 
+def loss_config(loss: str) -> dict:
+    """dppo with a trust region narrow enough to engage on these rows (and its kl_tau term on)."""
+    return {"type": loss} | ({"dppo_mask_low": 0.01, "dppo_mask_high": 0.01, "kl_tau": 1e-3} if loss == "dppo" else {})
+
+
 def run_step(model, rows: list[dict], loss: str, size: int, stack: bool) -> tuple[dict, list[torch.Tensor]]:
     """The loop's forward/backward over every micro-batch: summed metrics and the accumulated gradients."""
     model.zero_grad(set_to_none=True)
-    loop = RLLoop(SimpleNamespace(config=TrainerConfig(loss={"type": loss}), model=model))
+    loop = RLLoop(SimpleNamespace(config=TrainerConfig(loss=loss_config(loss)), model=model))
     packed = [prepare(r, CPU) for r in rows]
     scale = 1.0 / sum(int(r.loss_mask.sum()) for r in packed)
     sums: dict = defaultdict(float)
@@ -121,7 +126,7 @@ def test_loss_token_logprobs_equal_the_expanded_rows(model, stack, size):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("loss", ["aipo", "grpo"])
+@pytest.mark.parametrize("loss", ["aipo", "dppo", "grpo"])
 def test_loss_metrics_and_gradients_equal_the_expanded_rows(model, loss):
     model.train()
     rows = shared_rows(model, 0.3)

@@ -57,6 +57,11 @@ class AdvantageConfig(BaseConfig):
     type: Literal["mean", "mean_std", "rloo", "opo"] = Field(
         "mean", description="mean: r - group mean; mean_std: /group std; rloo: leave-one-out; opo: length-weighted"
     )
+    length_penalty: float = Field(
+        0.0,
+        ge=0,
+        description="shape rewards first: r - w * max(group mean, 0) * length / group's longest (0: off)",
+    )
 
 
 class EvalConfig(BaseConfig):
@@ -65,6 +70,9 @@ class EvalConfig(BaseConfig):
     rollouts_per_example: int = Field(1, ge=1, description="rollouts per example")
     env: list[EnvConfig] = Field(default_factory=list, description="eval environments (default: the train envs)")
     eval_base: bool = Field(True, description="also evaluate before the first step")
+    eval_final: bool = Field(
+        True, description="also evaluate the final policy (the weights of max_steps), logged as step max_steps"
+    )
 
 
 class OrchestratorConfig(BaseConfig):

@@ -67,15 +67,32 @@ class SchedulerConfig(BaseConfig):
 
 
 class LossConfig(BaseConfig):
-    """Policy-gradient loss. `aipo` is PRIME-RL's default: token IS weights with ratio masking."""
+    """Policy-gradient loss: the objective, its importance-sampling guards and optional penalties."""
 
-    type: Literal["aipo", "grpo", "gspo", "cispo", "custom"] = Field("aipo", description="loss objective")
+    type: Literal["aipo", "dppo", "grpo", "gspo", "cispo", "custom"] = Field("aipo", description="loss objective")
     token_mask_low: float = Field(0.125, gt=0, description="aipo: mask tokens whose ratio is below this")
     token_mask_high: float = Field(8.0, gt=0, description="aipo: mask tokens whose ratio is above this")
     sequence_mask_low: float = Field(0.1, gt=0, description="mask samples whose geometric-mean ratio is below")
     sequence_mask_high: float = Field(10.0, gt=0, description="mask samples whose geometric-mean ratio is above")
     clip_low: float = Field(0.2, ge=0, description="grpo/gspo/cispo: lower clip epsilon")
     clip_high: float = Field(0.28, ge=0, description="grpo/gspo/cispo: upper clip epsilon")
+    dppo_mask_low: float = Field(0.2, gt=0, le=1, description="dppo: drop A<=0 tokens whose probability fell more")
+    dppo_mask_high: float = Field(0.2, gt=0, le=1, description="dppo: drop A>0 tokens whose probability rose more")
+    token_is_cap: float | None = Field(
+        None, gt=0, description="token TIS: truncate each token's importance weight r at this (None: off)"
+    )
+    sequence_is_cap: float | None = Field(
+        None, gt=0, description="sequence TIS: truncate the sample's geometric-mean ratio at this (None: off)"
+    )
+    kl_tau: float = Field(0.0, ge=0, description="add kl_tau * (logπ - logμ)^2 per token: a pull toward the sampler")
+    ref_kl: float | None = Field(
+        None,
+        ge=0,
+        description="add ref_kl * KL(π‖π_start) per token (k3): a pull toward the start weights; 0 logs the KL "
+        "without the pull; each costs a no-grad forward of the reference (LoRA: the base model, no copy; full "
+        "weights: one frozen copy) (None: off)",
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="subtract entropy_coef * entropy per token (an entropy bonus)")
     custom: str | None = Field(None, description="custom loss as 'module.path:function' (type = custom)")
 
     @model_validator(mode="after")

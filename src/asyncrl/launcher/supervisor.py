@@ -30,6 +30,7 @@ from asyncrl.config.cli import to_toml
 from asyncrl.config.rl import RLConfig
 from asyncrl.launcher.placement import Placement
 from asyncrl.launcher.tailer import StepTailer
+from asyncrl.launcher.watch import CollapseWatch
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
 from asyncrl.utils import failpoint, runstate
@@ -76,11 +77,16 @@ class Launcher:
         self.runs = config.run_orchestrators()  # multi-run: each run's orchestrator config; empty: one run
         self.tailers: dict[str | None, StepTailer] = {}  # by run (None: the single run); start() sets their steps
         for run in self.runs or [None]:
-            metrics = self.of(run).metrics_file("orchestrator")
-            self.tailers[run] = StepTailer(metrics, 0, label=run)
+            self.tailers[run] = self._tailer(run, 0)
         total = sum(c.max_steps or 0 for c in self.runs.values()) if self.runs else config.trainer.max_steps
         self.bar = Bar("rl", total or None)
         self.last_news = self.last_step = time.monotonic()
+
+    def _tailer(self, run: str | None, start: int) -> StepTailer:
+        """Follows a run's training steps (a line each) and watches them for the signs of collapse."""
+        layout = self.of(run)
+        watch = CollapseWatch(layout.metrics_file("trainer"), label=run)
+        return StepTailer(layout.metrics_file("orchestrator"), start, label=run, watch=watch)
 
     def of(self, run: str | None) -> RunLayout:
         """Run `run`'s dir (multi-run), or the run's own (None)."""
@@ -139,7 +145,7 @@ class Launcher:
             paths[name] = run.configs / "orchestrator.toml"
             write_text_atomic(paths[name], to_toml(orch))
             write_text_atomic(run.run_config, tomli_w.dumps(settings))
-            self.tailers[name] = StepTailer(run.metrics_file("orchestrator"), start, label=name)
+            self.tailers[name] = self._tailer(name, start)
             self.bar.done += start
         return paths
 
@@ -225,7 +231,7 @@ class Launcher:
         else:
             start = self._start_step()
             self._clean(self.layout, start)
-            self.tailers[None] = StepTailer(self.layout.metrics_file("orchestrator"), start)
+            self.tailers[None] = self._tailer(None, start)
             self.bar.done = start
         paths = self._write_configs(start)
         py = sys.executable

@@ -11,35 +11,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from loguru import logger
 
-class StepTailer:
-    def __init__(self, path: Path, start_step: int, label: str | None = None):
-        self.path, self.label = path, label  # label: a multi-run run's name, on each of its lines
-        self.pos = 0
-        self.next_step = start_step  # steps arrive in order; one already counted is not counted again
-        self.rewards: list[tuple[int, float]] = []
+from asyncrl.launcher.watch import CollapseWatch
 
-    def poll(self) -> dict | None:
-        """Print a line for every training step logged since the last poll; the last one, or None."""
-        last = None
-        for row in self._new_rows():
-            if row.get("kind", "train") == "train" and "reward/mean" in row and row.get("step", -1) >= self.next_step:
-                self.next_step = row["step"] + 1
-                self.rewards.append((row["step"], row["reward/mean"]))
-                print(step_line(row, self.label), flush=True)
-                last = row
-        return last
 
-    def summary(self, elapsed: float, weights: Path) -> str:
-        if not self.rewards:
-            return f"[rl] done in {elapsed:.0f}s (no reward logged)"
-        fifth = max(1, len(self.rewards) // 5)
-        return (
-            f"[rl] done: {len(self.rewards)} steps in {elapsed:.0f}s; reward {_mean(self.rewards[:fifth]):.3f} "
-            f"(first steps) -> {_mean(self.rewards[-fifth:]):.3f} (last steps); weights in {weights}"
-        )
+class JsonlTail:
+    """The whole JSON lines appended to a file since the last read (read again from the start if it shrank)."""
 
-    def _new_rows(self) -> list[dict]:
+    def __init__(self, path: Path):
+        self.path, self.pos = path, 0
+
+    def new_rows(self) -> list[dict]:
         if not self.path.exists():
             return []
         rows = []
@@ -56,6 +39,39 @@ class StepTailer:
                 except json.JSONDecodeError:
                     continue
         return rows
+
+
+class StepTailer:
+    def __init__(self, path: Path, start_step: int, label: str | None = None, watch: CollapseWatch | None = None):
+        self.path, self.label = path, label  # label: a multi-run run's name, on each of its lines
+        self.tail = JsonlTail(path)
+        self.next_step = start_step  # steps arrive in order; one already counted is not counted again
+        self.rewards: list[tuple[int, float]] = []
+        self.watch = watch  # told every step; warns once when the run shows signs of collapse
+
+    def poll(self) -> dict | None:
+        """Print a line for every training step logged since the last poll; the last one, or None."""
+        last = None
+        for row in self.tail.new_rows():
+            if row.get("kind", "train") == "train" and "reward/mean" in row and row.get("step", -1) >= self.next_step:
+                self.next_step = row["step"] + 1
+                self.rewards.append((row["step"], row["reward/mean"]))
+                print(step_line(row, self.label), flush=True)
+                if self.watch is not None:
+                    self.watch.observe(row)
+                last = row
+        if last is not None and self.watch is not None and (warning := self.watch.check()):
+            logger.warning(warning)
+        return last
+
+    def summary(self, elapsed: float, weights: Path) -> str:
+        if not self.rewards:
+            return f"[rl] done in {elapsed:.0f}s (no reward logged)"
+        fifth = max(1, len(self.rewards) // 5)
+        return (
+            f"[rl] done: {len(self.rewards)} steps in {elapsed:.0f}s; reward {_mean(self.rewards[:fifth]):.3f} "
+            f"(first steps) -> {_mean(self.rewards[-fifth:]):.3f} (last steps); weights in {weights}"
+        )
 
 
 def step_line(row: dict, label: str | None = None) -> str:

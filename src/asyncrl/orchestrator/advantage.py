@@ -4,6 +4,10 @@
 - mean_std: A_i = (r_i - mean(r)) / (std(r) + eps)           (GRPO-style normalisation)
 - rloo:     A_i = r_i - mean(r_j for j != i)                 (leave-one-out baseline)
 - opo:      A_i = r_i - sum(l_j r_j) / sum(l_j)              (length-weighted baseline, l = completion tokens)
+
+With `length_penalty = w > 0` the rewards are shaped first, within the group:
+r_i' = r_i - w * max(mean(r), 0) * l_i / max(l): the longer answers of a group that earns reward lose up to
+w times its mean reward; a group that earns nothing is not pushed toward short wrong answers.
 """
 
 from __future__ import annotations
@@ -17,9 +21,14 @@ STD_EPS = 1e-6
 
 
 def compute_advantages(
-    rewards: Sequence[float], kind: AdvantageType = "mean", lengths: Sequence[int] | None = None
+    rewards: Sequence[float],
+    kind: AdvantageType = "mean",
+    lengths: Sequence[int] | None = None,
+    length_penalty: float = 0.0,
 ) -> list[float]:
     """Advantages of one group's rewards (a group of one gets 0: it has no baseline)."""
+    if length_penalty > 0:
+        rewards = shape_by_length(rewards, lengths, length_penalty)
     n = len(rewards)
     if n == 0:
         return []
@@ -43,3 +52,13 @@ def compute_advantages(
         baseline = sum(n * r for n, r in zip(lengths, rewards)) / weight
         return [r - baseline for r in rewards]
     raise ValueError(f"unknown advantage type {kind!r}; use mean, mean_std, rloo or opo")
+
+
+def shape_by_length(rewards: Sequence[float], lengths: Sequence[int] | None, weight: float) -> list[float]:
+    """r_i - weight * max(mean(r), 0) * l_i / max(l) (see the module docstring)."""
+    if lengths is None or len(lengths) != len(rewards):
+        raise ValueError("a length penalty needs one completion length per reward")
+    if not rewards:
+        return []
+    scale = weight * max(sum(rewards) / len(rewards), 0.0) / max(max(lengths), 1)
+    return [r - scale * n for r, n in zip(rewards, lengths)]

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from asyncrl.config.orchestrator import BufferConfig
-from asyncrl.orchestrator.advantage import AdvantageType, compute_advantages
+from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig
+from asyncrl.orchestrator.advantage import compute_advantages
 from asyncrl.orchestrator.samples import Rollout
 
 Verdict = Literal["accept", "too_easy", "too_hard", "failed"]
@@ -48,7 +48,7 @@ def difficulty(rewards: list[float], buffer: BufferConfig) -> Verdict:
     return "accept"
 
 
-def judge_group(group: Group, buffer: BufferConfig, advantage: AdvantageType) -> Verdict:
+def judge_group(group: Group, buffer: BufferConfig, advantage: AdvantageConfig) -> Verdict:
     """Set advantages on the group's valid rollouts and decide whether it goes into a batch."""
     valid = group.valid
     for r in group.rollouts:
@@ -56,7 +56,8 @@ def judge_group(group: Group, buffer: BufferConfig, advantage: AdvantageType) ->
     if not valid:
         group.verdict = "failed"
         return group.verdict
-    advantages = compute_advantages([r.reward for r in valid], advantage, [r.completion_len for r in valid])
+    rewards, lengths = [r.reward for r in valid], [r.completion_len for r in valid]
+    advantages = compute_advantages(rewards, advantage.type, lengths, advantage.length_penalty)
     for r, a in zip(valid, advantages):
         r.advantage = a
     verdict = difficulty([r.reward for r in valid], buffer)

@@ -72,7 +72,7 @@ class Orchestrator:
             self.converter,
             config.rollouts_per_example,
             config.buffer,
-            config.advantage.type,
+            config.advantage,
             fail_limit=max(4, 2 * target),
         )
         self.args = sampling_args(config.sampling)
@@ -120,6 +120,19 @@ class Orchestrator:
         ev = self.config.eval
         if ev is None or self.eval_mixture is None or step % ev.interval or (step == 0 and not ev.eval_base):
             return
+        await self._eval(step)
+
+    async def _final_eval(self, end: int) -> None:
+        """Evaluate the trained policy of the last step (`broadcast/step_{end}`), logged as eval step `end`."""
+        ev = self.config.eval
+        if ev is None or self.eval_mixture is None or not ev.eval_final:
+            return
+        policy, _ = await PolicyGate(self.config.output_dir, 0).wait(end, timeout=self.config.weights_timeout)
+        await self._use_policy(policy)
+        await self._eval(end)
+
+    async def _eval(self, step: int) -> None:
+        ev = self.config.eval
         metrics = await evaluate_policy(
             self.eval_mixture,
             self.run_group,
@@ -279,6 +292,8 @@ class Orchestrator:
             while end is None or step < end:
                 await self.step(step, gate)
                 step += 1
+            if end is not None:
+                await self._final_eval(end)
         except RolloutFailure as e:
             if not await self.server.is_healthy():
                 raise UserError(
@@ -308,7 +323,7 @@ async def run_bench(config: OrchestratorConfig, mixture: EnvMixture, run_group: 
         TrajectoryConverter(config.trajectory_strategy),
         config.rollouts_per_example,
         BufferConfig(),
-        config.advantage.type,
+        config.advantage,
         fail_limit=max(4, 2 * in_flight),
     )
     args = sampling_args(config.sampling)

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 from loguru import logger
 
-from asyncrl.config.orchestrator import BufferConfig
-from asyncrl.orchestrator.advantage import AdvantageType
+from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig
 from asyncrl.orchestrator.envs import EnvMixture, RunGroup, group_inputs
 from asyncrl.orchestrator.filtering import Group, judge_group
 from asyncrl.orchestrator.samples import Rollout, TrajectoryConverter
@@ -53,7 +52,7 @@ class GroupCollector:
         converter: TrajectoryConverter,
         rollouts_per_example: int,
         buffer: BufferConfig,
-        advantage: AdvantageType,
+        advantage: AdvantageConfig,
         fail_limit: int,
     ):
         self.mixture = mixture

@@ -47,6 +47,12 @@ def per_env(have: set[str]) -> list[str]:
     return envs if len(envs) > 1 else []
 
 
+def masked_fractions(have: set[str]) -> list[str]:
+    """Every `*_frac` the loss logged: masked_frac first, then each side of each mask, clip and truncation."""
+    fracs = sorted(k for k in have if k.endswith("_frac") and "/" not in k and k != "masked_frac")
+    return named("masked_frac")(have) + fracs
+
+
 PLOTS = [
     Plot("reward", "orchestrator:train", lambda have: named("reward/mean")(have) + per_env(have)),
     Plot("rubric metrics", "orchestrator:train", prefixed("metrics/")),
@@ -62,8 +68,11 @@ PLOTS = [
     Plot("trainer loss", "trainer", named("loss")),
     Plot("entropy", "trainer", named("entropy")),
     Plot("grad norm", "trainer", named("grad_norm")),
-    Plot("mismatch KL (trainer vs inference logprobs)", "trainer", named("mismatch_kl")),
-    Plot("masked fraction", "trainer", named("masked_frac")),
+    Plot(
+        "KL to the sampler (mismatch_kl) and to the start weights (ref_kl)", "trainer", named("mismatch_kl", "ref_kl")
+    ),
+    Plot("importance ratio π/μ (quantiles, max)", "trainer", prefixed("importance_ratio/")),
+    Plot("masked / clipped / truncated fraction, by side", "trainer", masked_fractions),
     Plot("trainer step time (s)", "trainer", named("step_time_s", "wait_s", "publish_s")),
     Plot("trainer tokens/s", "trainer", named("tokens_per_s")),
     Plot("eval reward by weights step (eval)", "eval", prefixed("eval/", "/reward_mean")),

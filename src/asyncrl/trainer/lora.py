@@ -17,6 +17,8 @@ parameter pair per slot so each run's optimizer owns its slot's tensors and noth
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -164,3 +166,18 @@ def peft_config(tensors: dict[str, torch.Tensor], rank: int, alpha: float, dropo
         "use_dora": False,
         "inference_mode": True,
     }
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Inside, every adapter (single or multi-slot) adds nothing: the model computes its frozen base (the
+    reference policy of a LoRA run, with no second copy). Meant for no-grad forwards."""
+    layers = [m for m in model.modules() if isinstance(m, (LoRALinear, MultiLoRALinear))]
+    scales = [m.scale for m in layers]
+    for m in layers:
+        m.scale = 0.0
+    try:
+        yield
+    finally:
+        for m, scale in zip(layers, scales):
+            m.scale = scale

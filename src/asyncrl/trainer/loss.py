@@ -5,22 +5,31 @@ SUMMED over loss-mask tokens plus metrics that are also token sums. The trainer 
 number of loss-mask tokens of the whole step (all micro-batches, all ranks), so the gradient is the
 per-token mean over the step and does not depend on how samples were packed or split across ranks.
 
-Ratios are r = exp(logπ - logμ) with μ the sampler's logprob carried in the batch. Built-ins:
+Ratios are r = exp(logπ - logμ) with μ the sampler's logprob carried in the batch (with
+max_async_level = k, μ may be up to k policies old). Objectives (`loss.type`):
 
-- `aipo` (default): token IS weight r, detached, times A·logπ; tokens with r outside
-  [token_mask_low, token_mask_high] are dropped.
+- `aipo`: token IS weight r, detached, times A·logπ; tokens with r outside
+  [token_mask_low, token_mask_high] are dropped (token-level MIS).
+- `dppo`: a trust region on the probability change since the sampler: tokens whose probability rose more
+  than dppo_mask_high (A > 0) or fell more than dppo_mask_low (A <= 0) are dropped, the rest give -A·r with
+  the gradient through r (PRIME-RL's current objective).
 - `grpo`: PPO-clip, -min(r·A, clip(r, 1-clip_low, 1+clip_high)·A), gradient through r.
 - `gspo`: the same clip on the sequence ratio s = exp(mean over the sample's tokens of logπ - logμ),
   per token as sg(s)·π/sg(π) (GSPO-token), so each token's gradient is s·A·∇logπ.
 - `cispo`: clipped IS weight, detached: -sg(clip(r, 1-clip_low, 1+clip_high))·A·logπ.
 - `custom`: `loss.custom = "module.path:function"`, same signature as the built-ins.
 
-All built-ins drop whole samples whose geometric-mean ratio leaves [sequence_mask_low, sequence_mask_high].
+All built-ins drop whole samples whose geometric-mean ratio leaves [sequence_mask_low, sequence_mask_high]
+(sequence-level MIS) and, when `token_is_cap` / `sequence_is_cap` are set, scale each token's term by
+min(1, cap/r) / min(1, cap/s) (token / sequence TIS: the importance weight is truncated at the cap).
+Every loss, custom included, then gets `kl_tau`·(logπ - logμ)² (a pull toward the sampler) and, with
+reference logprobs, `ref_kl`·k3(π‖π_ref) = ref_kl·(π_ref/π - log(π_ref/π) - 1) (a pull toward the start).
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +47,7 @@ class LossInputs:
     loss_mask: torch.Tensor  # (T,) bool
     sample_ids: torch.Tensor  # (T,) int64 in [0, num_samples): which packed sample a token belongs to
     num_samples: int
+    ref_logprobs: torch.Tensor | None = None  # (T,) float32, the start weights' logprobs (when ref_kl is on)
 
 
 @dataclass
@@ -47,6 +57,7 @@ class LossOutput:
 
 
 LossFn = Callable[[LossInputs, LossConfig], LossOutput]
+MAX_LOG_RATIO = 80.0  # exp(80) ~ 5e34: finite in float32
 
 
 def token_logprobs(
@@ -89,7 +100,14 @@ def token_entropy(
     logits: torch.Tensor, temperatures: torch.Tensor, chunk: int = 1024, parents: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Entropy of the (temperature-scaled) distribution that predicts each token of one row: the one at
-    t-1 (position 0 gets 0), or with `parents` the one at parents[t] (parent -1 gets 0)."""
+    t-1 (position 0 gets 0), or with `parents` the one at parents[t] (parent -1 gets 0). No gradient."""
+    return entropy_with_grad(logits, temperatures, chunk, parents)
+
+
+def entropy_with_grad(
+    logits: torch.Tensor, temperatures: torch.Tensor, chunk: int = 1024, parents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`token_entropy` with the gradient kept (for an entropy bonus): autograd holds one (T, V) copy per chunk."""
     if parents is not None:
         return _parent_entropy(logits, temperatures, chunk, parents)
     out = [logits.new_zeros(1, dtype=torch.float32)]
@@ -104,7 +122,7 @@ def _parent_entropy(logits, temperatures, chunk, parents) -> torch.Tensor:
     out = []
     for start in range(0, logits.shape[0], chunk):
         p = parents[start : start + chunk]
-        logp = torch.log_softmax(_parent_rows(logits, p).div_(temperatures[start : start + chunk, None].float()), -1)
+        logp = torch.log_softmax(_parent_rows(logits, p) / temperatures[start : start + chunk, None].float(), -1)
         out.append(torch.where(p >= 0, -(logp.exp() * logp).sum(-1), 0.0))
     return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
 
@@ -128,14 +146,22 @@ def _count(flags: torch.Tensor) -> torch.Tensor:
     return flags.sum().float()
 
 
-def aipo_loss(x: LossInputs, cfg: LossConfig) -> LossOutput:
-    ratio = torch.exp(x.logprobs.detach() - x.inference_logprobs)
+def _ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp of a log ratio, clamped so a token the sampler gave ~0 probability cannot overflow to inf."""
+    return torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
+
+
+Objective = Callable[[LossInputs, LossConfig], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def aipo_objective(x: LossInputs, cfg: LossConfig):
+    ratio = _ratio(x.logprobs.detach() - x.inference_logprobs)
     tok_low = x.loss_mask & (ratio < cfg.token_mask_low)
     tok_high = x.loss_mask & (ratio > cfg.token_mask_high)
     seq_low, seq_high = _sequence_mask(x, cfg)
     keep = x.loss_mask & ~(tok_low | tok_high | seq_low | seq_high)
     # where(), not indexing: a huge ratio on a dropped token must not turn 0 * inf into a NaN gradient
-    loss = -(torch.where(keep, ratio, 0.0) * x.advantages * x.logprobs).sum()
+    per_token = -(torch.where(keep, ratio, 0.0) * x.advantages * x.logprobs)
     metrics = {
         "masked_frac": _count(x.loss_mask & ~keep),
         "token_masked_low_frac": _count(tok_low),
@@ -143,7 +169,7 @@ def aipo_loss(x: LossInputs, cfg: LossConfig) -> LossOutput:
         "sequence_masked_low_frac": _count(seq_low),
         "sequence_masked_high_frac": _count(seq_high),
     }
-    return LossOutput(loss, metrics)
+    return per_token, metrics
 
 
 def _kept_by_sequence(x: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -157,44 +183,124 @@ def _kept_by_sequence(x: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dic
     return keep, metrics
 
 
-def _clipped_loss(log_ratio: torch.Tensor, keep: torch.Tensor, adv: torch.Tensor, cfg: LossConfig):
-    """Σ_kept -min(r·A, clip(r, 1-clip_low, 1+clip_high)·A) and the count of tokens where the clip is active."""
+def _clipped(log_ratio: torch.Tensor, keep: torch.Tensor, adv: torch.Tensor, cfg: LossConfig, metrics: dict):
+    """Per token -min(r·A, clip(r, 1-clip_low, 1+clip_high)·A) on kept tokens; counts where each clip side is active."""
     ratio = torch.exp(torch.where(keep, log_ratio, 0.0))  # dropped tokens: r = 1, no overflow
     clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
-    active = ((adv > 0) & (ratio > 1 + cfg.clip_high)) | ((adv < 0) & (ratio < 1 - cfg.clip_low))
-    return torch.where(keep, per_token, 0.0).sum(), _count(keep & active.detach())
+    high = keep & ((adv > 0) & (ratio > 1 + cfg.clip_high)).detach()
+    low = keep & ((adv < 0) & (ratio < 1 - cfg.clip_low)).detach()
+    metrics.update(clipped_frac=_count(high | low), clipped_high_frac=_count(high), clipped_low_frac=_count(low))
+    return torch.where(keep, per_token, 0.0)
 
 
-def grpo_loss(x: LossInputs, cfg: LossConfig) -> LossOutput:
+def grpo_objective(x: LossInputs, cfg: LossConfig):
     keep, metrics = _kept_by_sequence(x, cfg)
-    loss, metrics["clipped_frac"] = _clipped_loss(x.logprobs - x.inference_logprobs, keep, x.advantages, cfg)
-    return LossOutput(loss, metrics)
+    return _clipped(x.logprobs - x.inference_logprobs, keep, x.advantages, cfg, metrics), metrics
 
 
-def gspo_loss(x: LossInputs, cfg: LossConfig) -> LossOutput:
+def gspo_objective(x: LossInputs, cfg: LossConfig):
     keep, metrics = _kept_by_sequence(x, cfg)
     log_ratio = torch.where(x.loss_mask, x.logprobs - x.inference_logprobs, 0.0)
     seq_log_ratio = _per_sample_mean(log_ratio, x.loss_mask, x.sample_ids, x.num_samples)[x.sample_ids]
     # value = log of the sequence ratio s; gradient = d logπ_t, so each token's gradient is s·A·∇logπ_t
     token_log_ratio = seq_log_ratio.detach() + x.logprobs - x.logprobs.detach()
-    loss, metrics["clipped_frac"] = _clipped_loss(token_log_ratio, keep, x.advantages, cfg)
-    return LossOutput(loss, metrics)
+    return _clipped(token_log_ratio, keep, x.advantages, cfg, metrics), metrics
 
 
-def cispo_loss(x: LossInputs, cfg: LossConfig) -> LossOutput:
+def cispo_objective(x: LossInputs, cfg: LossConfig):
     keep, metrics = _kept_by_sequence(x, cfg)
     ratio = torch.exp(torch.where(keep, x.logprobs.detach() - x.inference_logprobs, 0.0))
     weight = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
-    loss = -(torch.where(keep, weight, 0.0) * x.advantages * x.logprobs).sum()
-    metrics["clipped_frac"] = _count(keep & (weight != ratio))
-    return LossOutput(loss, metrics)
+    per_token = -(torch.where(keep, weight, 0.0) * x.advantages * x.logprobs)
+    metrics.update(
+        clipped_frac=_count(keep & (weight != ratio)),
+        clipped_high_frac=_count(keep & (ratio > 1 + cfg.clip_high)),
+        clipped_low_frac=_count(keep & (ratio < 1 - cfg.clip_low)),
+    )
+    return per_token, metrics
 
 
-BUILTIN: dict[str, LossFn] = {"aipo": aipo_loss, "grpo": grpo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+def dppo_objective(x: LossInputs, cfg: LossConfig):
+    """Trust region on the probability change since the sampler: a token whose probability already moved more
+    than `dppo_mask_high` up (A > 0) or `dppo_mask_low` down (A <= 0) gets no gradient; the others -A·r."""
+    keep, metrics = _kept_by_sequence(x, cfg)
+    diff = x.logprobs.detach().exp() - x.inference_logprobs.exp()
+    high = keep & (x.advantages > 0) & (diff > cfg.dppo_mask_high)
+    low = keep & (x.advantages <= 0) & (diff < -cfg.dppo_mask_low)
+    keep = keep & ~(high | low)
+    ratio = _ratio(torch.where(keep, x.logprobs - x.inference_logprobs, 0.0))
+    metrics["masked_frac"] = _count(x.loss_mask & ~keep)
+    metrics.update(trust_masked_high_frac=_count(high), trust_masked_low_frac=_count(low))
+    return -torch.where(keep, ratio * x.advantages, 0.0), metrics
+
+
+def _truncation(x: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """TIS: a detached per-token factor min(1, cap/r) (token) times min(1, cap/s) (sample's geometric-mean
+    ratio s), so a token's importance weight never passes the caps. None when no cap is set."""
+    if cfg.token_is_cap is None and cfg.sequence_is_cap is None:
+        return None, {}
+    log_ratio = torch.where(x.loss_mask, x.logprobs.detach() - x.inference_logprobs, 0.0)
+    factor, metrics = torch.ones_like(log_ratio), {}
+    if cfg.token_is_cap is not None:
+        factor = factor * (math.log(cfg.token_is_cap) - log_ratio).clamp(max=0).exp()
+        metrics["token_truncated_frac"] = _count(x.loss_mask & (log_ratio > math.log(cfg.token_is_cap)))
+    if cfg.sequence_is_cap is not None:
+        seq = _per_sample_mean(log_ratio, x.loss_mask, x.sample_ids, x.num_samples)[x.sample_ids]
+        factor = factor * (math.log(cfg.sequence_is_cap) - seq).clamp(max=0).exp()
+        metrics["sequence_truncated_frac"] = _count(x.loss_mask & (seq > math.log(cfg.sequence_is_cap)))
+    return factor, metrics
+
+
+def builtin_loss(objective: Objective) -> LossFn:
+    """A built-in loss: the objective's per-token terms, importance-truncated when asked, summed."""
+
+    def loss_fn(x: LossInputs, cfg: LossConfig) -> LossOutput:
+        per_token, metrics = objective(x, cfg)
+        factor, truncated = _truncation(x, cfg)
+        if factor is not None:
+            per_token = torch.where(x.loss_mask, per_token * factor, 0.0)
+        return LossOutput(per_token.sum(), {**metrics, **truncated})
+
+    loss_fn.__name__ = objective.__name__.replace("_objective", "_loss")
+    return loss_fn
+
+
+BUILTIN: dict[str, LossFn] = {
+    "aipo": builtin_loss(aipo_objective),
+    "grpo": builtin_loss(grpo_objective),
+    "gspo": builtin_loss(gspo_objective),
+    "cispo": builtin_loss(cispo_objective),
+    "dppo": builtin_loss(dppo_objective),
+}
+
+
+def with_penalties(fn: LossFn) -> LossFn:
+    """`fn` plus the objective-independent terms: kl_tau·(logπ - logμ)² on every loss token (a pull back to the
+    sampler) and ref_kl·k3(π‖π_ref) (a pull back to the start weights, when reference logprobs are given)."""
+
+    def loss_fn(x: LossInputs, cfg: LossConfig) -> LossOutput:
+        out = fn(x, cfg)
+        if cfg.kl_tau > 0:
+            log_ratio = torch.where(x.loss_mask, x.logprobs - x.inference_logprobs, 0.0)
+            out.loss = out.loss + cfg.kl_tau * log_ratio.square().sum()
+        if x.ref_logprobs is not None:
+            delta = torch.where(x.loss_mask, x.ref_logprobs - x.logprobs, 0.0)
+            k3 = torch.exp(delta) - delta - 1  # KL(π‖π_ref), k3 estimator; gradient pulls logπ toward π_ref
+            out.metrics["ref_kl"] = k3.detach().sum()
+            if cfg.ref_kl:
+                out.loss = out.loss + cfg.ref_kl * k3.sum()
+        return out
+
+    return loss_fn
 
 
 def get_loss_fn(cfg: LossConfig) -> LossFn:
+    """The configured loss, with the kl_tau and ref_kl terms added."""
+    return with_penalties(_objective_fn(cfg))
+
+
+def _objective_fn(cfg: LossConfig) -> LossFn:
     if cfg.type != "custom":
         return BUILTIN[cfg.type]
     module_name, _, attr = (cfg.custom or "").partition(":")

@@ -112,6 +112,10 @@ class Loop:
         """Appended to the error of a non-finite loss at `step`."""
         raise NotImplementedError
 
+    def step_summary(self) -> dict[str, float]:
+        """Metrics of the step just run that are not token sums (quantiles, maxima); called after backward."""
+        return {}
+
     def take_distributions(self) -> dict[str, list[torch.Tensor]]:
         """Per-token values of the step just run, for W&B histograms (empty unless they were due)."""
         return {}
@@ -246,6 +250,7 @@ class TrainSession:
             "loss_tokens": batch.loss_tokens,
             "samples": batch.samples,
             **batch.info,
+            **self.loop.step_summary(),
             "step_time_s": seconds,
             **batch.timing,
             "tokens_per_s": batch.tokens / seconds,

@@ -88,7 +88,7 @@ class RowBatch:
     parents: torch.Tensor | None = None  # [rows, length], only when some row is shared
     attention_mask: torch.Tensor | None = None  # [rows, 1, length, length] bool, True: attend; likewise
 
-    def loss_inputs(self, logprobs: torch.Tensor) -> LossInputs:
+    def loss_inputs(self, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None) -> LossInputs:
         """The loss's per-token view: every row's tokens one after another."""
         return LossInputs(
             logprobs.flatten(),
@@ -97,6 +97,7 @@ class RowBatch:
             self.loss_mask.flatten(),
             self.sample_ids.flatten(),
             self.num_samples,
+            None if ref_logprobs is None else ref_logprobs.flatten(),
         )
 
 

@@ -22,6 +22,7 @@ or under torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -33,8 +34,9 @@ from loguru import logger
 from asyncrl.config.base import BenchDataConfig
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.trainer.ckpt import complete_steps
-from asyncrl.trainer.loss import get_loss_fn, mismatch_kl_sum, token_entropy, token_logprobs
-from asyncrl.trainer.model import DTYPES
+from asyncrl.trainer.lora import adapters_off
+from asyncrl.trainer.loss import entropy_with_grad, get_loss_fn, mismatch_kl_sum, token_entropy, token_logprobs
+from asyncrl.trainer.model import DTYPES, load_model
 from asyncrl.trainer.perf import format_mfu
 from asyncrl.trainer.rl.data import (
     FakeSource,
@@ -57,6 +59,7 @@ from asyncrl.utils.errors import UserError
 MASKED_ATTENTION = ("sdpa", "eager")  # take an explicit 4D mask, so shared prefixes stay in one row
 # a forward pass's fixed cost, as the FLOPs of this many tokens (CPU, tiny model: ~64; the plan is not sensitive)
 FORWARD_OVERHEAD_TOKENS = 64
+RATIO_QUANTILES = (0.01, 0.5, 0.99)  # of the importance ratio, logged every step
 MASK_BUDGET_BYTES = 2**30  # a dense [rows, 1, L, L] mask beyond this: expand the rows instead (L = 32k: 1 GiB)
 
 
@@ -79,6 +82,8 @@ class RLLoop(Loop):
         self.loss_fn = get_loss_fn(self.config.loss)
         self._told_unshare = False
         self._dists: dict[str, list[torch.Tensor]] | None = None  # this step's, when W&B distributions are due
+        self._log_ratios: list[torch.Tensor] = []  # this step's logπ - logμ on this rank's loss tokens
+        self.reference: torch.nn.Module | None = None  # scores π_start when loss.ref_kl is set
 
     def start(self) -> None:
         s, cfg = self.session, self.config
@@ -89,6 +94,18 @@ class RLLoop(Loop):
             self.source = RolloutSource(s.out, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout)
             if s.ctx.is_main:  # an orchestrator without num_train_workers packs for this many ranks
                 write_text_atomic(s.layout.trainer_world, json.dumps({"world_size": s.ctx.world_size}))
+        if cfg.loss.ref_kl is not None:
+            self.reference = self._load_reference()
+
+    def _load_reference(self) -> torch.nn.Module:
+        """The start policy: a LoRA run's own model with its adapters off, else one frozen copy of the start weights."""
+        s, cfg = self.session, self.config
+        if s.lm.lora_scale is not None or s.lm.selector is not None:
+            logger.info("ref_kl: the reference is the frozen base model (adapters off), no second copy")
+            return s.model
+        logger.info(f"ref_kl: loading a frozen copy of {cfg.model.name} as the reference (LoRA would need none)")
+        ref = load_model(cfg.model.model_copy(update={"lora": None, "ac": None}), cfg.tokenizer.name, s.ctx.mesh).model
+        return ref.requires_grad_(False).eval()
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -155,27 +172,50 @@ class RLLoop(Loop):
         )
 
     def forward_backward_step(self, mb: RowBatch, scale: float) -> dict[str, torch.Tensor]:
-        model = self.session.model
+        model, loss_cfg = self.session.model, self.config.loss
         mask = self.mask_kwargs(mb, model.config._attn_implementation)
         logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **mask).logits
-        inputs = mb.loss_inputs(token_logprobs(logits, mb.input_ids, mb.temperatures, mb.parents))
-        out = self.loss_fn(inputs, self.config.loss)
-        (out.loss * scale).backward()
+        logprobs = token_logprobs(logits, mb.input_ids, mb.temperatures, mb.parents)
+        inputs = mb.loss_inputs(logprobs, self._reference_logprobs(mb, mask))
+        out = self.loss_fn(inputs, loss_cfg)
+        loss, entropy = out.loss, None
+        if loss_cfg.entropy_coef > 0:  # the bonus needs the entropy's gradient: computed before backward
+            entropy = self._entropy_sum(logits, mb, entropy_with_grad)
+            loss = loss - loss_cfg.entropy_coef * entropy
+        (loss * scale).backward()
         sums = {
-            "loss": out.loss.detach().float(),
+            "loss": loss.detach().float(),
             # measured after backward, once the autograd graph is freed
-            "entropy": self._entropy_sum(logits.detach(), mb),
+            "entropy": entropy.detach() if entropy is not None else self._entropy_sum(logits.detach(), mb),
             "mismatch_kl": mismatch_kl_sum(inputs),
         }
+        log_ratio = (inputs.logprobs.detach() - inputs.inference_logprobs)[inputs.loss_mask]
+        self._log_ratios.append(log_ratio.cpu())
         if self._dists is not None:  # rank 0's loss tokens
-            keep = inputs.loss_mask
-            self._dists["dist/importance_ratio"].append(
-                (inputs.logprobs.detach() - inputs.inference_logprobs)[keep].exp().cpu()
-            )
-            self._dists["dist/advantage"].append(inputs.advantages[keep].cpu())
+            self._dists["dist/importance_ratio"].append(log_ratio.exp().cpu())
+            self._dists["dist/advantage"].append(inputs.advantages[inputs.loss_mask].cpu())
         for key, value in out.metrics.items():
             sums[key] = sums.get(key, 0) + value.detach().float()
         return sums
+
+    @torch.no_grad()
+    def _reference_logprobs(self, mb: RowBatch, mask: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        model = self.reference
+        with adapters_off(model) if model is self.session.model else contextlib.nullcontext():
+            logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **mask).logits
+        return token_logprobs(logits, mb.input_ids, mb.temperatures, mb.parents)
+
+    def step_summary(self) -> dict[str, float]:
+        """Quantiles of this step's importance ratio r = π/μ over this rank's loss tokens (rank 0's are logged)."""
+        log_ratio, self._log_ratios = torch.cat(self._log_ratios) if self._log_ratios else torch.zeros(0), []
+        if log_ratio.numel() == 0:
+            return {}
+        qs = torch.tensor(RATIO_QUANTILES, dtype=log_ratio.dtype)
+        values = torch.quantile(log_ratio[: 2**24].float(), qs).exp().tolist()  # quantile's input limit
+        out = {f"importance_ratio/p{round(q * 100):02d}": v for q, v in zip(RATIO_QUANTILES, values)}
+        return out | {"importance_ratio/max": float(log_ratio.max().exp())}
 
     def mask_kwargs(self, mb: RowBatch, attn: str) -> dict[str, torch.Tensor]:
         """No mask for plain rows (HF derives it from position_ids); shared rows' 4D mask as `attn` reads it."""
@@ -189,13 +229,11 @@ class RLLoop(Loop):
             return {"attention_mask": additive.masked_fill_(~mb.attention_mask, torch.finfo(dtype).min)}
         raise ValueError(f"attention '{attn}' cannot run shared-prefix rows; they must be unshared first")
 
-    def _entropy_sum(self, logits: torch.Tensor, mb: RowBatch) -> torch.Tensor:
+    def _entropy_sum(self, logits: torch.Tensor, mb: RowBatch, entropy=token_entropy) -> torch.Tensor:
         parents = mb.parents if mb.parents is not None else [None] * len(logits)
-        rows = [
-            (token_entropy(lg, t, parents=p), m) for lg, t, m, p in zip(logits, mb.temperatures, mb.loss_mask, parents)
-        ]
+        rows = [(entropy(lg, t, parents=p), m) for lg, t, m, p in zip(logits, mb.temperatures, mb.loss_mask, parents)]
         if self._dists is not None:
-            self._dists["dist/entropy"] += [e[m.bool()].cpu() for e, m in rows]
+            self._dists["dist/entropy"] += [e.detach()[m.bool()].cpu() for e, m in rows]
         return sum((e * m).sum() for e, m in rows)
 
     def take_distributions(self) -> dict[str, list[torch.Tensor]]:

@@ -1,0 +1,79 @@
+"""Watch one run for the signs of collapse and say so once, naming the knobs that help.
+
+Signs, over windows of WINDOW steps (the orchestrator's training rows; the trainer's rows for entropy):
+- reward falling from its best: the last window's mean reward is below REWARD_DROP x the best window's
+  (once the best window earned at least MIN_BEST);
+- completions running away: the last window's mean completion length is GROWTH x the first window's or more;
+- entropy running away: the trainer's last-window mean entropy is GROWTH x its first window's or more.
+`rl` logs one warning line per run the first time any sign shows; the run itself goes on.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+WINDOW = 10
+REWARD_DROP = 0.8
+MIN_BEST = 0.05
+GROWTH = 1.5
+KNOBS = (
+    "lower trainer.optim.lr, or hold the policy near the sampler: trainer.loss.type = 'dppo' (its trust region), "
+    "trainer.loss.kl_tau, trainer.loss.ref_kl > 0 (a pull to the start weights), a lower max_async_level"
+)
+
+
+def _window_means(values: list[float]) -> list[float]:
+    return [statistics.fmean(values[i : i + WINDOW]) for i in range(len(values) - WINDOW + 1)]
+
+
+def _growth(values: list[float]) -> float | None:
+    """Last window's mean over the first window's (None until there are two disjoint windows)."""
+    if len(values) < 2 * WINDOW:
+        return None
+    first = statistics.fmean(values[:WINDOW])
+    return statistics.fmean(values[-WINDOW:]) / first if first > 0 else None
+
+
+def signs_of_collapse(rewards: list[float], lengths: list[float], entropy: list[float]) -> list[str]:
+    """What looks like collapse in these per-step series (empty: nothing)."""
+    signs = []
+    windows = _window_means(rewards)
+    if len(rewards) >= 2 * WINDOW and (best := max(windows)) >= MIN_BEST and windows[-1] < REWARD_DROP * best:
+        signs.append(f"reward fell from its best {WINDOW}-step mean {best:.3f} to {windows[-1]:.3f}")
+    if (g := _growth(lengths)) is not None and g >= GROWTH:
+        signs.append(f"completions are {g:.1f}x as long as in the first {WINDOW} steps")
+    if (g := _growth(entropy)) is not None and g >= GROWTH:
+        signs.append(f"entropy is {g:.1f}x its first-{WINDOW}-step mean")
+    return signs
+
+
+class CollapseWatch:
+    def __init__(self, trainer_metrics: Path, label: str | None = None):
+        from asyncrl.launcher.tailer import JsonlTail
+
+        self.trainer, self.label = JsonlTail(trainer_metrics), label
+        self.rewards: list[float] = []
+        self.lengths: list[float] = []
+        self.entropy: list[float] = []
+        self.step = -1
+        self.warned = False
+
+    def observe(self, row: dict) -> None:
+        """One orchestrator training row."""
+        self.step = row.get("step", self.step)
+        self.rewards.append(row["reward/mean"])
+        if "completion_len/mean" in row:
+            self.lengths.append(row["completion_len/mean"])
+
+    def check(self) -> str | None:
+        """The warning line, the first time the run shows signs of collapse; else None."""
+        if self.warned:
+            return None
+        self.entropy += [r["entropy"] for r in self.trainer.new_rows() if "entropy" in r]
+        signs = signs_of_collapse(self.rewards, self.lengths, self.entropy)
+        if not signs:
+            return None
+        self.warned = True
+        who = f"rl {self.label}" if self.label else "rl"
+        return f"[{who}] step {self.step}: signs of collapse: {'; '.join(signs)}. To keep the run stable: {KNOBS}"
