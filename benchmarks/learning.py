@@ -116,7 +116,7 @@ def warm(name: str, task: Task, out: Path) -> Path:
 # ---- one RL run ---------------------------------------------------------------------------------------
 
 
-def rl_config(task: Task, model: Path) -> dict[str, Any]:
+def rl_config(task: Task, model: Path, eval_rollouts: int) -> dict[str, Any]:
     return {
         "max_steps": task.steps,
         "seq_len": task.seq_len,
@@ -127,7 +127,13 @@ def rl_config(task: Task, model: Path) -> dict[str, Any]:
             "rollouts_per_example": task.rollouts,
             "sampling": {"max_tokens": task.max_tokens, "temperature": 1.0},
             "env": [{"id": task.env, "args": task.env_args}],
-            "eval": {"interval": 10_000, "num_examples": task.eval_examples, "eval_base": True, "eval_final": True},
+            "eval": {
+                "interval": 10_000,
+                "num_examples": task.eval_examples,
+                "rollouts_per_example": eval_rollouts,
+                "eval_base": True,
+                "eval_final": True,
+            },
         },
         "inference": {"max_batch_size": task.prompts * task.rollouts, "server": {"host": "127.0.0.1"}},
     }
@@ -145,7 +151,7 @@ class Cell:
         return f"{self.task}/{self.recipe}/lr{self.lr_scale:g}/k{self.k}"
 
 
-def run_one(cell: Cell, seed: int, model: Path, out: Path, port: int) -> dict[str, Any]:
+def run_one(cell: Cell, seed: int, model: Path, out: Path, port: int, eval_rollouts: int) -> dict[str, Any]:
     """Run (or reuse) one seed of a cell; returns its summary."""
     task = TASKS[cell.task]
     d = out / "runs" / cell.task / cell.recipe / f"lr{cell.lr_scale:g}-k{cell.k}-s{seed}"
@@ -157,7 +163,7 @@ def run_one(cell: Cell, seed: int, model: Path, out: Path, port: int) -> dict[st
     d.mkdir(parents=True)
     import tomli_w
 
-    (d / "rl.toml").write_text(tomli_w.dumps(rl_config(task, model)))
+    (d / "rl.toml").write_text(tomli_w.dumps(rl_config(task, model, eval_rollouts)))
     cmd = [str(BIN / "rl"), "@", str(d / "rl.toml"), "--output-dir", str(d / "run"), "--max-async-level", str(cell.k)]
     cmd += ["--trainer.seed", str(seed), "--orchestrator.seed", str(seed), "--inference.server.port", str(port)]
     cmd += ["--trainer.optim.lr", f"{task.lr * cell.lr_scale:g}", *RECIPES[cell.recipe]]
@@ -319,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--first-seed", type=int, default=1)
     ap.add_argument("--lr-scales", default="1", help="multiples of each task's lr, e.g. 1,3")
+    ap.add_argument("--eval-rollouts", type=int, default=1, help="held-out samples per eval example")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (each rl: 3 processes)")
     ap.add_argument("--out", type=Path, default=Path("outputs/learning"))
     ap.add_argument("--port", type=int, default=8300, help="first inference port (one per job)")
@@ -350,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     def one(cell: Cell, seed: int) -> None:
         port = ports.get()  # a run holds its port until it ends
         try:
-            r = run_one(cell, seed, models[cell.task], args.out, port)
+            r = run_one(cell, seed, models[cell.task], args.out, port, args.eval_rollouts)
         except Exception as e:  # one failed run is reported, not fatal
             log(f"{cell.name} seed {seed}: {e}")
             return

@@ -212,7 +212,9 @@ def test_three_steps_per_environment(env_id, server, tmp_path):
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
     assert [r["step"] for r in train] == list(range(STEPS))
-    assert [r["step"] for r in evals] == [0, 2] and all(r["eval/rollouts"] == 2 for r in evals)
+    # every `interval` steps, and the final policy (broadcast/step_STEPS) once the trainer published it
+    assert [r["step"] for r in evals] == [0, 2, STEPS] and all(r["eval/rollouts"] == 2 for r in evals)
+    assert evals[-1]["policy/step"] == STEPS
     errors = sum(r["rollouts/errors"] for r in train)
     # An empty reply is an error to verifiers (EmptyModelResponseError): masked out, counted, not fatal.
     assert errors <= STEPS * 8 // 2, f"{errors} errored rollouts"

@@ -69,7 +69,11 @@ class SchedulerConfig(BaseConfig):
 class LossConfig(BaseConfig):
     """Policy-gradient loss: the objective, its importance-sampling guards and optional penalties."""
 
-    type: Literal["aipo", "dppo", "grpo", "gspo", "cispo", "custom"] = Field("aipo", description="loss objective")
+    type: Literal["aipo", "dppo", "grpo", "gspo", "cispo", "custom"] = Field(
+        "grpo",
+        description="loss objective (grpo: PPO clip around the sampler; chosen by benchmarks/learning.py, see "
+        "docs/learning.md; aipo was the default before)",
+    )
     token_mask_low: float = Field(0.125, gt=0, description="aipo: mask tokens whose ratio is below this")
     token_mask_high: float = Field(8.0, gt=0, description="aipo: mask tokens whose ratio is above this")
     sequence_mask_low: float = Field(0.1, gt=0, description="mask samples whose geometric-mean ratio is below")

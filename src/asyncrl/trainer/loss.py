@@ -9,11 +9,12 @@ Ratios are r = exp(logπ - logμ) with μ the sampler's logprob carried in the b
 max_async_level = k, μ may be up to k policies old). Objectives (`loss.type`):
 
 - `aipo`: token IS weight r, detached, times A·logπ; tokens with r outside
-  [token_mask_low, token_mask_high] are dropped (token-level MIS).
+  [token_mask_low, token_mask_high] are dropped (token-level MIS). The seeds' default.
 - `dppo`: a trust region on the probability change since the sampler: tokens whose probability rose more
   than dppo_mask_high (A > 0) or fell more than dppo_mask_low (A <= 0) are dropped, the rest give -A·r with
   the gradient through r (PRIME-RL's current objective).
-- `grpo`: PPO-clip, -min(r·A, clip(r, 1-clip_low, 1+clip_high)·A), gradient through r.
+- `grpo` (the default, chosen by benchmarks/learning.py: docs/learning.md): PPO-clip,
+  -min(r·A, clip(r, 1-clip_low, 1+clip_high)·A), gradient through r; a trust region around the sampler.
 - `gspo`: the same clip on the sequence ratio s = exp(mean over the sample's tokens of logπ - logμ),
   per token as sg(s)·π/sg(π) (GSPO-token), so each token's gradient is s·A·∇logπ.
 - `cispo`: clipped IS weight, detached: -sg(clip(r, 1-clip_low, 1+clip_high))·A·logπ.

@@ -281,7 +281,8 @@ class RLLoop(Loop):
     def log_line(self, step: int, m: dict) -> str:
         return (
             f"step {step} | loss {m['loss']:.4f} | entropy {m['entropy']:.3f} | mismatch_kl {m['mismatch_kl']:.2e} | "
-            f"masked {m.get('masked_frac', 0):.1%} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+            f"masked {m.get('masked_frac', 0):.1%} | clipped {m.get('clipped_frac', 0):.1%} | "
+            f"grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
             f"{m['step_time_s']:.2f}s {m['tokens_per_s']:,.0f} tok/s | mfu {format_mfu(m['mfu'])} | "
             f"mem {m['peak_mem_gib']:.2f} GiB | wait {m['wait_s']:.2f}s"
         )
