@@ -246,6 +246,8 @@ def race(out: Path, recipe: str, k: int, seed: int, target: float, port: int) ->
     chosen = json.loads(found[-1])["chosen"]
     scores = {json.loads(x)["model"]: json.loads(x)["sampled"] for x in found[:-1]}
     step = int(Path(chosen).name.split("_")[1])
+    if chosen not in scores:  # the bisection ends on the last checkpoint unscored: that is the run's end, scored above
+        scores[chosen] = bench["heldout"]["after"]["sampled"] if step == steps[-1] else 0.0
     rows = [json.loads(x) for x in (d / "metrics" / "trainer.jsonl").read_text().splitlines() if x.strip()]
     at = next((r["time"] for r in rows if r["step"] == step - 1), None)
     result = {
