@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from asyncrl.launcher.watch import CollapseWatch
+if TYPE_CHECKING:  # watch.py reads the trainer's metrics with JsonlTail from here
+    from asyncrl.launcher.watch import CollapseWatch
 
 
 class JsonlTail:

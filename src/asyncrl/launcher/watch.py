@@ -13,6 +13,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from asyncrl.launcher.tailer import JsonlTail
+
 WINDOW = 10
 REWARD_DROP = 0.8
 MIN_BEST = 0.05
@@ -50,8 +52,6 @@ def signs_of_collapse(rewards: list[float], lengths: list[float], entropy: list[
 
 class CollapseWatch:
     def __init__(self, trainer_metrics: Path, label: str | None = None):
-        from asyncrl.launcher.tailer import JsonlTail
-
         self.trainer, self.label = JsonlTail(trainer_metrics), label
         self.rewards: list[float] = []
         self.lengths: list[float] = []

@@ -60,6 +60,6 @@ def judge_group(group: Group, buffer: BufferConfig, advantage: AdvantageConfig) 
     advantages = compute_advantages(rewards, advantage.type, lengths, advantage.length_penalty)
     for r, a in zip(valid, advantages):
         r.advantage = a
-    verdict = difficulty([r.reward for r in valid], buffer)
+    verdict = difficulty(rewards, buffer)
     group.verdict = verdict if buffer.online_difficulty_filtering else "accept"
     return group.verdict

@@ -190,7 +190,7 @@ class RLLoop(Loop):
             "mismatch_kl": mismatch_kl_sum(inputs),
         }
         log_ratio = (inputs.logprobs.detach() - inputs.inference_logprobs)[inputs.loss_mask]
-        self._log_ratios.append(log_ratio.cpu())
+        self._log_ratios.append(log_ratio)  # on the device: one copy to the host per step, in step_summary
         if self._dists is not None:  # rank 0's loss tokens
             self._dists["dist/importance_ratio"].append(log_ratio.exp().cpu())
             self._dists["dist/advantage"].append(inputs.advantages[inputs.loss_mask].cpu())
@@ -209,7 +209,7 @@ class RLLoop(Loop):
 
     def step_summary(self) -> dict[str, float]:
         """Quantiles of this step's importance ratio r = π/μ over this rank's loss tokens (rank 0's are logged)."""
-        log_ratio, self._log_ratios = torch.cat(self._log_ratios) if self._log_ratios else torch.zeros(0), []
+        log_ratio, self._log_ratios = torch.cat(self._log_ratios).cpu() if self._log_ratios else torch.zeros(0), []
         if log_ratio.numel() == 0:
             return {}
         qs = torch.tensor(RATIO_QUANTILES, dtype=log_ratio.dtype)
