@@ -1,25 +1,33 @@
 """The GPU acceptance run: everything the CPU test suite cannot check, on a CUDA machine, as one table.
 
-Checks: the GPU itself; FSDP2 over NCCL (torchrun'd `trainer --bench`, up to 2 ranks); `trainer --bench`
-at Qwen3-0.6B's shape (random init, built here) and seq_len 16384, with MFU; the vLLM backend on the GPU
-with `/update_weights` (the served answer changes); a single-GPU `rl` run (inference and trainer sharing
-GPU 0) whose reward rises, with shared-prefix training on the CUDA attention path; two `[[runs]]` LoRA
-runs on one trainer with vLLM serving both adapters (it reuses the rl check's SFT model). Without CUDA it
-says so, prints each command, checks every asyncrl command line with the entrypoint's own `--dry-run`, and
-exits 0 unless one of them is broken. Run it as `bash scripts/gpu_check.sh`.
+Rows, each printed as it finishes: the packages import; FSDP2 over NCCL (torchrun'd `trainer --bench`);
+shared-prefix training on the CUDA attention kernels (the unit test's equal logprobs/loss/gradients vs
+the expanded rows); the embedded engine on CUDA, its logprobs against the trainer's recomputation and
+its throughput at 64/128/256 concurrent requests; `trainer --bench` at Qwen3-0.6B's shape (random
+init, built here) and 16k tokens, with MFU; a single-GPU `rl` run (engine and trainer sharing GPU 0)
+whose reward rises; two `[[runs]]` LoRA runs on one trainer. vLLM rows say why they did not run.
+
+The rows keep to `--budget` seconds in all (default 450): each has its own time limit, cut to what is
+left, and once under 30 s are left the rest are reported "not run" rather than started. The table is printed and
+written to `$OUT/gpu_check.md` (or `--out`), the failing rows' log tails to `gpu_check.log` beside it.
+Without CUDA (or with `--dry`) it walks every row: prints its commands, checks each asyncrl command
+line with the entrypoint's own `--dry-run`, compiles the inline scripts, collects the tests, and exits
+0 unless one is broken. Run it as `bash scripts/gpu_check.sh` (docs/development.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,14 +35,23 @@ PY = sys.executable
 ENTRY = "asyncrl.entrypoints."
 ONE_GPU = ["--inference-gpu-ids", "[0]", "--trainer-gpu-ids", "[0]", "--inference.gpu-memory-utilization", "0.3"]
 EXTRA = os.environ.get("GPU_CHECK_EXTRA_TRAINER_ARGS", "").split()  # e.g. a broken flag, to see the check fail
+PORT = 8011
+MIN_SECONDS = 30  # a row is not started with less of the budget left
+NO_VLLM = "not run: vLLM cannot be carried to the lent machine (its wheels are far over a call's 64 MiB)"
 
 
 @dataclass
 class Check:
     name: str
-    commands: Callable[[Path], list[list[str]]]  # what it runs, from the work dir
+    commands: Callable[[Path], list[list[str]]]  # what it runs, from the repo root; "SERVE" first: in background
     judge: Callable[[Path, list[str]], str]  # its key number from the outputs; raises AssertionError on failure
-    needs_vllm: bool = False
+    seconds: int = 120  # its time limit
+    needs: list[str] = field(default_factory=list)  # rows that must have passed first
+    skip: str = ""  # why it never runs here
+
+
+def last_line(_: Path, outputs: list[str]) -> str:
+    return outputs[-1].strip().splitlines()[-1]
 
 
 def bench_line(_: Path, outputs: list[str]) -> str:
@@ -43,22 +60,29 @@ def bench_line(_: Path, outputs: list[str]) -> str:
     return f"{found[-1][0]} tok/s, MFU {found[-1][1].strip()}"
 
 
-def trainer_bench(model: str, ranks: int, seq_len: int) -> list[str]:
-    run = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m"]
-    fake = f"{{'micro_batch_size': 1, 'batch_size': {4 * ranks}, 'seq_len': {seq_len}}}"
-    return run + [ENTRY + "trainer", "--model.name", model, "--bench", "--device", "cuda", "--data.fake", fake, *EXTRA]
+def trainer_bench(model: str, seq_len: int, *extra: str) -> list[str]:
+    run = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", ENTRY + "trainer"]
+    fake = f"{{'micro_batch_size': 1, 'batch_size': 4, 'seq_len': {seq_len}}}"
+    return run + ["--model.name", model, "--bench", "--device", "cuda", "--data.fake", fake, *extra, *EXTRA]
 
 
-def gpus() -> int:
-    import torch
+def tests_pass(_: Path, outputs: list[str]) -> str:
+    summary = outputs[-1].strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary, summary
+    return summary.strip("= ")
 
-    return torch.cuda.device_count()
+
+def throughput(_: Path, outputs: list[str]) -> str:
+    rows = re.findall(r"^\| embedded \| (\d+) \| (\d+) \|", outputs[-1], re.M)
+    assert rows, "no throughput table in the output"
+    return ", ".join(f"c={c}: {tps} tok/s" for c, tps in rows)
 
 
-def served_answers_differ(work: Path, outputs: list[str]) -> str:
-    answers = json.loads(outputs[-1])
-    assert answers["before"] != answers["after"], f"same answer after /update_weights: {answers}"
-    return f"{answers['seconds']:.1f}s to update; answer changed"
+def logprobs_match(_: Path, outputs: list[str]) -> str:
+    got = json.loads(outputs[-1].strip().splitlines()[-1])
+    assert got["same_tokens"], "the trainer scored other tokens than the engine returned"
+    assert got["max_abs"] < 1e-3, f"engine vs trainer logprobs differ by up to {got['max_abs']:.2e}"
+    return f"{got['tokens']} tokens, max |Δlogprob| {got['max_abs']:.1e}, mean {got['mean_abs']:.1e} ({got['dtype']})"
 
 
 def reward_rises(work: Path, _: list[str]) -> str:
@@ -66,12 +90,14 @@ def reward_rises(work: Path, _: list[str]) -> str:
     rows = [r for r in rows if r.get("kind", "train") == "train"]
     early, late = (sum(r["reward/mean"] for r in part) / len(part) for part in (rows[:5], rows[-5:]))
     shared = max(r.get("batch/shared_frac", 0.0) for r in rows)
+    trainer = [json.loads(x) for x in (work / "rl" / "metrics" / "trainer.jsonl").read_text().splitlines()]
     assert late > early + 0.02, f"reward {early:.3f} -> {late:.3f}"
     assert shared > 0, "no shared-prefix tokens were trained"
-    return f"reward {early:.3f} -> {late:.3f}, shared prefix {shared:.0%} of tokens"
+    return (f"{len(rows)} steps, reward {early:.3f} -> {late:.3f}, shared prefix {shared:.0%} of tokens, "
+            f"step-0 mismatch KL {trainer[0]['mismatch_kl']:.1e}")  # fmt: skip
 
 
-def runs_train_on_vllm(work: Path, _: list[str]) -> str:
+def runs_train(work: Path, _: list[str]) -> str:
     said = []
     for name in ("reverse", "echo"):
         run = work / "multi" / f"run_{name}"
@@ -79,72 +105,113 @@ def runs_train_on_vllm(work: Path, _: list[str]) -> str:
         assert status["state"] == "done", f"run {name}: {status}"
         rows = [json.loads(x) for x in (run / "metrics" / "trainer.jsonl").read_text().splitlines()]
         kl = sorted(r["mismatch_kl"] for r in rows)[len(rows) // 2]
-        assert kl < 0.05, f"run {name}: median mismatch KL {kl:.3g} (is vLLM serving the run's adapter?)"
+        assert kl < 0.05, f"run {name}: median mismatch KL {kl:.3g} (is the engine serving the run's adapter?)"
         said.append(f"{name} {len(rows)} steps, mismatch KL {kl:.1e}")
     return "; ".join(said)
 
 
-VLLM_PROBE = r"""
-import json, sys, time, httpx
-url, base, other = sys.argv[1:4]
-ask = lambda: httpx.post(url + "/v1/chat/completions", timeout=120, json={"model": base, "max_tokens": 12,
-    "temperature": 0, "messages": [{"role": "user", "content": "Reverse the text: gpu"}]}).json()["choices"][0]
-before = ask()["message"]["content"]
-t = time.time()
-httpx.post(url + "/update_weights", json={"weight_dir": other}, timeout=600).raise_for_status()
-print(json.dumps({"before": before, "after": ask()["message"]["content"], "seconds": time.time() - t}))
+IMPORTS = """
+import importlib, verifiers as vf
+for m in ("rl", "trainer", "inference", "orchestrator", "sft", "eval", "synthesize"):
+    importlib.import_module("asyncrl.entrypoints." + m)
+for env in ("reverse-text", "echo-twice"):
+    vf.load_environment(env)
+import torch, transformers, pydantic
+print(f"entrypoints and environments import: torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"pydantic {pydantic.__version__}, verifiers {vf.__version__}, Python {__import__('platform').python_version()}")
 """
 
+CUDA = """
+import torch, torch.distributed as dist
+p = torch.cuda.get_device_properties(0)
+print(f"{p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, cuDNN {torch.backends.cudnn.version()}")
+"""
+
+LOGPROBS = """
+import json, sys, httpx, torch
+from transformers import AutoModelForCausalLM
+from asyncrl.trainer.loss import token_logprobs
+url, name = sys.argv[1:3]
+out = httpx.post(url + "/v1/chat/completions", timeout=300, json={"model": name, "max_tokens": 48, "n": 16,
+    "temperature": 1.0, "logprobs": True, "return_token_ids": True,
+    "messages": [{"role": "user", "content": "Reverse the text: the lent GPU"}]}).json()
+model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).cuda().eval()
+prompt, diffs, same = out["prompt_token_ids"], [], True
+for c in out["choices"]:
+    ids = torch.tensor(prompt + c["token_ids"], device="cuda")
+    with torch.no_grad():
+        lp = token_logprobs(model(input_ids=ids[None]).logits[0], ids, torch.ones(len(ids), device="cuda"))
+    served = torch.tensor([t["logprob"] for t in c["logprobs"]["content"]], dtype=torch.float64)
+    same &= len(served) == len(c["token_ids"])
+    diffs.append((lp[len(prompt):].double().cpu() - served).abs())
+d = torch.cat(diffs)
+print(json.dumps({"tokens": d.numel(), "max_abs": d.max().item(), "mean_abs": d.mean().item(), "same_tokens": same,
+                  "dtype": str(model.dtype)}))
+"""
+
+
+def serve(model: Path, out: Path) -> list[str]:
+    return ["SERVE", PY, "-m", ENTRY + "inference", "--model.name", str(model), "--server.port", str(PORT),
+            "--output-dir", str(out)]  # fmt: skip
+
+
+QWEN3_06B = ("hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072, "
+             "vocab_size=151936, max_position_embeddings=40960")  # fmt: skip
+
 CHECKS = [
+    Check("imports", lambda w: [[PY, "-c", IMPORTS]], last_line, 60),
+    Check("cuda", lambda w: [[PY, "-c", CUDA]], last_line, 30),
+    Check("fsdp2_nccl", lambda w: [trainer_bench(str(w / "tiny"), 2048)], bench_line, 90, ["cuda"]),
     Check(
-        "cuda",
+        "shared_prefix_cuda_attention",
+        lambda w: [[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_trainer_shared_prefix.py"]],
+        tests_pass,
+        90,
+        ["cuda"],
+    ),  # fmt: skip
+    Check(
+        "engine_logprobs_vs_trainer",
+        lambda w: [serve(w / "tiny", w / "serve"), [PY, "-c", LOGPROBS, f"http://127.0.0.1:{PORT}", str(w / "tiny")]],
+        logprobs_match,
+        90,
+        ["cuda"],
+    ),  # fmt: skip
+    Check(
+        "engine_cuda_throughput",
         lambda w: [
-            [PY, "-c", "import torch; print(torch.cuda.get_device_name(0), torch.__version__, torch.version.cuda)"]
+            [
+                PY,
+                "benchmarks/inference.py",
+                "--no-hf-reference",
+                "--repeats",
+                "1",
+                "--max-tokens",
+                "64",
+                "--hidden-size",
+                "256",
+                "--concurrency",
+                "64,128,256",
+            ]
         ],
-        lambda w, out: out[-1].strip(),
-    ),
-    Check(
-        "fsdp2_nccl",
-        lambda w: [trainer_bench(str(w / "tiny"), max(1, min(2, gpus())), 2048)],
-        bench_line,
-    ),
+        throughput,
+        90,
+        ["cuda"],
+    ),  # fmt: skip
     Check(
         "bench_qwen3_0.6b_16k",
         lambda w: [
             [
                 PY,
                 "-c",
-                f"from asyncrl.utils.tiny_model import build_tiny_model as b; b('{w / 'qwen3-0.6b'}', "
-                "hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072, "
-                "vocab_size=151936, max_position_embeddings=40960)",
+                f"from asyncrl.utils.tiny_model import build_tiny_model; "
+                f"build_tiny_model('{w / 'qwen3-0.6b'}', {QWEN3_06B})",
             ],
-            trainer_bench(str(w / "qwen3-0.6b"), 1, 16384) + ["--model.optimization-dtype", "bfloat16"],
+            trainer_bench(str(w / "qwen3-0.6b"), 16384, "--model.optimization-dtype", "bfloat16"),
         ],
         bench_line,
-    ),  # fmt: skip
-    Check(
-        "vllm_update_weights",
-        lambda w: [
-            [
-                "SERVE",
-                PY,
-                "-m",
-                ENTRY + "inference",
-                "--backend",
-                "vllm",
-                "--model.name",
-                str(w / "tiny"),
-                "--server.port",
-                "8011",
-                "--gpu-memory-utilization",
-                "0.3",
-                "--output-dir",
-                str(w / "vllm"),
-            ],
-            [PY, "-c", VLLM_PROBE, "http://127.0.0.1:8011", str(w / "tiny"), str(w / "tiny-other")],
-        ],
-        served_answers_differ,
-        needs_vllm=True,
+        150,
+        ["fsdp2_nccl"],
     ),  # fmt: skip
     Check(
         "rl_single_gpu_shared_prefix",
@@ -181,9 +248,11 @@ CHECKS = [
             ],
         ],
         reward_rises,
+        200,
+        ["cuda"],
     ),  # fmt: skip
     Check(
-        "rl_multi_run_lora_vllm",
+        "rl_multi_run_lora",
         lambda w: [
             [
                 PY,
@@ -197,91 +266,124 @@ CHECKS = [
                 str(w / "multi"),
                 "--max-steps",
                 "20",
-                "--inference.backend",
-                "vllm",
                 *ONE_GPU,
             ],
         ],
-        runs_train_on_vllm,
-        needs_vllm=True,
+        runs_train,
+        120,
+        ["rl_single_gpu_shared_prefix"],
     ),  # fmt: skip
+    Check("vllm_update_weights", lambda w: [], last_line, skip=NO_VLLM),
+    Check("rl_multi_run_lora_vllm", lambda w: [], last_line, skip=NO_VLLM),
 ]
 
 
-def run(cmd: list[str], log: Path) -> str:
-    """Run one command (a `SERVE` one in the background, waited for on /health); its output."""
+def run(cmd: list[str], log: Path, deadline: float, servers: list) -> str:
+    """Run one command until `deadline` (a `SERVE` one in the background, waited for on /health); its output."""
     if cmd[0] == "SERVE":
         from asyncrl.utils.process import spawn, wait_for_http
 
-        proc = spawn(cmd[1:], log)
-        SERVERS.append(proc)
-        wait_for_http("http://127.0.0.1:8011/health", 900, proc, log)
+        servers.append(spawn(cmd[1:], log))
+        wait_for_http(f"http://127.0.0.1:{PORT}/health", max(1, deadline - time.monotonic()), servers[-1], log)
         return ""
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    log.write_text(done.stdout + done.stderr)
-    if done.returncode:
-        raise AssertionError(f"exit {done.returncode}: {(done.stdout + done.stderr).strip().splitlines()[-1:]}")
-    return done.stdout
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError("out of its time limit") from None
+    text = log.read_text()
+    if code:
+        raise AssertionError(f"exit {code}: {text.strip().splitlines()[-1:]}")
+    return text
 
 
-SERVERS: list = []
+def on_gpu(check: Check, work: Path, seconds: float) -> tuple[str, str]:
+    from asyncrl.utils.process import stop_groups
 
-
-def on_gpu(check: Check, work: Path) -> tuple[str, str]:
-    if check.needs_vllm and subprocess.run([PY, "-c", "import asyncrl.inference.vllm.launch as m; "
-                                            "assert m.vllm_python()"], capture_output=True).returncode:  # fmt: skip
-        return "skipped", "no vLLM env (scripts/install_vllm.sh; a CUDA vLLM for the GPU)"
+    deadline, servers = time.monotonic() + seconds, []
     try:
-        outputs = [run(cmd, work / f"{check.name}.{i}.log") for i, cmd in enumerate(check.commands(work))]
+        logs = (work / f"{check.name}.{i}.log" for i in range(99))
+        outputs = [run(cmd, log, deadline, servers) for cmd, log in zip(check.commands(work), logs)]
         return "pass", check.judge(work, outputs)
-    except AssertionError as e:
-        for log in sorted(work.glob(f"{check.name}.*.log")):  # what went wrong, before the table
-            print(f"  -- tail of {log.name}:", *log.read_text().splitlines()[-15:], sep="\n  ")
-        return "FAIL", str(e)[:200]
+    except (AssertionError, OSError, RuntimeError, ValueError, KeyError) as e:
+        return "FAIL", f"{type(e).__name__}: {e}"[:240] if not isinstance(e, AssertionError) else str(e)[:240]
     finally:
-        from asyncrl.utils.process import stop_groups
-
-        stop_groups(SERVERS)
-        SERVERS.clear()
+        stop_groups(servers)
 
 
-def dry(check: Check, work: Path) -> tuple[str, str]:
-    """Print the commands; each asyncrl entrypoint's line must pass its own --dry-run."""
+def dry(check: Check, work: Path, _: float) -> tuple[str, str]:
+    """Print the commands and check each: entrypoints' --dry-run, inline scripts compile, tests collect."""
     for cmd in check.commands(work):
         cmd = cmd[1:] if cmd[0] == "SERVE" else cmd
         print("  $", " ".join(a if "\n" not in a else "<script>" for a in cmd))
         module = next((a for a in cmd if a.startswith(ENTRY)), None)
-        if module is None:
+        if module is not None:
+            probe = [PY, "-m", module, *cmd[cmd.index(module) + 1 :], "--dry-run"]
+        elif cmd[1:3] == ["-m", "pytest"]:
+            probe = [*cmd, "--collect-only"]
+        elif cmd[1] == "-c" and check.name != "imports":
+            compile(cmd[2], check.name, "exec")
             continue
-        args = cmd[cmd.index(module) + 1 :]
-        done = subprocess.run([PY, "-m", module, *args, "--dry-run"], cwd=REPO, capture_output=True, text=True)
+        else:
+            probe = cmd if check.name == "imports" else [*cmd, "--help"]
+        done = subprocess.run(probe, cwd=REPO, capture_output=True, text=True)
         if done.returncode:
-            return "FAIL", f"{module} rejects its flags: {done.stderr.strip().splitlines()[-1]}"
-    return "dry", "flags resolve (--dry-run)"
+            return "FAIL", f"{(module or cmd[1])} fails: {(done.stdout + done.stderr).strip().splitlines()[-1]}"
+    return "dry", "commands resolve (--dry-run, compile, collect)"
+
+
+def write(rows: list[tuple[str, str, float, str]], out: Path | None, work: Path, device: str) -> None:
+    table = [f"device: {device}", "", "| check | status | seconds | result |", "|---|---|---:|---|"]
+    table += [f"| {name} | {status} | {seconds:.0f} | {result} |" for name, status, seconds, result in rows]
+    print("\n" + "\n".join(table))
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.md").write_text("\n".join(table) + "\n")
+    failed = [name for name, status, _, _ in rows if status == "FAIL"]
+    tails = [f"== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+             for name in failed for log in sorted(work.glob(f"{name}.*.log"))]  # fmt: skip
+    (out / "gpu_check.log").write_text("\n\n".join(tails) + "\n")
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry", action="store_true", help="walk every row without running it (the default without CUDA)")
+    ap.add_argument("--only", default="", help="comma-separated rows to run (a rerun of the ones that failed)")
+    ap.add_argument("--budget", type=float, default=450, help="seconds for all the rows together")
+    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    args = ap.parse_args()
     import torch
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not args.dry
     print("GPU acceptance run" if cuda else "no CUDA GPU here: dry check only (the commands each check would run)")
-    rows = []
+    device = torch.cuda.get_device_name(0) if cuda else "none (dry)"
+    end, rows, passed = time.monotonic() + args.budget, [], set()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
         if cuda:
             from asyncrl.utils.tiny_model import build_tiny_model
 
-            build_tiny_model(work / "tiny", hidden_size=128, num_layers=4)  # vLLM's GPU attention: head_dim 32
-            build_tiny_model(work / "tiny-other", hidden_size=128, num_layers=4, seed=1)
+            build_tiny_model(work / "tiny", hidden_size=128, num_layers=4)
         for check in CHECKS:
-            print(f"== {check.name}", flush=True)
-            start = time.monotonic()
-            status, result = (on_gpu if cuda else dry)(check, work)
+            if args.only and check.name not in args.only.split(","):
+                continue
+            start, left = time.monotonic(), end - time.monotonic()
+            missing = [n for n in check.needs if n not in passed and (not args.only or n in args.only)]
+            if check.skip or (cuda and (missing or left < MIN_SECONDS)):
+                why = check.skip or (f"not run: {', '.join(missing)} did not pass" if missing else
+                                     f"not run: {left:.0f}s of the budget left")  # fmt: skip
+                status, result = "skipped", why
+            else:
+                print(f"== {check.name}", flush=True)
+                status, result = (on_gpu if cuda else dry)(check, work, min(check.seconds, left))
+            passed |= {check.name} if status in ("pass", "dry") else set()
             rows.append((check.name, status, time.monotonic() - start, result))
             print(f"  {status}: {result} ({rows[-1][2]:.0f}s)", flush=True)
-    print("\n| check | status | seconds | result |\n|---|---|---|---|")
-    for name, status, seconds, result in rows:
-        print(f"| {name} | {status} | {seconds:.0f} | {result} |")
+        write(rows, args.out, work, device)
     return 1 if any(status == "FAIL" for _, status, _, _ in rows) else 0
 
 
