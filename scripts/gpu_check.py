@@ -57,13 +57,15 @@ def last_line(_: Path, outputs: list[str]) -> str:
 def bench_line(_: Path, outputs: list[str]) -> str:
     found = re.findall(r"bench \| tokens/s ([\d,]+) \| MFU ([^|]+)\|", outputs[-1])
     assert found, "no bench line in the output"
-    return f"{found[-1][0]} tok/s, MFU {found[-1][1].strip()}"
+    peak = re.findall(r"peak memory ([\d.]+ GiB)", outputs[-1])
+    return f"{found[-1][0]} tok/s, MFU {found[-1][1].strip()}" + (f", peak memory {peak[-1]}" if peak else "")
 
 
 def trainer_bench(model: str, seq_len: int, *extra: str) -> list[str]:
     run = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", ENTRY + "trainer"]
     fake = f"{{'micro_batch_size': 1, 'batch_size': 4, 'seq_len': {seq_len}}}"
-    return run + ["--model.name", model, "--bench", "--device", "cuda", "--data.fake", fake, *extra, *EXTRA]
+    one_row = ["--data.micro-batch-size", "1"]  # one 16k row per forward: logits are (T, vocab)
+    return run + ["--model.name", model, "--bench", "--device", "cuda", "--data.fake", fake, *one_row, *extra, *EXTRA]
 
 
 def tests_pass(_: Path, outputs: list[str]) -> str:
@@ -82,7 +84,7 @@ def logprobs_match(_: Path, outputs: list[str]) -> str:
     got = json.loads(outputs[-1].strip().splitlines()[-1])
     assert got["same_tokens"], "the trainer scored other tokens than the engine returned"
     assert got["max_abs"] < 1e-3, f"engine vs trainer logprobs differ by up to {got['max_abs']:.2e}"
-    return f"{got['tokens']} tokens, max |Δlogprob| {got['max_abs']:.1e}, mean {got['mean_abs']:.1e} ({got['dtype']})"
+    return f"{got['tokens']} tokens, max abs Δlogprob {got["max_abs"]:.1e}, mean {got['mean_abs']:.1e} ({got['dtype']})"
 
 
 def reward_rises(work: Path, _: list[str]) -> str:

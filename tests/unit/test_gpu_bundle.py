@@ -1,0 +1,77 @@
+"""The lent GPU machine has no network: whatever asyncrl imports must be in its image (scripts/gpu_image.txt) or in
+the wheel bundle (scripts/gpu_bundle.lock, made by scripts/gpu_bundle.sh). An import that is in neither fails here,
+in CI, not on the day a GPU is lent. Two views: every top-level import in our source (lazy ones in functions
+too), and every distribution loaded by importing all asyncrl modules and the shipped environments (what those
+pull in themselves)."""
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+OWN = {"asyncrl"} | {p.name.replace("_", "-") for p in (REPO / "environments").iterdir() if p.is_dir()}
+OPTIONAL = {"vllm": "its own env (scripts/install_vllm.sh); not carried", "wandb": "the wandb extra; off by default"}
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def listed(path: str) -> list[str]:
+    lines = (REPO / path).read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+IMAGE = {norm(x) for x in listed("scripts/gpu_image.txt")}
+BUNDLE = {norm(x.split("==")[0]) for x in listed("scripts/gpu_bundle.lock")}
+
+
+def missing(dists: set[str]) -> list[str]:
+    return sorted(d for d in map(norm, dists) if d not in IMAGE | BUNDLE | OWN | set(OPTIONAL))
+
+
+def test_the_lock_pins_each_package_once_and_nothing_the_image_has():
+    lock = listed("scripts/gpu_bundle.lock")
+    assert all(re.fullmatch(r"[A-Za-z0-9_.-]+==[A-Za-z0-9_.+-]+", x) for x in lock), lock
+    assert len(BUNDLE) == len(lock), "a package is locked twice"
+    assert not BUNDLE & IMAGE, f"already in the image: {sorted(BUNDLE & IMAGE)}"
+
+
+def test_every_import_in_our_source_is_on_the_lent_machine():
+    names: set[str] = set()
+    sources = [*(REPO / "src" / "asyncrl").rglob("*.py"), *(REPO / "environments").glob("*/*.py")]
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    names -= set(sys.stdlib_module_names) | {p.stem for p in (REPO / "environments").glob("*/*.py")}
+    found = packages_distributions()
+    dists = {d for n in names for d in found.get(n, [n])}
+    assert not missing(dists), f"imported, but neither in the GPU image nor in scripts/gpu_bundle.lock: {missing(dists)}"
+
+
+LOADED = """
+import importlib, json, pkgutil, sys, asyncrl, verifiers
+from importlib.metadata import packages_distributions
+for m in pkgutil.walk_packages(asyncrl.__path__, "asyncrl."):
+    if not m.name.startswith("asyncrl.inference.vllm."):
+        importlib.import_module(m.name)
+for env in ("reverse-text", "echo-twice", "sort-letters", "tool-calc"):
+    verifiers.load_environment(env)
+found = packages_distributions()
+print(json.dumps(sorted({d for name in list(sys.modules) for d in found.get(name.split(".")[0], [])})))
+"""
+
+
+def test_every_distribution_our_modules_load_is_on_the_lent_machine():
+    done = subprocess.run([sys.executable, "-c", LOADED], cwd="/", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    dists = set(json.loads(done.stdout.splitlines()[-1]))
+    assert {"verifiers", "pydantic", "torch"} <= dists
+    assert not missing(dists), f"loaded, but neither in the GPU image nor in scripts/gpu_bundle.lock: {missing(dists)}"
