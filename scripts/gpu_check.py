@@ -84,7 +84,7 @@ def logprobs_match(_: Path, outputs: list[str]) -> str:
     got = json.loads(outputs[-1].strip().splitlines()[-1])
     assert got["same_tokens"], "the trainer scored other tokens than the engine returned"
     assert got["max_abs"] < 1e-3, f"engine vs trainer logprobs differ by up to {got['max_abs']:.2e}"
-    return f"{got['tokens']} tokens, max abs Δlogprob {got["max_abs"]:.1e}, mean {got['mean_abs']:.1e} ({got['dtype']})"
+    return f"{got['tokens']} tokens, max abs Δlogprob {got['max_abs']:.1e}, mean {got['mean_abs']:.1e} ({got['dtype']})"
 
 
 def reward_rises(work: Path, _: list[str]) -> str:

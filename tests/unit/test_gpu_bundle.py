@@ -30,6 +30,9 @@ IMAGE = {norm(x) for x in listed("scripts/gpu_image.txt")}
 BUNDLE = {norm(x.split("==")[0]) for x in listed("scripts/gpu_bundle.lock")}
 
 
+WHERE = "neither in the GPU image nor in scripts/gpu_bundle.lock (add it there, then bash scripts/gpu_bundle.sh)"
+
+
 def missing(dists: set[str]) -> list[str]:
     return sorted(d for d in map(norm, dists) if d not in IMAGE | BUNDLE | OWN | set(OPTIONAL))
 
@@ -53,7 +56,7 @@ def test_every_import_in_our_source_is_on_the_lent_machine():
     names -= set(sys.stdlib_module_names) | {p.stem for p in (REPO / "environments").glob("*/*.py")}
     found = packages_distributions()
     dists = {d for n in names for d in found.get(n, [n])}
-    assert not missing(dists), f"imported, but neither in the GPU image nor in scripts/gpu_bundle.lock: {missing(dists)}"
+    assert not missing(dists), f"imported, but {WHERE}: {missing(dists)}"
 
 
 LOADED = """
@@ -74,4 +77,4 @@ def test_every_distribution_our_modules_load_is_on_the_lent_machine():
     assert done.returncode == 0, done.stderr[-2000:]
     dists = set(json.loads(done.stdout.splitlines()[-1]))
     assert {"verifiers", "pydantic", "torch"} <= dists
-    assert not missing(dists), f"loaded, but neither in the GPU image nor in scripts/gpu_bundle.lock: {missing(dists)}"
+    assert not missing(dists), f"loaded, but {WHERE}: {missing(dists)}"
