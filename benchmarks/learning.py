@@ -210,14 +210,14 @@ def summarize_run(run_dir: Path, wall: float) -> dict[str, Any]:
     }
 
 
-# ---- TRL's job: held-out after 80 steps and time to TRL's score ----------------------------------------
+# ---- the bench job: held-out after 80 steps and time to TRL's score ----------------------------------------
 
 
 def trl_score(out: Path, seed: int) -> dict[str, Any]:
     """TRL's GRPOTrainer on the `rl --bench` job (benchmarks/trl_grpo.py), once per seed."""
     d = out / "trl" / f"s{seed}"
     if not (d / "bench_trl.json").exists():
-        log(f"TRL's job, seed {seed} -> {d}")
+        log(f"bench job with TRL, seed {seed} -> {d}")
         cmd = [sys.executable, str(ROOT / "benchmarks" / "trl_grpo.py"), "--output-dir", str(d), "--seed", str(seed)]
         run(cmd, out / "trl" / f"s{seed}.log", {**os.environ, "PYTHONPATH": str(ROOT / "src")})
     return json.loads((d / "bench_trl.json").read_text())
@@ -226,7 +226,7 @@ def trl_score(out: Path, seed: int) -> dict[str, Any]:
 def race(out: Path, recipe: str, k: int, seed: int, target: float, port: int) -> dict[str, Any]:
     """`rl --bench` (checkpoints every 10 steps): held-out after 80 steps, and the wall time until the first
     checkpoint whose sampled held-out accuracy reaches `target` (bisection over the checkpoints)."""
-    from asyncrl.bench import job
+    from asyncrl.config import bench as job
 
     d = out / "race" / recipe / f"k{k}-s{seed}"
     done = d / "race.json"
@@ -266,7 +266,7 @@ def trl_table(trl: list[dict], races: dict[str, list[dict]]) -> str:
     """Held-out after 80 steps (sampled, greedy) and seconds to TRL's sampled score, TRL vs each recipe."""
     trl_wall = statistics.fmean(t["wall_s"] for t in trl)
     lines = [
-        f"{'TRL job (80 steps)':<24} {'n':>2}  {'sampled':>15}  {'greedy':>15}  {'s to TRL score':>15}  {'x TRL':>6}"
+        f"{'bench job (80 steps)':<24} {'n':>2}  {'sampled':>15}  {'greedy':>15}  {'s to TRL score':>15}  {'x TRL':>6}"
     ]
     lines.append("-" * len(lines[0]))
     sampled, greedy = [t["heldout"]["after"]["sampled"] for t in trl], [t["heldout"]["after"]["greedy"] for t in trl]
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--trl",
         action="store_true",
-        help="instead: TRL's job, TRL (pip install trl) vs rl --bench, per recipe and k",
+        help="instead: the bench job, TRL (pip install trl) vs rl --bench, per recipe and k",
     )
     ap.add_argument("--trl-seeds", type=int, default=2, help="TRL runs (each ~2 min)")
     args = ap.parse_args(argv)

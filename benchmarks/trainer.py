@@ -2,7 +2,7 @@
 
     python benchmarks/trainer.py                    # tiny models on CPU, 1 and 2 processes (gloo)
     python benchmarks/trainer.py --qwen3-0.6b       # + Qwen3-0.6B-shaped random weights at seq 16k (GPU)
-    python benchmarks/trainer.py --rows-sweep       # only the RL job's shape: data.micro_batch_size x dtype
+    python benchmarks/trainer.py --rows-sweep       # only the bench job's shape: data.micro_batch_size x dtype
 
 Every run is a fresh `python -m asyncrl.entrypoints.trainer --bench` (under torchrun for 2 ranks); the
 numbers come from its metrics file, the first (warm-up) step excluded. MFU needs a known GPU peak
@@ -21,15 +21,15 @@ import tempfile
 from pathlib import Path
 
 CPU_CASES = [
-    # name, hidden, layers, heads, kv heads, ranks, seq_len, micro_batch_size, batch_size
+    # name, hidden, layers, heads, kv heads, ranks, seq_len, samples_per_row, batch_size
     ("tiny-1M", 128, 4, 4, 2, 1, 256, 4, 16),
     ("tiny-1M", 128, 4, 4, 2, 2, 256, 4, 16),
     ("small-10M", 384, 6, 6, 2, 1, 256, 4, 16),
     ("small-10M", 384, 6, 6, 2, 2, 256, 4, 16),
 ]
 
-# the RL benchmark job's trainer step on tiny-1M: 129 samples of 85 tokens, 3 per 255-token row = 43 rows
-JOB_SHAPE = {"seq_len": 85, "micro_batch_size": 3, "batch_size": 129}
+# the bench job's trainer step on tiny-1M: 129 samples of 85 tokens, 3 per 255-token row = 43 rows
+JOB_SHAPE = {"seq_len": 85, "samples_per_row": 3, "batch_size": 129}
 ROWS_PER_FORWARD = (1, 2, 4, 8, 16)
 DTYPES = ("float32", "bfloat16")
 
@@ -62,10 +62,10 @@ def build_qwen3_06b_shape(out: Path) -> Path:
 
 
 def run_bench(
-    model_dir: Path, out: Path, ranks: int, seq: int, mbs: int, bs: int, steps: int, extra: list[str], threads: int
+    model_dir: Path, out: Path, ranks: int, seq: int, per_row: int, bs: int, steps: int, extra: list[str], threads: int
 ) -> dict:
-    """`mbs` samples packed per row of fake data; `extra` may set --data.micro-batch-size (rows per forward)."""
-    fake = json.dumps({"seq_len": seq, "micro_batch_size": mbs, "batch_size": bs})
+    """`per_row` samples packed per row of fake data; `extra` may set --data.micro-batch-size (rows per forward)."""
+    fake = json.dumps({"seq_len": seq, "samples_per_row": per_row, "batch_size": bs})
     args = [
         "-m",
         "asyncrl.entrypoints.trainer",
@@ -112,11 +112,11 @@ def params_of(model_dir: Path) -> int:
 
 
 def rows_sweep(root: Path, steps: int, threads: int) -> list[tuple[int, str, dict]]:
-    """The job's shape for every rows-per-forward and compute dtype, run interleaved in one invocation."""
+    """The bench job's shape for every rows-per-forward and compute dtype, run interleaved in one invocation."""
     from asyncrl.utils.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(root / "tiny-1M", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
-    shape = (JOB_SHAPE["seq_len"], JOB_SHAPE["micro_batch_size"], JOB_SHAPE["batch_size"])
+    shape = (JOB_SHAPE["seq_len"], JOB_SHAPE["samples_per_row"], JOB_SHAPE["batch_size"])
     results = []
     for rows in ROWS_PER_FORWARD:
         for dtype in DTYPES:
@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=16384, help="sequence length of the Qwen3-0.6B case")
     parser.add_argument("--ac", action="store_true", help="activation checkpointing in the Qwen3-0.6B case")
     parser.add_argument(
-        "--rows-sweep", action="store_true", help="only the RL job's shape, data.micro_batch_size x dtype"
+        "--rows-sweep", action="store_true", help="only the bench job's shape, data.micro_batch_size x dtype"
     )
     parser.add_argument(
         "--threads",
@@ -164,7 +164,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if not args.skip_cpu:
-            for name, hidden, layers, heads, kv, ranks, seq, mbs, bs in CPU_CASES:
+            for name, hidden, layers, heads, kv, ranks, seq, per_row, bs in CPU_CASES:
                 model_dir = root / name
                 if not model_dir.exists():
                     build_tiny_model(model_dir, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv)
@@ -174,13 +174,13 @@ def main() -> None:
                     out,
                     ranks,
                     seq,
-                    mbs,
+                    per_row,
                     bs,
                     args.steps,
                     ["--device", "cpu"],
                     threads=args.threads or max(1, cores // ranks),
                 )
-                results.append((name, params_of(model_dir), "cpu fp32", ranks, f"{seq}x{mbs}x{bs}", r))
+                results.append((name, params_of(model_dir), "cpu fp32", ranks, f"{seq}x{per_row}x{bs}", r))
         if args.qwen:
             model_dir = build_qwen3_06b_shape(root / "qwen3-0.6b")
             extra = ["--device", "cuda", "--model.optimization-dtype", "bfloat16", "--model.reduce-dtype", "float32"]
@@ -199,13 +199,13 @@ def main() -> None:
             )
 
     print(
-        f"\n{'model':<18} {'params':>8} {'device':<13} {'ranks':>5} {'seq x mbs x bs':>15} "
+        f"\n{'model':<18} {'params':>8} {'device':<13} {'ranks':>5} {'seq x per_row x bs':>18} "
         f"{'tokens/s':>10} {'step s':>8} {'MFU':>7} {'peak mem':>9}"
     )
     for name, n, dev, ranks, shape, r in results:
         mfu = f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         print(
-            f"{name:<18} {n / 1e6:>7.1f}M {dev:<13} {ranks:>5} {shape:>15} {r['tok_s']:>10,.0f} "
+            f"{name:<18} {n / 1e6:>7.1f}M {dev:<13} {ranks:>5} {shape:>18} {r['tok_s']:>10,.0f} "
             f"{r['step_s']:>8.2f} {mfu:>7} {r['mem']:>7.2f}Gi"
         )
     print(

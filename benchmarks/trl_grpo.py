@@ -5,7 +5,7 @@ TRL is not an asyncrl dependency; install it into the env you run this with:
     .venv/bin/pip install trl          # tested with trl 1.16.0 (torch 2.13 CPU, transformers 5.23)
     PYTHONPATH=src .venv/bin/python benchmarks/trl_grpo.py [--max-steps 80] [--model DIR] [--output-dir DIR]
 
-Same job as `rl --bench` (asyncrl.bench.job): the tiny Qwen3 SFT-warmed by `rl --bench` (reused from
+Same job as `rl --bench` (asyncrl.config.bench): the tiny Qwen3 SFT-warmed by `rl --bench` (reused from
 `outputs/bench/warmup/<key>/model`, warmed here first if missing), reverse a 5-8 letter word with the
 same system prompt, exact-match reward, 16 prompts x 8 rollouts, 16 new tokens, T=1, AdamW lr 1e-4,
 weight decay 0, grad clip 1, constant schedule, 80 steps. TRL's own defaults stay for the rest
@@ -32,8 +32,9 @@ try:
 except ImportError:
     sys.exit("benchmarks/trl_grpo.py needs TRL, which asyncrl does not depend on: pip install trl (tested: 1.16.0)")
 
-from asyncrl.bench import heldout, job, summary  # noqa: E402
+from asyncrl.bench import heldout, summary  # noqa: E402
 from asyncrl.bench.warmup import ensure_warm_model  # noqa: E402
+from asyncrl.config import bench as job  # noqa: E402
 
 
 def dataset():

@@ -63,7 +63,7 @@ def bench_line(_: Path, outputs: list[str]) -> str:
 
 def trainer_bench(model: str, seq_len: int, *extra: str) -> list[str]:
     run = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", ENTRY + "trainer"]
-    fake = f"{{'micro_batch_size': 1, 'batch_size': 4, 'seq_len': {seq_len}}}"
+    fake = f"{{'samples_per_row': 1, 'batch_size': 4, 'seq_len': {seq_len}}}"
     one_row = ["--data.micro-batch-size", "1"]  # one 16k row per forward: logits are (T, vocab)
     return run + ["--model.name", model, "--bench", "--device", "cuda", "--data.fake", fake, *one_row, *extra, *EXTRA]
 

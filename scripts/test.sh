@@ -19,4 +19,4 @@ if [ "${ASYNCRL_SKIP_BROWSER:-0}" != 1 ]; then
     echo "warning: could not install chromium; the report's browser test will be skipped"
   fi
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"

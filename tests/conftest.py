@@ -1,6 +1,16 @@
-"""Shared fixtures: one tiny model per test session (built locally, no download); loguru capture."""
+"""Shared fixtures: one tiny model per test session (built locally, no download); loguru capture; inference
+servers shared for the session by the suites that need the same server."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "integration"))  # server_proc
+from server_proc import BACKENDS, ServerProcess, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +29,98 @@ def caplog_loguru():
     sink = logger.add(lambda m: messages.append(m.record["message"]), level="DEBUG")
     yield messages
     logger.remove(sink)
+
+
+# ---- servers shared by several suites ------------------------------------------------------------------------
+# `shared_server`: the inference contract, the hostile-input suite and the vLLM LoRA test all talk to it: one
+# per backend, serving `served_model_dir` with the contract's options (server_proc.start_server: api key, hermes
+# tools, qwen3 reasoning, max_model_len 512, LoRA on) and `--allowed-weights-root` = this session's pytest
+# temp dir (every weight/adapter dir a test writes is in it; no generated hostile path is).
+# `shared_inference_process`: the `inference` entrypoint serving `tiny_model_dir` (server_proc.ServerProcess),
+# for the eval and synthesize suites.
+# A test that changes what a shared server serves (weights, adapters) puts the base weights back; the suites
+# check that it did. The tests of each shared server run as one block (pytest_collection_modifyitems below)
+# and the server stops right after the last of them: one start each, and none left running (holding memory)
+# through the rest of the session.
+
+SHARED_FIXTURES = ("shared_server", "shared_inference_process")
+_RUNNING: dict[tuple, Callable[[], None]] = {}  # shared key -> how to stop its server, while it runs
+_LAST_USER: dict[tuple, str] = {}  # shared key -> node id of the last test that uses that server
+
+
+@pytest.fixture(scope="session")
+def served_model_dir(tmp_path_factory) -> Path:
+    from asyncrl.utils.tiny_model import build_tiny_model
+
+    # head_dim 32 (hidden 128 / 4 heads) so vLLM's CPU attention can serve the same model.
+    return build_tiny_model(tmp_path_factory.mktemp("served_model"), hidden_size=128, num_layers=2, num_heads=4)
+
+
+@pytest.fixture(scope="session")
+def served_weights_root(tmp_path_factory) -> Path:
+    """The shared servers' `--allowed-weights-root`: this session's pytest temp dir."""
+    return tmp_path_factory.getbasetemp().resolve()
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def shared_server(request, served_model_dir, served_weights_root):
+    key = ("shared_server", request.param)
+    srv = start_server(request.param, served_model_dir, allowed_weights_root=served_weights_root)
+    _RUNNING[key] = srv.stop
+    yield srv
+    _stop_shared(key)
+
+
+@pytest.fixture(scope="session")
+def shared_inference_process(tiny_model_dir, tmp_path_factory):
+    key = ("shared_inference_process", None)
+    proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("inference_server"))
+    _RUNNING[key] = proc.stop
+    yield proc
+    _stop_shared(key)
+
+
+def _stop_shared(key: tuple) -> None:
+    stop = _RUNNING.pop(key, None)
+    if stop is not None:
+        stop()
+
+
+def _shared_key(item) -> tuple | None:
+    """Which shared server `item` uses, with its parameter (the backend), if any."""
+    for name in SHARED_FIXTURES:
+        if name in getattr(item, "fixturenames", ()):
+            callspec = getattr(item, "callspec", None)
+            return name, callspec.params.get(name) if callspec is not None else None
+    return None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """The tests of each shared server (and backend) as one block, in collection order, where the first of them
+    was; the other tests keep their order."""
+    keys = {item: _shared_key(item) for item in items}
+    ordered, placed = [], set()
+    for item in items:
+        key = keys[item]
+        if key is None:
+            ordered.append(item)
+        elif key not in placed:
+            placed.add(key)
+            ordered += [i for i in items if keys[i] == key]
+    items[:] = ordered
+
+
+def pytest_collection_finish(session):
+    _LAST_USER.clear()
+    for item in session.items:  # after any deselection
+        key = _shared_key(item)
+        if key is not None:
+            _LAST_USER[key] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    key = _shared_key(item)
+    if key is not None and _LAST_USER.get(key) == item.nodeid:
+        _stop_shared(key)

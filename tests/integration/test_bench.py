@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.bench import job
+from asyncrl.config import bench as job
 from asyncrl.utils.process import free_port
 
 pytestmark = pytest.mark.slow

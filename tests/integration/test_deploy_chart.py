@@ -294,7 +294,7 @@ def dry_run(docs: list[dict], tmp_path: Path, configs: dict[str, str] | None = N
 
 
 def test_default_values(tools, tmp_path):
-    """No values at all: the seeds' walk-through on 1 + 1 GPUs, a generated key, a new claim and ConfigMap."""
+    """No values at all: PRIME-RL's walk-through on 1 + 1 GPUs, a generated key, a new claim and ConfigMap."""
     path, docs = render(tools, tmp_path, "default")
     kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
     assert kinds == [

@@ -40,10 +40,8 @@ def weights(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("eval_server"))
-    yield proc
-    proc.stop()
+def server(shared_inference_process):
+    return shared_inference_process  # tests/conftest.py: the session's one, shared with the synthesize suite
 
 
 def run_eval(server: ServerProcess, out: Path, *extra: str) -> subprocess.CompletedProcess:

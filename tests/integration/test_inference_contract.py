@@ -1,8 +1,9 @@
 """The inference server contract, run against every backend in BACKENDS over real HTTP.
 
-One server per backend for the module (tiny random model, api key on, hermes tools + qwen3 reasoning
-parsing on). To add a backend: append it to BACKENDS and teach `start_server` (server_proc.py) to start it.
-Tests that change the server's weights put the base weights back before they end.
+One server per backend (tiny random model, api key on, hermes tools + qwen3 reasoning parsing on), shared
+for the session with the hostile-input suite (`shared_server`, tests/conftest.py). To add a backend: append
+it to BACKENDS and teach `start_server` (server_proc.py) to start it. Tests that change the server's weights
+put the base weights back before they end.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-from server_proc import API_KEY, AUTH, BACKENDS, client, start_server  # noqa: E402
+from server_proc import API_KEY, AUTH, client  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "reverse: abcdef"}]
 # What the "trained" weights say to any chat prompt (reasoning, content and one hermes tool call).
@@ -36,11 +37,8 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from asyncrl.utils.tiny_model import build_tiny_model
-
-    # head_dim 32 (hidden 128 / 4 heads) so vLLM's CPU attention can serve the same model.
-    return build_tiny_model(tmp_path_factory.mktemp("contract_model"), hidden_size=128, num_layers=2, num_heads=4)
+def model_dir(served_model_dir) -> Path:
+    return served_model_dir  # tests/conftest.py: the tiny model (head_dim 32, for vLLM's CPU attention) served
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +78,9 @@ def trained_dir(model_dir, tokenizer, tmp_path_factory) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def server(request, model_dir):
-    srv = start_server(request.param, model_dir)
-    yield srv
-    srv.stop()
+@pytest.fixture(scope="module")
+def server(shared_server):
+    return shared_server  # tests/conftest.py: one per backend for the session, shared with the hostile suite
 
 
 @pytest.fixture(scope="module")

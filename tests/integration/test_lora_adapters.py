@@ -34,7 +34,7 @@ def lora_run(tiny_model_dir, tmp_path_factory):
             "output_dir": str(out),
             "max_steps": 2,
             "optim": {"lr": 5e-2},
-            "data": {"fake": {"batch_size": 4, "micro_batch_size": 2, "seq_len": 32}},
+            "data": {"fake": {"batch_size": 4, "samples_per_row": 2, "seq_len": 32}},
         }
     )
     train(cfg)

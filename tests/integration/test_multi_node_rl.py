@@ -1,10 +1,10 @@
-"""The seeds' multi-node RL recipe, for real, across three network hosts (namespaces linked by veth pairs).
+"""PRIME-RL's multi-node RL recipe, for real, across three network hosts (namespaces linked by veth pairs).
 
 Host A runs the inference server with `--api-key $INFERENCE_SERVER_API_KEY`; host B (this namespace) runs
 the orchestrator (`--client.base-url http://$INFERENCE_SERVER_IP:8000/v1 --client.api-key-var
 INFERENCE_SERVER_API_KEY --output-dir $OUTPUT_DIR`) and trainer node 0; host C runs trainer node 1 — both
 trainer nodes `torchrun --nnodes 2 --node-rank 0/1 --rdzv-endpoint B:PORT src/prime_rl/trainer/rl/train.py`
-over gloo. `OUTPUT_DIR` is one directory all three see (the shared file system the seeds require). The
+over gloo. `OUTPUT_DIR` is one directory all three see (the shared file system the PRIME-RL docs require). The
 orchestrator is not told the trainer's world size: it reads what trainer rank 0 writes. Checked: reward
 rises, every batch is packed for 2 ranks, the server on A serves the trainer's weights; a wrong API key,
 an unreachable server and a trainer node that dies each end with a clear error.
@@ -42,7 +42,7 @@ def hosts():
 
 @pytest.fixture(scope="module")
 def server(hosts, warm_model, tmp_path_factory):
-    """Host A's inference server (the seeds' `inference ... --api-key $INFERENCE_SERVER_API_KEY`)."""
+    """Host A's inference server (PRIME-RL's `inference ... --api-key $INFERENCE_SERVER_API_KEY`)."""
     a, _ = hosts
     root = tmp_path_factory.mktemp("infer")
     log = root / "inference.out"

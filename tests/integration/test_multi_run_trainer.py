@@ -32,9 +32,9 @@ ROWS = [[9, 7], [12]]
 
 def add_run(out: Path, name: str, model: Path, steps: range, seed: int = 0, **settings) -> RunLayout:
     """Run `name`'s dir: its batches for `steps` (rows differ per run), then its run.toml."""
-    run = RunLayout(RunLayout(out).run_dir(name))
+    run = RunLayout(out).run(name)
     for step in steps:
-        write_batch(run.root, step, [synthetic_rows(model, ROWS, seed=seed + 1000 * step)])
+        write_batch(run, step, [synthetic_rows(model, ROWS, seed=seed + 1000 * step)])
     write_settings(run, **settings)
     return run
 
@@ -152,7 +152,7 @@ def test_a_failing_or_stopped_run_ends_alone(tiny_model_dir, tmp_path):
     bad = add_run(tmp_path, "bad", tiny_model_dir, range(1), seed=7)
     rows = synthetic_rows(tiny_model_dir, ROWS, seed=8)
     rows[0]["advantages"] = torch.where(rows[0]["loss_mask"], float("nan"), 0.0)
-    write_batch(bad.root, 1, [rows])
+    write_batch(bad, 1, [rows])
     quiet = add_run(tmp_path, "quiet", tiny_model_dir, range(1), seed=9)  # its orchestrator "died" after step 0
     (quiet.root / "STOP").write_text("its orchestrator died (exit code -9)\n")
     typo = RunLayout(RunLayout(tmp_path).run_dir("typo"))
@@ -189,7 +189,7 @@ def test_two_ranks_give_the_one_rank_adapters(tiny_model_dir, tmp_path):
         run = add_run(two, name, tiny_model_dir, range(0), **settings)
         for step in range(2):  # the same rows, half on each rank
             rows = synthetic_rows(tiny_model_dir, ROWS, seed=seed + 1000 * step)
-            write_batch(run.root, step, [rows[:1], rows[1:]])
+            write_batch(run, step, [rows[:1], rows[1:]])
     train(trainer_config(tiny_model_dir, one, ["a", "b"], max_steps=2))
     path = tmp_path / "trainer.toml"
     path.write_text(to_toml(trainer_config(tiny_model_dir, two, ["a", "b"], max_steps=2)))

@@ -117,9 +117,10 @@ class WeightTrainer(threading.Thread):
 
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
             self.policies[0] = copy.deepcopy(model.state_dict())
+            layout = RunLayout(self.out)
             for n in range(self.steps):
-                wait_for_batch(self.out, n, timeout=600, poll=0.02, should_stop=lambda: self.stop)
-                self.batches[n] = (read_batch(self.out, n, 0), read_meta(self.out, n))  # checked later
+                wait_for_batch(layout, n, timeout=600, poll=0.02, should_stop=lambda: self.stop)
+                self.batches[n] = (read_batch(layout, n, 0), read_meta(layout, n))  # checked later
                 gen = torch.Generator().manual_seed(n)
                 with torch.no_grad():
                     for p in model.parameters():

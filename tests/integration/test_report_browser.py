@@ -26,6 +26,7 @@ from asyncrl.orchestrator.metrics import log_samples
 from asyncrl.orchestrator.samples import Rollout
 from asyncrl.report.report import PLOTS, render_png, write_report
 from asyncrl.transport.layout import RunLayout
+from asyncrl.utils.process import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -167,12 +168,6 @@ class Cdp:
         ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _page_ws_url(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -193,7 +188,7 @@ def browser(tmp_path):
         if os.environ.get("CI") == "true":
             pytest.fail(why)
         pytest.skip(why)
-    port, log = _free_port(), (tmp_path / "chromium.log").open("wb")
+    port, log = free_port(), (tmp_path / "chromium.log").open("wb")
     argv = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", f"--remote-debugging-port={port}"]
     argv += [f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1400,1000", "about:blank"]
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -15,10 +15,8 @@ SYNTH = [sys.executable, "-m", "asyncrl.entrypoints.synthesize"]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("synth_server"))
-    yield proc
-    proc.stop()
+def server(shared_inference_process):
+    return shared_inference_process  # tests/conftest.py: the session's one, shared with the eval suite
 
 
 def synthesize(

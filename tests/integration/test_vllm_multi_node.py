@@ -1,10 +1,10 @@
-"""The seeds' multi-node inference, for real, on two network hosts: vLLM data parallelism over a veth link.
+"""PRIME-RL's multi-node inference, for real, on two network hosts: vLLM data parallelism over a veth link.
 
 The head node (this network namespace, the link's .1 address) runs `inference --data-parallel-size 2
 --data-parallel-size-local 1 --data-parallel-address HEAD_IP --data-parallel-rpc-port P`: the API
 server and data-parallel rank 0. The second node (its own network namespace, .2; see `hosts.py`) runs the same
 line plus `--data-parallel-start-rank 1 --headless`: rank 1's engine only, which connects to the head.
-Both are started from the main environment's `inference` (which runs vLLM from .venv-vllm), as the seeds
+Both are started from the main environment's `inference` (which runs vLLM from .venv-vllm), as the PRIME-RL docs
 write them. Checked: requests are served by both ranks, and /update_weights on the head reaches rank 1.
 
 Needs root (ip netns), iproute2 and the vLLM env; skipped otherwise.

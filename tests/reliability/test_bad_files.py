@@ -13,11 +13,11 @@ import json
 import pytest
 import torch
 
+from asyncrl.core.errors import UserError, disk_full
 from asyncrl.orchestrator import ckpt
 from asyncrl.transport.batch import FIELDS, read_batch, write_batch
 from asyncrl.transport.files import publish_dir
 from asyncrl.transport.layout import RunLayout
-from asyncrl.utils.errors import UserError, disk_full
 from asyncrl.utils.monitor import drop_rows_from
 
 pytestmark = pytest.mark.reliability
@@ -26,12 +26,12 @@ pytestmark = pytest.mark.reliability
 def test_a_torn_rollout_batch_is_named(tmp_path):
     mb = {k: torch.zeros(8, dtype=torch.bool if k == "loss_mask" else torch.float32) for k in FIELDS}
     mb["input_ids"] = mb["position_ids"] = torch.arange(8)
-    write_batch(tmp_path, 3, [[mb]])
-    assert len(read_batch(tmp_path, 3, 0)) == 1
+    write_batch(RunLayout(tmp_path), 3, [[mb]])
+    assert len(read_batch(RunLayout(tmp_path), 3, 0)) == 1
     path = RunLayout(tmp_path).batch_dir(3) / "rank_0.pt"
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(UserError, match=rf"rollout batch {path} is unreadable .* restart the orchestrator"):
-        read_batch(tmp_path, 3, 0)
+        read_batch(RunLayout(tmp_path), 3, 0)
 
 
 @pytest.mark.parametrize("damage", ["{not json", '{"step": 2}', ""])
@@ -102,7 +102,7 @@ def test_a_full_disk_is_one_line_wherever_the_writer_fails(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("spec", ["trainer.checkpoint", "trainer.ckpt:4", "trainer.step:x", "trainer.step:1:2:3"])
 def test_a_malformed_fail_point_is_one_line_not_a_point_that_never_fires(monkeypatch, spec):
-    from asyncrl.utils import failpoint
+    from asyncrl.core import failpoint
 
     monkeypatch.setenv(failpoint.VAR, spec)
     with pytest.raises(UserError, match=r"ASYNCRL_FAILPOINT=.*expected <point>:<step>\[:<rank>\]"):

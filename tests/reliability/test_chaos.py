@@ -1,6 +1,6 @@
 """Chaos: `kill -9` one process of a real `rl` run at one phase of a step, resume from the latest checkpoint.
 
-Each case kills one process (a fail point, `utils/failpoint.py`, for an exact phase; a plain SIGKILL from
+Each case kills one process (a fail point, `core/failpoint.py`, for an exact phase; a plain SIGKILL from
 outside for "while generating"), then checks what a user relies on: `rl` names the dead process and stops
 everything; `rl --ckpt.resume-step -1` resumes at the latest step both trainer and orchestrator saved and
 finishes; every step 0..N-1 is in both metrics files exactly once; no reader ever met a torn file (it would

@@ -91,13 +91,13 @@ def test_a_full_disk_during_a_checkpoint_or_weight_export_keeps_the_last_checkpo
     the write fails with ENOSPC naming the dir, nothing half-written is marked complete, and once space is
     back the run resumes from checkpoint 2."""
     from asyncrl.config.trainer import TrainerConfig
+    from asyncrl.core.errors import disk_full
     from asyncrl.trainer.ckpt import CheckpointManager
     from asyncrl.trainer.rl import train
     from asyncrl.trainer.rl.loop import RLLoop
-    from asyncrl.utils.errors import disk_full
 
     def config(**ckpt) -> TrainerConfig:
-        fake = {"batch_size": 4, "micro_batch_size": 2, "seq_len": 32}
+        fake = {"batch_size": 4, "samples_per_row": 2, "seq_len": 32}
         return TrainerConfig.model_validate(
             {
                 "model": {"name": str(tiny_model_dir)},

@@ -4,12 +4,14 @@ schemathesis reads the server's own /openapi.json (the embedded app's routes, or
 routes mounted on it, as it is) and each operation gets EXAMPLES requests that fit its schema and
 EXAMPLES that do not (wrong types, out-of-range values, missing fields), all with the api key.
 Every answer must be no 5xx and every 4xx the one error body; afterwards the server must answer
-/health and give the same greedy completion as before (its weights untouched). The weight routes
-are served with an empty `--allowed-weights-root`, so every dir they are given is refused;
+/health and give the same greedy completion as before (its weights untouched). The server is the
+session's shared one (`shared_server`, tests/conftest.py, also used by the inference contract); its
+`--allowed-weights-root` is this session's pytest temp dir, which no generated path names, so every dir
+the weight routes are given here is refused;
 /reload_weights is left out (it changes nothing here, and takes no input). `regressions` are inputs
 that once broke a backend, sent as they are.
 
-Each backend's counts by status code are printed (the README's figures): run with `-s`.
+Each backend's counts by status code are printed (the figures in docs/reliability.md): run with `-s`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # server_proc
-from server_proc import AUTH, BACKENDS, client, start_server  # noqa: E402
+from server_proc import AUTH, client  # noqa: E402
 
 from asyncrl.inference.api.errors import error_type  # noqa: E402
 
@@ -48,23 +50,13 @@ TALLY: dict[str, Counter] = defaultdict(Counter)  # backend -> status code (or "
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from asyncrl.utils.tiny_model import build_tiny_model
-
-    # head_dim 32 (hidden 128 / 4 heads) so vLLM's CPU attention can serve the same model.
-    return build_tiny_model(tmp_path_factory.mktemp("hostile_model"), hidden_size=128, num_layers=2, num_heads=4)
+def allowed_root(served_weights_root) -> Path:
+    return served_weights_root  # the server's --allowed-weights-root (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def allowed_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("allowed_weights")  # empty: no weight or adapter dir in it
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def server(request, model_dir, allowed_root):
-    srv = start_server(request.param, model_dir, allowed_weights_root=allowed_root)
-    yield srv
-    srv.stop()
+def server(shared_server):
+    return shared_server  # tests/conftest.py: one per backend for the session, shared with the contract suite
 
 
 @pytest.fixture(scope="module")

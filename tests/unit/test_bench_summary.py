@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from asyncrl.bench import job, summary
+from asyncrl.bench import summary
+from asyncrl.config import bench as job
 
 
 def _rows(n: int, gen: float, train: float, pace: float, slow: float = 5.0) -> tuple[list[dict], list[dict]]:

@@ -1,4 +1,4 @@
-"""Config system: the seeds' precedence, CLI grammar, rl propagation, and one-line errors."""
+"""Config system: PRIME-RL's precedence, CLI grammar, rl propagation, and one-line errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import loader
+from asyncrl.config import loader, notes
 from asyncrl.config.cli import parse_or_exit, to_toml
 from asyncrl.config.eval import EvalConfig
 from asyncrl.config.inference import InferenceConfig
@@ -20,7 +20,7 @@ from asyncrl.config.rl import RLConfig, resolve_rl
 from asyncrl.config.sft import SFTConfig
 from asyncrl.config.synthesize import SynthesizeConfig
 from asyncrl.config.trainer import TrainerConfig
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRYPOINTS = ["rl", "trainer", "orchestrator", "inference", "sft", "eval", "synthesize"]
@@ -38,7 +38,7 @@ def rl(argv, environ=None):
     return resolve_rl(raw, args)
 
 
-# ------------------------------------------------------------------ precedence (the seeds' example)
+# ------------------------------------------------------------------ precedence (PRIME-RL's example)
 
 
 @pytest.fixture
@@ -80,8 +80,8 @@ def test_at_without_space_is_accepted(qwen_files):
     assert loader.load_config(InferenceConfig, [f"@{qwen_files[0]}"], {}).model.name == "Qwen/Qwen3-8B"
 
 
-def test_seeds_precedence_command_end_to_end(qwen_files):
-    """The exact command of the seeds, through the installed console script."""
+def test_prime_rl_precedence_command_end_to_end(qwen_files):
+    """The exact command of the PRIME-RL docs, through the installed console script."""
     out = subprocess.run(
         [
             str(Path(sys.executable).parent / "inference"),
@@ -121,7 +121,7 @@ def test_booleans():
 
 
 def test_bare_section_flag_enables_with_defaults():
-    assert loader.load_config(TrainerConfig, [], {}).ckpt is None  # off by default, as the seeds insist
+    assert loader.load_config(TrainerConfig, [], {}).ckpt is None  # off by default, as the PRIME-RL docs insist
     on = loader.load_config(TrainerConfig, ["--ckpt"], {})
     assert on.ckpt is not None and on.ckpt.interval == 50
     set_field = loader.load_config(TrainerConfig, ["--ckpt.interval", "10"], {})
@@ -142,6 +142,37 @@ def test_lists_and_dicts_from_cli():
         EvalConfig, ["--environment-ids", "math500,aime2025", "--steps", "10,50"] + ["--weights-dir", "w"], {}
     )
     assert e.environment_ids == ["math500", "aime2025"] and e.steps == [10, 50]
+
+
+@pytest.mark.parametrize("form", ["dict", "flag", "file", "env"])
+def test_fake_micro_batch_size_is_the_older_spelling_of_samples_per_row(form, tmp_path, capsys, monkeypatch):
+    """PRIME-RL's `--data.fake "{'micro_batch_size': 8, ...}"` (samples packed per row, not rows per forward:
+    that is data.micro_batch_size) still works in every source, with one note naming samples_per_row."""
+    monkeypatch.setattr(notes, "_noted", set())
+    argv, env = {
+        "dict": (["--data.fake", "{'micro_batch_size': 4, 'batch_size': 8, 'seq_len': 16}"], {}),
+        "flag": (["--data.fake.micro-batch-size", "4", "--data.fake.batch-size", "8"], {}),
+        "file": (["@", write(tmp_path, "t.toml", "[data.fake]\nmicro_batch_size = 4\nbatch_size = 8\n")], {}),
+        "env": (["--data.fake.batch-size", "8"], {"PRIME_DATA__FAKE__MICRO_BATCH_SIZE": "4"}),
+    }[form]
+    t = loader.load_config(TrainerConfig, argv, env)
+    assert t.data.fake.samples_per_row == 4 and t.data.micro_batch_size == 16  # rows per forward: untouched
+    assert "micro_batch_size" not in t.data.fake.model_dump()  # dumped (and --dry-run) as samples_per_row
+    assert capsys.readouterr().err.splitlines() == [
+        "note: data.fake.micro_batch_size is the older spelling of data.fake.samples_per_row"
+    ]
+    with pytest.raises(UserError, match="older spelling of samples_per_row"):
+        loader.load_config(TrainerConfig, ["--data.fake", "{'micro_batch_size': 4, 'samples_per_row': 4}"], {})
+
+
+def test_trainer_seq_len_is_checked_where_given():
+    """trainer.data.seq_len: unset on its own (no check), rl gives it the orchestrator's seq_len."""
+    assert loader.load_config(TrainerConfig, [], {}).data.seq_len is None
+    assert loader.load_config(TrainerConfig, ["--data.seq-len", "512"], {}).data.seq_len == 512
+    cfg = rl(["--seq-len", "512"])
+    assert cfg.trainer.data.seq_len == cfg.orchestrator.seq_len == 512
+    cfg = rl([])  # not given: the rows the orchestrator packs, at its default
+    assert cfg.trainer.data.seq_len == cfg.orchestrator.seq_len == 2048
 
 
 def test_env_values_are_parsed_and_nested():
@@ -238,7 +269,7 @@ def test_rl_contradicting_model_names(tmp_path):
 
 
 def test_rl_command_line_wins_over_component_files(tmp_path):
-    """The seeds' split-run recipe, verbatim, with component files that set max_steps (as the seeds' do)."""
+    """PRIME-RL's split-run recipe, verbatim, with component files that set max_steps (as PRIME-RL's files do)."""
     t = write(tmp_path, "train.toml", 'max_steps = 20\n[model]\nname = "m"\n[ckpt]\ninterval = 50\n')
     o = write(tmp_path, "orch.toml", "max_steps = 20\nbatch_size = 8\nrollouts_per_example = 2\n")
     run1 = rl(["--trainer", "@", t, "--orchestrator", "@", o, "--max-steps", "10", "--ckpt"])

@@ -31,7 +31,7 @@ import sort_letters  # noqa: E402
 import tool_calc  # noqa: E402
 
 from asyncrl.config import loader  # noqa: E402
-from asyncrl.utils.errors import UserError  # noqa: E402
+from asyncrl.core.errors import UserError  # noqa: E402
 
 # ---------------------------------------------------------------- helpers
 
@@ -647,7 +647,7 @@ def test_tool_calc_sft_cli(tmp_path):
 
 
 @pytest.mark.parametrize("env_id", ["math500", "aime2024", "aime2025", "gpqa", "hendrycks-math", "intellect-math"])
-def test_the_seeds_hub_environments_say_how_to_install_them(env_id):
+def test_prime_rl_hub_environments_say_how_to_install_them(env_id):
     from asyncrl.config.orchestrator import EnvConfig
     from asyncrl.orchestrator.envs import load_env
 
@@ -670,7 +670,7 @@ def test_every_missing_environment_is_named_at_once():
     assert "no-such-env: `uv pip install -e environments/no_such_env`" in message
 
 
-def test_the_seeds_older_benchmark_names():
+def test_prime_rl_older_benchmark_names():
     from asyncrl.config.eval import EvalConfig
 
     cfg = loader.load_config(EvalConfig, ["--benchmarks", "math500,aime24,aime25"], {})

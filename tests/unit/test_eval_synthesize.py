@@ -12,10 +12,10 @@ import pytest
 from asyncrl.config.eval import EvalConfig
 from asyncrl.config.orchestrator import SamplingConfig
 from asyncrl.config.synthesize import SynthesizeConfig
+from asyncrl.core.errors import UserError
 from asyncrl.evaluation import synthesize as synth
 from asyncrl.evaluation.evaluate import find_targets, format_table
 from asyncrl.evaluation.runner import RolloutRecord, check_server, request_args, summarize
-from asyncrl.utils.errors import UserError
 
 
 def _weights(tmp_path, steps, stable=True):

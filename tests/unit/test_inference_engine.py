@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from asyncrl.config.inference import InferenceConfig
+from asyncrl.core.errors import UserError
 from asyncrl.inference.api.backend import SamplingParams
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.engine import EmbeddedEngine
 from asyncrl.inference.engine.kv_cache import MaskBuilder, SlotKVCache
-from asyncrl.utils.errors import UserError
 
 
 def make_engine(model_dir, **kw) -> EmbeddedEngine:
@@ -431,7 +431,7 @@ def test_gpu_memory_utilization_caps_the_embedded_engine_on_a_gpu():
 
     gib = 2**30
     assert kv_budget_on_gpu(free=60 * gib, total=80 * gib, utilization=None) == 30 * gib  # half the free memory
-    # the seeds' single-GPU mode: 0.5 of 80 GiB in all, 20 GiB already used (weights) -> 20 GiB of KV
+    # PRIME-RL's single-GPU mode: 0.5 of 80 GiB in all, 20 GiB already used (weights) -> 20 GiB of KV
     assert kv_budget_on_gpu(free=60 * gib, total=80 * gib, utilization=0.5) == 20 * gib
     with pytest.raises(UserError, match=r"gpu_memory_utilization 0.2 leaves no room .* 20.0 of 80.0 GiB are in use"):
         kv_budget_on_gpu(free=60 * gib, total=80 * gib, utilization=0.2)

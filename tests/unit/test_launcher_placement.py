@@ -4,8 +4,8 @@ import pytest
 
 from asyncrl.config import loader
 from asyncrl.config.rl import RLConfig, resolve_rl
+from asyncrl.core.errors import UserError
 from asyncrl.launcher.placement import Placement
-from asyncrl.utils.errors import UserError
 
 
 def _config(*argv: str) -> RLConfig:
@@ -25,7 +25,7 @@ def test_gpus_become_visible_devices(monkeypatch):
 
 
 def test_gpu_ids_count_within_an_inherited_mask(monkeypatch):
-    """The seeds' second experiment on one node: CUDA_VISIBLE_DEVICES=2,3 rl ... uses GPUs 2 and 3."""
+    """PRIME-RL's second experiment on one node: CUDA_VISIBLE_DEVICES=2,3 rl ... uses GPUs 2 and 3."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     place = Placement(_config(), cuda=True)  # default ids: inference [0], trainer [1]
     assert place.inference_env()["CUDA_VISIBLE_DEVICES"] == "2"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.config.rl import resolve_rl
+from asyncrl.core.errors import UserError
 from asyncrl.launcher.supervisor import vllm_lora_flags
 from asyncrl.transport.layout import RunLayout
-from asyncrl.utils.errors import UserError
 
 BASE = {
     "model": {"name": "m"},

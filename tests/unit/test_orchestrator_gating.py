@@ -32,7 +32,7 @@ class FakeTrainer(threading.Thread):
 
     def run(self):
         for n in range(self.steps):
-            wait_for_batch(self.out, n, timeout=60, poll=0.005, should_stop=lambda: self.stop)
+            wait_for_batch(RunLayout(self.out), n, timeout=60, poll=0.005, should_stop=lambda: self.stop)
             time.sleep(self.train_s)
             publish(self.out, n + 1)
             self.published[n + 1] = time.monotonic()
@@ -60,7 +60,7 @@ def run_orchestrator_with_trainer(tmp_path, k, steps, train_s, gen_delay):
     async def timed_step(step, gate):
         record = await original(step, gate)
         written[step] = time.monotonic()
-        metas[step] = read_meta(tmp_path, step)  # before a later step prunes consumed batches
+        metas[step] = read_meta(RunLayout(tmp_path), step)  # before a later step prunes consumed batches
         return record
 
     orch.step = timed_step
@@ -110,7 +110,7 @@ def test_no_waiting_within_the_bound_when_the_trainer_keeps_up(tmp_path):
 
 
 def test_gate_picks_newest_policy_in_window(tmp_path):
-    gate = PolicyGate(tmp_path, max_async_level=2)
+    gate = PolicyGate(RunLayout(tmp_path), max_async_level=2)
     assert gate.newest(0) == Policy(0, None) and gate.newest(2) == Policy(0, None)
     assert gate.newest(3) is None  # needs policy >= 1
     publish(tmp_path, 1)
@@ -133,8 +133,8 @@ def test_gate_uses_checkpoint_weights_only_for_the_resume_step(tmp_path):
     stale = RunLayout(tmp_path).weights_dir(20)
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{}")
-    resume = checkpoint_policy(tmp_path, 10)
-    gate = PolicyGate(tmp_path, 2, resume_policy=resume)
+    resume = checkpoint_policy(RunLayout(tmp_path), 10)
+    gate = PolicyGate(RunLayout(tmp_path), 2, resume_policy=resume)
     assert gate.newest(10).path == d and gate.newest(12).step == 10
     assert gate.newest(13) is None  # weights/step_20 from an earlier run is never used
-    assert checkpoint_policy(tmp_path, 11) is None
+    assert checkpoint_policy(RunLayout(tmp_path), 11) is None

@@ -306,7 +306,7 @@ def test_multi_turn_groups_share_their_first_prompt(strategy, num_samples):
 
 
 def test_bench_job_shape_trains_at_least_four_times_fewer_tokens(tmp_path):
-    from asyncrl.bench import job
+    from asyncrl.config import bench as job
     from asyncrl.utils.tiny_model import build_tokenizer
 
     tok = build_tokenizer(tmp_path)

@@ -8,13 +8,13 @@ from orch_fakes import FakeRunner, FakeServer, fake_mixture
 
 from asyncrl.config.base import CkptConfig
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, OrchestratorConfig, SamplingConfig
+from asyncrl.core.errors import UserError
 from asyncrl.orchestrator import ckpt
 from asyncrl.orchestrator.client import InferenceClient, server_root
 from asyncrl.orchestrator.envs import load_env, sampling_args
 from asyncrl.orchestrator.loop import Orchestrator
 from asyncrl.transport.files import publish_dir
 from asyncrl.transport.layout import RunLayout
-from asyncrl.utils.errors import UserError
 
 
 def test_missing_env_errors_say_how_to_install():
@@ -138,8 +138,8 @@ def test_share_prefix_reaches_the_packed_batch_and_its_metrics(tmp_path, share):
 
     cfg = _config(tmp_path, k=3, max_steps=1, share_prefix=share)
     asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(turns=2), FakeServer()).run())
-    rows = read_batch(tmp_path, 0, 0)
-    meta = read_meta(tmp_path, 0)
+    rows = read_batch(RunLayout(tmp_path), 0, 0)
+    meta = read_meta(RunLayout(tmp_path), 0)
     (record,) = [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
     # 2 groups x 4 rollouts of one interleaved sample: 4 prompt + 3 + 2 env + 2 tokens each
     assert meta["num_tokens_unshared"] == record["batch/tokens_unshared"] == 8 * 11
@@ -172,7 +172,7 @@ def test_without_num_train_workers_batches_are_packed_for_the_trainers_world_siz
     world = RunLayout(tmp_path).trainer_world
     world.write_text(json.dumps({"world_size": 2}))  # what trainer rank 0 writes at start
     asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
-    assert read_meta(tmp_path, 1)["num_ranks"] == 2
+    assert read_meta(RunLayout(tmp_path), 1)["num_ranks"] == 2
     assert [m for m in caplog_loguru if "trainer rank(s)" in m] == [
         f"packing batches for 2 trainer rank(s) (from {world})"
     ]
@@ -183,5 +183,5 @@ def test_without_num_train_workers_or_a_trainer_batches_are_packed_for_one_rank(
 
     cfg = _config(tmp_path, k=3, max_steps=1, num_train_workers=None)
     asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
-    assert read_meta(tmp_path, 0)["num_ranks"] == 1
+    assert read_meta(RunLayout(tmp_path), 0)["num_ranks"] == 1
     assert "packing batches for 1 trainer rank(s) (until the trainer writes trainer_world.json)" in caplog_loguru

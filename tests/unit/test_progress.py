@@ -12,6 +12,7 @@ from asyncrl.config import loader
 from asyncrl.config.rl import RLConfig, resolve_rl
 from asyncrl.launcher import supervisor
 from asyncrl.launcher.supervisor import Launcher
+from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.logging import setup_logger
 from asyncrl.utils.progress import Bar, bar_wanted, fields_text
 
@@ -70,7 +71,7 @@ def test_bar_draws_under_the_log_lines_on_a_terminal(terminal, tmp_path, monkeyp
     term, read = terminal
     monkeypatch.setattr(sys, "stderr", term)  # here, not in the fixture: pytest's capture resets it per phase
     monkeypatch.setattr(sys, "stdout", term)
-    setup_logger("sft", tmp_path, to_file=False)
+    setup_logger("sft", RunLayout(tmp_path), to_file=False)
     with Bar("sft", 5) as bar:
         assert bar.enabled
         bar.waiting("the model to load")

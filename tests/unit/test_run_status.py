@@ -9,10 +9,10 @@ import time
 
 import pytest
 
+from asyncrl.core.errors import UserError
 from asyncrl.report.status import last_row, status_lines
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils import runstate
-from asyncrl.utils.errors import UserError
 
 
 def record(layout: RunLayout, name: str, **info) -> None:
@@ -28,7 +28,7 @@ def metrics(layout: RunLayout, name: str, rows: list[dict]) -> None:
 
 def test_a_process_record_from_start_to_exit(tmp_path, monkeypatch):
     monkeypatch.setattr(runstate, "_record", None)
-    runstate.register("trainer", tmp_path)
+    runstate.register("trainer", RunLayout(tmp_path))
     path = RunLayout(tmp_path).pid_file("trainer")
     info = runstate.read(path)
     assert info["pid"] == runstate.os.getpid() and runstate.state(info) == f"running (pid {info['pid']})"

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from asyncrl.core.errors import UserError
 from asyncrl.entrypoints.sft import main
 from asyncrl.trainer.sft.loop import check_batch_shape
-from asyncrl.utils.errors import UserError
 
 
 def run_main(argv, capsys) -> str:

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from asyncrl.core.errors import UserError
 from asyncrl.trainer.sft.data import ConversationTokenizer, SFTSample, fake_sample, load_sft_dataset
 from asyncrl.trainer.sft.packing import SampleStream, make_micro_batch, split_for_rank, take_rows
-from asyncrl.utils.errors import UserError
 from asyncrl.utils.messages import openai_messages, openai_tools
 
 # Like Qwen3's template in the way that matters: earlier assistant turns lose their reasoning.

@@ -2,9 +2,9 @@
 
 import pytest
 
+from asyncrl.core.errors import UserError
 from asyncrl.trainer.ckpt import complete_steps
 from asyncrl.transport.layout import TRAINER, RunLayout, resolve_resume_step, steps_to_delete
-from asyncrl.utils.errors import UserError
 
 
 def test_keep_all_by_default():

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from asyncrl.config.base import BenchDataConfig
+from asyncrl.core.errors import UserError
 from asyncrl.trainer.rl.data import FakeSource, RolloutSource, prepare
 from asyncrl.transport.batch import write_batch
-from asyncrl.utils.errors import UserError
+from asyncrl.transport.layout import RunLayout
 
 
 def row(lengths: list[int], fill: int = 0) -> dict:
@@ -31,26 +32,27 @@ def test_prepare_marks_sample_boundaries():
 
 
 def test_each_rank_reads_its_own_micro_batches(tmp_path):
-    write_batch(tmp_path, 3, [[row([2, 2], fill=1), row([4], fill=2)], [row([3], fill=3), row([1, 1], fill=4)]])
-    r0 = RolloutSource(tmp_path, 0, 2, timeout=1).get(3)
-    r1 = RolloutSource(tmp_path, 1, 2, timeout=1).get(3)
+    layout = RunLayout(tmp_path)
+    write_batch(layout, 3, [[row([2, 2], fill=1), row([4], fill=2)], [row([3], fill=3), row([1, 1], fill=4)]])
+    r0 = RolloutSource(layout, 0, 2, timeout=1).get(3)
+    r1 = RolloutSource(layout, 1, 2, timeout=1).get(3)
     assert [int(mb["input_ids"][0]) for mb in r0] == [1, 2]
     assert [int(mb["input_ids"][0]) for mb in r1] == [3, 4]
 
 
 def test_a_batch_for_another_rank_count_is_read_whole(tmp_path, caplog_loguru):
-    write_batch(tmp_path, 0, [[row([2])], [row([3])]])
-    assert [len(mb["input_ids"]) for mb in RolloutSource(tmp_path, 0, 1, timeout=1).get(0)] == [3, 2]
+    write_batch(RunLayout(tmp_path), 0, [[row([2])], [row([3])]])
+    assert [len(mb["input_ids"]) for mb in RolloutSource(RunLayout(tmp_path), 0, 1, timeout=1).get(0)] == [3, 2]
     assert any("packed for 2 trainer rank(s), this trainer runs 1" in m for m in caplog_loguru)
 
 
 def test_missing_batch_times_out_with_hint(tmp_path):
     with pytest.raises(UserError, match="orchestrator"):
-        RolloutSource(tmp_path, 0, 1, timeout=0.1).get(0)
+        RolloutSource(RunLayout(tmp_path), 0, 1, timeout=0.1).get(0)
 
 
 def test_fake_source_shape_and_split():
-    cfg = BenchDataConfig(batch_size=8, micro_batch_size=2, seq_len=16)
+    cfg = BenchDataConfig(batch_size=8, samples_per_row=2, seq_len=16)
     rows = FakeSource(cfg, vocab_size=100, rank=1, world_size=2, seed=0).get(0)
     assert len(rows) == 2  # 4 micro-batches over 2 ranks
     r = prepare(rows[0], torch.device("cpu"))
@@ -58,6 +60,15 @@ def test_fake_source_shape_and_split():
     assert torch.equal(rows[0]["input_ids"], FakeSource(cfg, 100, 1, 2, 0).get(0)[0]["input_ids"])  # deterministic
     with pytest.raises(UserError, match="not divisible by 3"):
         FakeSource(cfg, 100, 0, 3, 0)
+
+
+def test_rows_longer_than_trainer_seq_len_are_refused():
+    from asyncrl.trainer.rl.data import check_seq_len
+
+    rows = [row([3, 2]), row([4])]
+    assert check_seq_len(rows, None, 0) is rows and check_seq_len(rows, 5, 0) is rows
+    with pytest.raises(UserError, match=r"step 7: a packed row of 5 tokens is longer than trainer.data.seq_len \(4\)"):
+        check_seq_len(rows, 4, 7)
 
 
 def test_a_batch_packed_for_another_rank_count_is_dealt_out_again():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from asyncrl.config.trainer import LossConfig
+from asyncrl.core.errors import UserError
 from asyncrl.trainer.loss import (
     BUILTIN,
     LossInputs,
@@ -17,7 +18,6 @@ from asyncrl.trainer.loss import (
     token_logprobs,
 )
 from asyncrl.transport.prefix import segments
-from asyncrl.utils.errors import UserError
 
 LN10, LN2 = math.log(10), math.log(2)
 

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from asyncrl.config.trainer import OptimConfig, SchedulerConfig
+from asyncrl.core.errors import UserError
 from asyncrl.trainer.lora import LoRALinear, apply_lora, merge_lora_state_dict
 from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler, lr_factor
-from asyncrl.utils.errors import UserError
 
 
 def test_constant_with_warmup():

@@ -13,6 +13,21 @@ def test_paths_are_the_documented_layout(tmp_path):
     assert (run.logs, run.metrics, run.configs) == (tmp_path / "logs", tmp_path / "metrics", tmp_path / "configs")
 
 
+def test_a_config_gives_its_layout_and_a_run_its_own(tmp_path):
+    from asyncrl.config.base import CkptConfig
+    from asyncrl.config.trainer import TrainerConfig
+
+    run = RunLayout.for_config(TrainerConfig(output_dir=tmp_path, ckpt=CkptConfig(path="ckpts")))
+    assert (run.root, run.checkpoints) == (tmp_path, tmp_path / "ckpts")
+    assert RunLayout.for_config(TrainerConfig(output_dir=tmp_path)).checkpoints == tmp_path / "checkpoints"
+    a = run.run("a")
+    assert (a.root, a.run_status, a.checkpoints) == (
+        run.run_dir("a"),
+        tmp_path / "run_a" / "run_status.json",
+        tmp_path / "run_a" / "ckpts",
+    )
+
+
 def test_step_dirs_ignore_temp_dirs_files_and_other_names(tmp_path):
     for name in ("step_10", "step_2", ".tmp_step_3_abcd", "step_x", "latest"):
         (tmp_path / name).mkdir()

@@ -8,9 +8,9 @@ from safetensors.torch import save_file
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.api.errors import InvalidRequest
+from asyncrl.inference.api.weight_dir import check_weight_dir
 from asyncrl.inference.vllm.server import WORKER_EXTENSION, build_vllm_argv, memory_utilization
 from asyncrl.inference.vllm.shims import drop_null_assistant_fields, with_token_strings
-from asyncrl.inference.weight_dir import check_weight_dir
 
 
 def flag(argv: list[str], name: str) -> str | None:

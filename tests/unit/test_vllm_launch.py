@@ -3,8 +3,8 @@
 import sys
 from pathlib import Path
 
-from asyncrl.inference.vllm import launch as vllm_launch
-from asyncrl.inference.vllm.launch import vllm_python
+from asyncrl.utils import vllm_env
+from asyncrl.utils.vllm_env import vllm_python
 
 
 def _venv(root: Path) -> Path:
@@ -18,7 +18,7 @@ def _venv(root: Path) -> Path:
 def test_search_order(tmp_path, monkeypatch):
     for var in ("ASYNCRL_VLLM_PYTHON", "ASYNCRL_VLLM_VENV"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(vllm_launch.sys, "prefix", str(tmp_path / "envs" / ".venv"))
+    monkeypatch.setattr(vllm_env.sys, "prefix", str(tmp_path / "envs" / ".venv"))
     monkeypatch.chdir(tmp_path)
     assert vllm_python() is None
     here = _venv(tmp_path / ".venv-vllm")

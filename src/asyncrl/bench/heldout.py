@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from asyncrl.bench import job
+from asyncrl.config import bench as job
 
 
 def _strings(n: int, split: str) -> list[str]:

@@ -1,9 +1,9 @@
 """`rl --bench`: warm (or reuse) the job's model, score it, run the RL job, score it again, report.
 
-One job: glue. The job's settings are `bench.job`'s (applied as config defaults by `rl`'s resolution,
+One job: glue. The job's settings are `config.bench`'s (applied as config defaults by `rl`'s resolution,
 so every flag still applies); the warm-up is `bench.warmup`'s, the held-out scoring
 `bench.heldout`'s (in a child process: this process stays torch-free), the numbers
-`bench.summary`'s; the run itself is the ordinary launcher's.
+`bench.summary`'s; the run itself is the ordinary launcher's (`rl` passes `launch` in).
 
 Invariants: only rows this run logged count (metrics files are appended to across runs, so rows
 before the launch time are ignored). The result goes to `{output_dir}/bench.json`, written
@@ -17,17 +17,19 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
-from asyncrl.bench import job, summary
+from asyncrl.bench import summary
 from asyncrl.bench.warmup import WarmModel, ensure_warm_model
+from asyncrl.config import bench as job
 from asyncrl.config.rl import RLConfig
+from asyncrl.core.errors import UserError
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout
-from asyncrl.utils.errors import UserError
 
 RESULT = "bench.json"
 
@@ -87,11 +89,10 @@ def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg())}
 
 
-def run_bench(config: RLConfig) -> dict[str, Any]:
-    """Run the bench job; returns what it writes to `{output_dir}/bench.json`."""
-    from asyncrl.launcher import launch
-
-    layout = RunLayout(config.trainer.output_dir)
+def run_bench(config: RLConfig, launch: Callable[[RLConfig], None]) -> dict[str, Any]:
+    """Run the bench job with `launch` (the launcher's, passed in by `rl`: bench never imports its sibling);
+    returns what it writes to `{output_dir}/bench.json`."""
+    layout = RunLayout.for_config(config.trainer)
     log = layout.log_file("bench")
     warm = _warm(config)
     before = _before(config, warm, log)

@@ -26,9 +26,9 @@ from typing import Any
 
 from loguru import logger
 
-from asyncrl.bench import job
+from asyncrl.config import bench as job
+from asyncrl.core.errors import UserError
 from asyncrl.transport.files import publish_dir, write_text_atomic
-from asyncrl.utils.errors import UserError
 
 RECORD = "warmup.json"
 SFT_THREADS = "2"

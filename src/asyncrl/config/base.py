@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from asyncrl.config.notes import note_older_spelling
+
 
 class BaseConfig(BaseModel):
     """Strict base: unknown keys are errors, assignments are validated."""
@@ -59,19 +61,34 @@ class CkptConfig(BaseConfig):
 
 
 class BenchDataConfig(BaseConfig):
-    """Shape of fake data for benchmarks (`--data.fake`)."""
+    """Shape of the trainer's fake data (`--data.fake`, for `trainer --bench`): `batch_size` samples of `seq_len`
+    tokens, `samples_per_row` of them packed into each row (rows per forward: `data.micro_batch_size`)."""
 
     batch_size: int = Field(32, ge=1, description="samples per step")
-    micro_batch_size: int = Field(
+    samples_per_row: int = Field(
         8, ge=1, description="samples packed into one row (rows per forward: data.micro_batch_size)"
     )
     seq_len: int = Field(128, ge=1, description="tokens per sample")
+    micro_batch_size: int | None = Field(
+        None, ge=1, exclude=True, description="older spelling (PRIME-RL's) of samples_per_row"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_spelling(cls, raw: Any) -> Any:
+        """PRIME-RL's `--data.fake "{'micro_batch_size': 8, ...}"` (or a file's / flag's): samples_per_row, one note."""
+        if not isinstance(raw, dict) or raw.get("micro_batch_size") is None:
+            return raw
+        if "samples_per_row" in raw:
+            raise ValueError("micro_batch_size is the older spelling of samples_per_row: set samples_per_row only")
+        note_older_spelling("data.fake.micro_batch_size", "data.fake.samples_per_row")
+        return {("samples_per_row" if k == "micro_batch_size" else k): v for k, v in raw.items()}
 
     @model_validator(mode="after")
     def _divides(self) -> BenchDataConfig:
-        if self.batch_size % self.micro_batch_size:
+        if self.batch_size % self.samples_per_row:
             raise ValueError(
-                f"batch_size ({self.batch_size}) must be divisible by micro_batch_size ({self.micro_batch_size})"
+                f"batch_size ({self.batch_size}) must be divisible by samples_per_row ({self.samples_per_row})"
             )
         return self
 

@@ -20,8 +20,7 @@ from pydantic_core import PydanticUndefined
 
 from asyncrl.config import loader
 from asyncrl.config.inference import chosen_backend
-from asyncrl.utils import runstate
-from asyncrl.utils.errors import UserError, disk_full
+from asyncrl.core.errors import UserError, disk_full
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -148,25 +147,25 @@ def _pass_through(model: type[BaseModel], raw: dict, unknown: list[str]) -> dict
     return loader.deep_merge(raw, {"vllm_args": raw.get("vllm_args", []) + unknown})
 
 
-def run_guarded(fn: Callable[[], Any]) -> None:
-    """Run an entrypoint body: user errors -> one line + exit 2; Ctrl-C -> exit 130. The process's run
-    record (utils/runstate.py) gets the exit code and the error."""
+def run_guarded(fn: Callable[[], Any], finish: Callable[[int, str | None], None]) -> None:
+    """Run an entrypoint body: user errors -> one line + exit 2; Ctrl-C -> exit 130. `finish(code, error)`
+    is told how it ended, before the exit (the caller passes `utils.runstate.finish`: the run record)."""
     try:
         fn()
     except UserError as e:
-        runstate.finish(2, str(e))
+        finish(2, str(e))
         fail(str(e))
     except KeyboardInterrupt:
-        runstate.finish(130, "interrupted")
+        finish(130, "interrupted")
         print("interrupted", file=sys.stderr)
         raise SystemExit(130) from None
     except SystemExit as e:
-        runstate.finish(e.code if isinstance(e.code, int) else 1, None if not e.code else str(e.code))
+        finish(e.code if isinstance(e.code, int) else 1, None if not e.code else str(e.code))
         raise
     except BaseException as e:
         if (message := disk_full(e)) is not None:
-            runstate.finish(2, message)
+            finish(2, message)
             fail(message)
-        runstate.finish(1, f"{type(e).__name__}: {e}")
+        finish(1, f"{type(e).__name__}: {e}")
         raise
-    runstate.finish(0)
+    finish(0, None)

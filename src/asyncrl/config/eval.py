@@ -11,7 +11,7 @@ from asyncrl.config import loader
 from asyncrl.config.base import BaseConfig, LogConfig, ModelConfig, WandbConfig, default_output_dir, report_field
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
 
-# the seeds' `--benchmarks math500,aime24,aime25` names the AIME environments the older way
+# PRIME-RL's `--benchmarks math500,aime24,aime25` names the AIME environments the older way
 OLDER_BENCHMARK_NAMES = {"aime24": "aime2024", "aime25": "aime2025"}
 
 

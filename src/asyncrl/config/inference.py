@@ -155,7 +155,7 @@ MULTI_NODE_FIELDS = (
 def auto_backend() -> tuple[str, str]:
     """The engine `backend = "auto"` picks, and why: vLLM (PRIME-RL's engine) when it is installed, here or in
     a vLLM environment beside this one, and a CUDA GPU is visible; otherwise the embedded engine."""
-    from asyncrl.inference.vllm.launch import vllm_python  # file checks only, never imports vllm
+    from asyncrl.utils.vllm_env import vllm_python  # file checks only, never imports vllm
 
     if importlib.util.find_spec("vllm") is None and vllm_python() is None:
         return "embedded", "vLLM is not installed; scripts/install_vllm.sh installs it"

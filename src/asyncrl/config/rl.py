@@ -2,10 +2,10 @@
 
 Shared fields (`model`, `max_steps`, `seq_len`, `max_async_level`, `output_dir`, `wandb`, `ckpt`, `log`) are
 propagated into every component that has them. A value may be set at the top or in any one component.
-A value given on the command line wins over every config file (the seeds' precedence: CLI > files >
+A value given on the command line wins over every config file (PRIME-RL's precedence: CLI > files >
 env > defaults); two files, or two flags, that set different values are an error, never a silent
 overwrite.
-With `bench`, the benchmark job's settings (`asyncrl.bench.job`) fill in whatever the user left unset.
+With `bench`, the bench job's settings (`asyncrl.config.bench`) fill in whatever the user left unset.
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from asyncrl.bench import job as bench_job
+from asyncrl.config import bench as bench_job
 from asyncrl.config import loader
 from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, ModelConfig, WandbConfig, report_field
 from asyncrl.config.inference import InferenceConfig, chosen_backend
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.trainer import RunConfig, TrainerConfig
+from asyncrl.core.errors import UserError
 from asyncrl.transport.layout import RUN_NAME, RunLayout
-from asyncrl.utils.errors import UserError
 
 
 class RunSpec(BaseConfig):
-    """One run of a multi-run `rl` (`[[runs]]`): its own settings over the shared ones (see README, Multi-run)."""
+    """One run of a multi-run `rl` (`[[runs]]`): its own settings over the shared ones (see docs/rl.md, Multi-run)."""
 
     name: str = Field(description="run name: its dir {output_dir}/run_NAME and the model name of its adapter")
     max_steps: int | None = Field(None, ge=1, description="the run's steps (default: max_steps)")
@@ -98,13 +98,17 @@ class RLConfig(BaseConfig):
     )
     bench: bool = Field(
         False,
-        description="benchmark: run the tiny-Qwen3 reverse-text job on a model it warms itself, print s/step, "
-        "generation/training/weight-update time, overlap and held-out accuracy, write {output_dir}/bench.json "
-        "(other flags still apply)",
+        description="run the bench job (tiny-Qwen3 reverse-text GRPO, the comparison with TRL) on a model it warms "
+        "itself, print s/step, generation/training/weight-update time, overlap and held-out accuracy, write "
+        "{output_dir}/bench.json (other flags still apply)",
     )
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
+        if self.trainer.data.seq_len is None:  # the trainer accepts the rows its orchestrator(s) pack
+            run_lens = [r.orchestrator.get("seq_len") for r in self.runs or []]
+            lens = [self.orchestrator.seq_len] + [n for n in run_lens if isinstance(n, int)]
+            self.trainer.data.seq_len = max(lens)
         if self.runs is not None:
             self._check_runs()
         if self.orchestrator.lora_name is not None and self.trainer.model.lora is None:
@@ -132,12 +136,12 @@ class RLConfig(BaseConfig):
         if self.orchestrator.lora_name is not None:
             raise ValueError("with [[runs]] each run's adapter is served as the run name: drop orchestrator.lora_name")
         if self.bench:
-            raise ValueError("--bench runs its own single-run job: drop [[runs]]")
+            raise ValueError("--bench runs the bench job, a single run: drop [[runs]]")
 
     def run_orchestrators(self) -> dict[str, OrchestratorConfig]:
         """Each run's orchestrator: [orchestrator] with the run's settings over it, writing to run_NAME/ and
         serving its adapter as NAME; a bad setting is a UserError naming the run."""
-        out, base = RunLayout(self.trainer.output_dir), self.orchestrator.model_dump(mode="json")
+        out, base = RunLayout.for_config(self.trainer), self.orchestrator.model_dump(mode="json")
         configs = {}
         for run in self.runs or []:
             raw = loader.deep_merge(base, run.orchestrator)
@@ -192,7 +196,7 @@ def _agreed(field: str, values: list[tuple[str, Any]], where: dict, origin: str)
 
 def propagate(raw: dict, cli: dict | None = None) -> dict:
     """Fill shared fields into components. A shared value given on the command line (`cli`, at the top or
-    in one component) wins over every file, as in the seeds' precedence; two files, or two command-line
+    in one component) wins over every file, as in PRIME-RL's precedence; two files, or two command-line
     flags, that set different values are a contradiction (UserError)."""
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     raw.setdefault("trainer", {})
@@ -292,7 +296,7 @@ def vllm_data_parallel(raw: dict) -> dict:
 def resolve_rl(raw: dict, args: loader.ParsedArgs | None = None) -> RLConfig:
     raw = vllm_data_parallel(gpu_counts_to_ids(raw))
     if raw.get("bench"):
-        raw = bench_job.apply_defaults(raw)
+        raw = bench_job.apply_defaults(raw, SHARED)
     raw = propagate(raw, args.cli if args is not None else None)
     if raw.get("exp_id"):
         base = raw.get("output_dir") or loader.get_path(raw["trainer"], ("output_dir",)) or "outputs"

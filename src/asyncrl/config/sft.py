@@ -63,7 +63,7 @@ class SFTConfig(BaseConfig):
     @model_validator(mode="before")
     @classmethod
     def _bench_means_fake_data(cls, raw: object) -> object:
-        """`sft ... --data.seq-len 4096 --bench` (the seeds' line) benchmarks on fake data of that shape."""
+        """`sft ... --data.seq-len 4096 --bench` (PRIME-RL's line) benchmarks on fake data of that shape."""
         if isinstance(raw, dict) and raw.get("bench") and isinstance(raw.get("data"), dict):
             data = raw["data"]
             if "type" not in data and not data.get("name"):

@@ -19,7 +19,7 @@ from asyncrl.config.base import (
 
 Dtype = Literal["bfloat16", "float32"]
 
-MICRO_BATCH_ROWS = 16  # fastest of 1/2/4/8/16 on the tiny CPU RL job (benchmarks/trainer.py --rows-sweep)
+MICRO_BATCH_ROWS = 16  # fastest of 1/2/4/8/16 on the bench job's shape, CPU (benchmarks/trainer.py --rows-sweep)
 
 
 class ACConfig(BaseConfig):
@@ -111,7 +111,12 @@ class LossConfig(BaseConfig):
 
 
 class TrainerDataConfig(BaseConfig):
-    seq_len: int = Field(2048, ge=1, description="tokens per packed micro-batch row")
+    seq_len: int | None = Field(
+        None,
+        ge=1,
+        description="longest packed row the trainer accepts, checked on every batch (rl sets it to the "
+        "orchestrator's seq_len; None: no check)",
+    )
     micro_batch_size: int = Field(
         MICRO_BATCH_ROWS, ge=1, description="packed rows per forward/backward (lower it on OOM; 1: one row at a time)"
     )

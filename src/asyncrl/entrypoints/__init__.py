@@ -1,1 +1,68 @@
-"""Console entrypoints, one thin module each: parse the config, set up logging, call the component."""
+"""Console entrypoints, one thin module each: its main() is one call of `entry` with its config and its run.
+
+`entry` is what every entrypoint does around its component: parse the command line into the config
+(--help, --dry-run and a bad flag end here: config.cli), make the process's run layout from that config,
+set up logging (and the run record `asyncrl status` reads) under it, run the component guarded (a user
+error is one `error: ...` line and exit 2, Ctrl-C exit 130), and, where asked, write the run's report.
+
+Invariants: the report comes after `run_guarded`, so the run record has its exit by then; a torchrun'd
+(`ranked`) entrypoint logs to one file per rank and reports on rank 0 only. It lives here, not in a
+sibling module, because the entrypoint modules never import one another (.importlinter).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from asyncrl.config.base import LogConfig
+from asyncrl.config.cli import parse_or_exit, run_guarded
+from asyncrl.transport.layout import RunLayout
+from asyncrl.utils import runstate
+from asyncrl.utils.logging import setup_logger, setup_rank_logger
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def entry(
+    model: type[T],
+    run: Callable[[T], Any],
+    prog: str,
+    summary: str,
+    argv: list[str] | None = None,
+    *,
+    resolve: Callable[..., T] | None = None,
+    passthrough: bool = False,
+    run_of: Callable[[T], Any] = lambda config: config,
+    log_of: Callable[[T], LogConfig] = lambda config: config.log,
+    ranked: bool = False,
+    reports: Callable[[T, RunLayout], list[RunLayout]] | None = None,
+) -> None:
+    """An entrypoint's main(): `run(config)` for the `model` config that argv (+ env) gives.
+
+    `resolve`, `passthrough`: as `parse_or_exit` takes them. `run_of(config)`: the config whose `output_dir`
+    and `ckpt` are this process's run (rl: its trainer's); `log_of(config)`: its log settings. `ranked`: a
+    torchrun'd component. `reports(config, layout)`: the runs to write a report of at the end, whatever the
+    outcome (none if empty).
+    """
+    config = parse_or_exit(model, prog, summary, argv, resolve=resolve, passthrough=passthrough)
+    layout = RunLayout.for_config(run_of(config))
+    log = log_of(config)
+    (setup_rank_logger if ranked else setup_logger)(prog, layout, log.level, log.file)
+    try:
+        run_guarded(lambda: run(config), finish=runstate.finish)
+    finally:
+        if reports is not None and (not ranked or int(os.environ.get("RANK", "0")) == 0):
+            _report(reports(config, layout))
+
+
+def _report(layouts: list[RunLayout]) -> None:
+    if not layouts:
+        return
+    from asyncrl.report.report import report_at_end  # only a run that writes a report pays for its imports
+
+    for layout in layouts:
+        report_at_end(layout.root)

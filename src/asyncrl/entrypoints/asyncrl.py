@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from asyncrl.config.cli import fail
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 
 USAGE = """usage: asyncrl status RUN_DIR
        asyncrl report RUN_DIR [RUN_DIR ...] [--out FILE]

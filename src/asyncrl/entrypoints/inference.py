@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from asyncrl.config.cli import parse_or_exit, run_guarded
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.utils.logging import setup_logger
+from asyncrl.entrypoints import entry
 
 SUMMARY = "OpenAI-compatible inference server with token ids, logprobs and /update_weights."
 
@@ -16,9 +15,7 @@ def run(config: InferenceConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_or_exit(InferenceConfig, "inference", SUMMARY, argv, passthrough=True)
-    setup_logger("inference", config.output_dir, config.log.level, config.log.file)
-    run_guarded(lambda: run(config))
+    entry(InferenceConfig, run, "inference", SUMMARY, argv, passthrough=True)
 
 
 if __name__ == "__main__":

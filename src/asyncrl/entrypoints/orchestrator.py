@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from asyncrl.config.cli import parse_or_exit, run_guarded
 from asyncrl.config.orchestrator import OrchestratorConfig
-from asyncrl.utils.logging import setup_logger
+from asyncrl.entrypoints import entry
 
 SUMMARY = "Orchestrator: gets rollouts from the inference server, scores them, writes training batches."
 
 
+def run(config: OrchestratorConfig) -> None:
+    from asyncrl.orchestrator.loop import run_orchestrator
+
+    run_orchestrator(config)
+
+
 def main(argv: list[str] | None = None) -> None:
-    config = parse_or_exit(OrchestratorConfig, "orchestrator", SUMMARY, argv)
-    setup_logger("orchestrator", config.output_dir, config.log.level, config.log.file)
-
-    def run() -> None:
-        from asyncrl.orchestrator.loop import run_orchestrator
-
-        run_orchestrator(config)
-
-    run_guarded(run)
+    entry(OrchestratorConfig, run, "orchestrator", SUMMARY, argv)
 
 
 if __name__ == "__main__":

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from asyncrl.config.cli import parse_or_exit, run_guarded
 from asyncrl.config.trainer import TrainerConfig
-from asyncrl.utils.logging import setup_rank_logger
+from asyncrl.entrypoints import entry
 
 SUMMARY = "RL trainer: reads packed rollout batches, updates the policy with FSDP2, publishes weights."
 
 
+def run(config: TrainerConfig) -> None:
+    from asyncrl.trainer.rl import train
+
+    train(config)
+
+
 def main(argv: list[str] | None = None) -> None:
-    config = parse_or_exit(TrainerConfig, "trainer", SUMMARY, argv)
-    setup_rank_logger("trainer", config.output_dir, config.log.level, config.log.file)
-
-    def run() -> None:
-        from asyncrl.trainer.rl import train
-
-        train(config)
-
-    run_guarded(run)
+    entry(TrainerConfig, run, "trainer", SUMMARY, argv, ranked=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any
 from loguru import logger
 
 from asyncrl.config.eval import EvalConfig
+from asyncrl.core.errors import UserError
 from asyncrl.evaluation.runner import (
     Job,
     RolloutRecord,
@@ -36,8 +37,7 @@ from asyncrl.evaluation.runner import (
 )
 from asyncrl.orchestrator.client import InferenceClient
 from asyncrl.transport.files import write_text_atomic
-from asyncrl.transport.layout import is_stable, step_dirs
-from asyncrl.utils.errors import UserError
+from asyncrl.transport.layout import RunLayout, is_stable, step_dirs
 from asyncrl.utils.monitor import MetricsSink
 
 
@@ -136,7 +136,7 @@ async def _evaluate(config: EvalConfig) -> dict[str, Any]:
     out = Path(config.output_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     admin = InferenceClient(config.client) if config.weights_dir is not None else None
-    sink = MetricsSink(config.output_dir, "eval", config.wandb, config.model_dump(mode="json"))
+    sink = MetricsSink(RunLayout.for_config(config), "eval", config.wandb, config.model_dump(mode="json"))
     results: dict[str, dict] = {}
     rows: list[dict] = []
     summary: dict[str, Any] = {

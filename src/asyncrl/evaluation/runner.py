@@ -19,6 +19,7 @@ import httpx
 from loguru import logger
 
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
+from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.envs import (
     EnvMixture,
     EnvSlot,
@@ -28,7 +29,6 @@ from asyncrl.orchestrator.envs import (
     sampling_args,
     verifiers_run_group,
 )
-from asyncrl.utils.errors import UserError
 from asyncrl.utils.progress import Bar
 
 PLAIN_CLIENT = "openai_chat_completions"

@@ -24,6 +24,7 @@ from pathlib import Path
 from loguru import logger
 
 from asyncrl.config.synthesize import SynthesizeConfig
+from asyncrl.core.errors import UserError
 from asyncrl.evaluation.runner import (
     Job,
     RolloutRecord,
@@ -36,7 +37,6 @@ from asyncrl.evaluation.runner import (
     start_hint,
 )
 from asyncrl.transport.files import write_text_atomic
-from asyncrl.utils.errors import UserError
 from asyncrl.utils.messages import openai_messages, openai_tools
 
 Key = tuple[str, int]  # (env name, example id)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 
 from asyncrl.config.rl import RLConfig
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 
 
 def cuda_available() -> bool:
@@ -88,7 +88,7 @@ class Placement:
 
 def visible_devices(gpu_ids: list[int], inherited: str | None) -> str:
     """A child's CUDA_VISIBLE_DEVICES: `gpu_ids` index into the launcher's own mask when it has one
-    (`CUDA_VISIBLE_DEVICES=2,3 rl ...` with ids [0] and [1] runs on GPUs 2 and 3, as in the seeds)."""
+    (`CUDA_VISIBLE_DEVICES=2,3 rl ...` with ids [0] and [1] runs on GPUs 2 and 3, as in the PRIME-RL docs)."""
     if not inherited or not inherited.strip():
         return ",".join(str(g) for g in gpu_ids)
     mask = [d.strip() for d in inherited.split(",") if d.strip()]

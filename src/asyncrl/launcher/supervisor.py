@@ -28,13 +28,14 @@ from loguru import logger
 
 from asyncrl.config.cli import to_toml
 from asyncrl.config.rl import RLConfig
+from asyncrl.core import failpoint
+from asyncrl.core.errors import FULL_HINT, LOW_SPACE_BYTES, UserError
 from asyncrl.launcher.placement import Placement
 from asyncrl.launcher.tailer import StepTailer
 from asyncrl.launcher.watch import CollapseWatch
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
-from asyncrl.utils import failpoint, runstate
-from asyncrl.utils.errors import FULL_HINT, LOW_SPACE_BYTES, UserError
+from asyncrl.utils import runstate
 from asyncrl.utils.monitor import drop_rows_from
 from asyncrl.utils.process import (
     PIPED,
@@ -70,8 +71,7 @@ class Child:
 class Launcher:
     def __init__(self, config: RLConfig):
         self.config = config
-        ckpt = config.trainer.ckpt
-        self.layout = RunLayout(config.trainer.output_dir, ckpt.path if ckpt else "checkpoints")
+        self.layout = RunLayout.for_config(config.trainer)
         self.placement = Placement(config)
         self.children: list[Child] = []
         self.runs = config.run_orchestrators()  # multi-run: each run's orchestrator config; empty: one run
@@ -90,7 +90,7 @@ class Launcher:
 
     def of(self, run: str | None) -> RunLayout:
         """Run `run`'s dir (multi-run), or the run's own (None)."""
-        return RunLayout(self.layout.run_dir(run)) if run is not None else self.layout
+        return self.layout.run(run) if run is not None else self.layout
 
     # ------------------------------------------------------------ start
 
@@ -132,7 +132,7 @@ class Launcher:
         (the trainer admits a run once that appears); returns each run's orchestrator config path."""
         specs, paths = {r.name: r for r in self.config.runs}, {}
         for name, orch in self.runs.items():
-            run = RunLayout(self.layout.run_dir(name), orch.ckpt.path if orch.ckpt else "checkpoints")
+            run = RunLayout.for_config(orch)  # run_NAME/, its checkpoints by its own ckpt.path
             settings = specs[name].run_settings()
             start = 0 if requested is None else resolve_resume_step(run, requested, orch.max_steps)
             self._clean(run, start)
@@ -204,7 +204,7 @@ class Launcher:
         """This interpreter, or the vLLM env's: vLLM lives in its own env (it conflicts with verifiers)."""
         if self.config.inference.backend != "vllm":
             return sys.executable
-        from asyncrl.inference.vllm.launch import INSTALL_HINT, vllm_python
+        from asyncrl.utils.vllm_env import INSTALL_HINT, vllm_python
 
         python = vllm_python()
         if python is None:

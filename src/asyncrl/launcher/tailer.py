@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from loguru import logger
-
-if TYPE_CHECKING:  # watch.py reads the trainer's metrics with JsonlTail from here
-    from asyncrl.launcher.watch import CollapseWatch
 
 
 class JsonlTail:
@@ -43,8 +40,16 @@ class JsonlTail:
         return rows
 
 
+class StepWatch(Protocol):
+    """What the tailer tells each step (`watch.CollapseWatch` is one; watch.py imports JsonlTail from here)."""
+
+    def observe(self, row: dict) -> None: ...
+
+    def check(self) -> str | None: ...
+
+
 class StepTailer:
-    def __init__(self, path: Path, start_step: int, label: str | None = None, watch: CollapseWatch | None = None):
+    def __init__(self, path: Path, start_step: int, label: str | None = None, watch: StepWatch | None = None):
         self.path, self.label = path, label  # label: a multi-run run's name, on each of its lines
         self.tail = JsonlTail(path)
         self.next_step = start_step  # steps arrive in order; one already counted is not counted again

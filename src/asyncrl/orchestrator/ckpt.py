@@ -18,12 +18,12 @@ from pathlib import Path
 from loguru import logger
 
 from asyncrl.config.base import CkptConfig
+from asyncrl.core import failpoint
+from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.filtering import Group
 from asyncrl.orchestrator.samples import Rollout, TokenSample
 from asyncrl.transport.files import publish_dir
 from asyncrl.transport.layout import ORCHESTRATOR, TRAINER, RunLayout
-from asyncrl.utils import failpoint
-from asyncrl.utils.errors import UserError
 
 COMPONENT = ORCHESTRATOR
 PROGRESS = "progress.json"

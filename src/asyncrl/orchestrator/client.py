@@ -16,7 +16,7 @@ import httpx
 from loguru import logger
 
 from asyncrl.config.orchestrator import ClientConfig
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 
 
 def server_root(url: str) -> str:

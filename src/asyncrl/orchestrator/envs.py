@@ -18,7 +18,7 @@ from typing import Any
 from loguru import logger
 
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 
 # (env slot, group inputs, sampling args) -> verifiers rollout outputs; the boundary tests replace.
 RunGroup = Callable[["EnvSlot", list[dict], dict], Awaitable[list[dict]]]
@@ -42,8 +42,8 @@ def env_module(env_id: str) -> str:
     return env_id.replace("-", "_").split("/")[-1]
 
 
-# The seeds' benchmark and math environments: verifiers environments on Prime Intellect's Environments Hub
-# (not on PyPI), by the id the seeds use.
+# PRIME-RL's benchmark and math environments: verifiers environments on Prime Intellect's Environments Hub
+# (not on PyPI), by the id the PRIME-RL docs use.
 HUB_ENVIRONMENTS = {
     "math500": "primeintellect/math500",
     "aime2024": "primeintellect/aime2024",
@@ -61,7 +61,7 @@ def install_hint(env_id: str) -> str:
 
 
 def install_commands(env_id: str) -> str:
-    """How to install an environment: from the Environments Hub (owner/name, or one of the seeds'), else locally."""
+    """How to install an environment: from the Environments Hub (owner/name, or one of PRIME-RL's), else locally."""
     hub_id = HUB_ENVIRONMENTS.get(env_id, env_id if "/" in env_id else None)
     if hub_id is not None:
         owner, name = hub_id.split("/", 1)

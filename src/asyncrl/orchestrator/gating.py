@@ -30,9 +30,9 @@ class Policy:
         return self.path is None
 
 
-def checkpoint_policy(output_dir: str | Path, step: int) -> Policy | None:
+def checkpoint_policy(layout: RunLayout, step: int) -> Policy | None:
     """`weights/step_{step}` as a policy if it is complete (renamed into place whole)."""
-    path = RunLayout(output_dir).weights_dir(step)
+    path = layout.weights_dir(step)
     if step >= 1 and path.is_dir() and (is_stable(path) or (path / "config.json").exists()):
         return Policy(step, path)
     return None
@@ -41,8 +41,8 @@ def checkpoint_policy(output_dir: str | Path, step: int) -> Policy | None:
 class PolicyGate:
     """Chooses (and waits for) the policy each step generates with."""
 
-    def __init__(self, output_dir: str | Path, max_async_level: int, resume_policy: Policy | None = None):
-        self.layout = RunLayout(output_dir)
+    def __init__(self, layout: RunLayout, max_async_level: int, resume_policy: Policy | None = None):
+        self.layout = layout
         self.k = max_async_level
         self.resume_policy = resume_policy
 

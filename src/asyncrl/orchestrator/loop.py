@@ -18,6 +18,7 @@ from typing import Any
 from loguru import logger
 
 from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.core.errors import UserError
 from asyncrl.orchestrator import ckpt
 from asyncrl.orchestrator.client import InferenceClient, start_hint
 from asyncrl.orchestrator.envs import (
@@ -37,8 +38,6 @@ from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRo
 from asyncrl.orchestrator.samples import TrajectoryConverter
 from asyncrl.transport.batch import MicroBatch, write_batch
 from asyncrl.transport.layout import ADAPTER, RunLayout
-from asyncrl.utils.errors import UserError
-from asyncrl.utils.logging import setup_logger
 from asyncrl.utils.monitor import MetricsSink, drop_rows_from
 
 
@@ -51,15 +50,16 @@ class Orchestrator:
         server: InferenceClient,
         eval_mixture: EnvMixture | None = None,
         sink: MetricsSink | None = None,
+        layout: RunLayout | None = None,
     ):
         self.config = config
-        self.layout = RunLayout(config.output_dir, config.ckpt.path if config.ckpt else "checkpoints")
+        self.layout = layout or RunLayout.for_config(config)
         self.mixture = mixture
         self.eval_mixture = eval_mixture
         self.run_group = run_group
         self.server = server
         self.served_model = config.model.name  # what requests name: the base model, or the run's LoRA adapter
-        self.sink = sink or MetricsSink(config.output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"))
+        self.sink = sink or MetricsSink(self.layout, "orchestrator", config.wandb, config.model_dump(mode="json"))
         self.converter = TrajectoryConverter(config.trajectory_strategy)
         self.problems = problems_per_step(config.batch_size, config.rollouts_per_example)
         target = in_flight_target(self.problems, config.oversampling_factor)
@@ -95,7 +95,7 @@ class Orchestrator:
             f"resuming at step {step} ({self.progress.total_samples} samples so far, "
             f"{len(self.collector.buffer)} buffered groups)"
         )
-        return checkpoint_policy(cfg.output_dir, step)
+        return checkpoint_policy(self.layout, step)
 
     # ---- per step ----------------------------------------------------------------------------
     async def _use_policy(self, policy: Policy) -> float:
@@ -127,7 +127,7 @@ class Orchestrator:
         ev = self.config.eval
         if ev is None or self.eval_mixture is None or not ev.eval_final:
             return
-        policy, _ = await PolicyGate(self.config.output_dir, 0).wait(end, timeout=self.config.weights_timeout)
+        policy, _ = await PolicyGate(self.layout, 0).wait(end, timeout=self.config.weights_timeout)
         await self._use_policy(policy)
         await self._eval(end)
 
@@ -194,7 +194,7 @@ class Orchestrator:
             "policy_step": policy.step,
             "min_policy_step": min_policy,
         }
-        write_batch(self.config.output_dir, step, per_rank, meta)
+        write_batch(self.layout, step, per_rank, meta)
         if policy.step > 0:
             self.layout.prune_batches(keep_from_step=policy.step)  # the trainer has consumed those
         t_write = time.perf_counter() - t_pack
@@ -277,7 +277,7 @@ class Orchestrator:
         self.layout.clear_stale(start)
         self.sink.restart_at(start)
         drop_rows_from(self.layout.samples, start)
-        gate = PolicyGate(self.config.output_dir, self.config.max_async_level, resume_policy)
+        gate = PolicyGate(self.layout, self.config.max_async_level, resume_policy)
         if self.config.sampling.seed is not None:
             logger.info(
                 "sampling.seed is used for eval requests only (a shared seed would make a group's rollouts identical)"
@@ -402,6 +402,5 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
 
 
 def run_orchestrator(config: OrchestratorConfig) -> None:
-    """Entry point: set up logging and run the orchestrator to completion."""
-    setup_logger("orchestrator", config.output_dir, config.log.level, config.log.file)
+    """Entry point: run the orchestrator to completion (the entrypoint has set up logging)."""
     asyncio.run(orchestrate(config))

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncrl.core.errors import UserError
 from asyncrl.report.status import status_lines
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout
-from asyncrl.utils.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ import time
 import tomllib
 from pathlib import Path
 
+from asyncrl.core.errors import UserError
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils import runstate
-from asyncrl.utils.errors import UserError
 
 TAIL_BYTES = 1 << 16  # the last rows of a metrics file are in its last 64 KiB
 
@@ -67,13 +67,13 @@ def _component_line(layout: RunLayout, name: str, max_steps: int | None, attempt
 
 def _ended(layout: RunLayout, name: str) -> dict:
     """How the trainer ended run `name` (its run_status.json), or {} while it has not."""
-    path = RunLayout(layout.run_dir(name)).run_status
+    path = layout.run(name).run_status
     return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _run_line(layout: RunLayout, name: str, ended: dict) -> str:
     """`  run NAME  done  step 59  reward 0.208 ...`: a multi-run run, from its own dir's files."""
-    run = RunLayout(layout.run_dir(name))
+    run = layout.run(name)
     state = ended.get("state") or ("training" if run.metrics_file("trainer").exists() else "waiting for a slot")
     row = last_row(run.metrics_file("orchestrator"), kind="train")
     parts = [f"  run {name:<9} {state:<22}"]

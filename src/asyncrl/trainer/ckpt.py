@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from asyncrl.config.base import CkptConfig
+from asyncrl.core import failpoint
+from asyncrl.core.errors import UserError, raise_if_full
 from asyncrl.transport.files import mark_stable
 from asyncrl.transport.layout import TRAINER, RunLayout
-from asyncrl.utils import failpoint
-from asyncrl.utils.errors import UserError, raise_if_full
 
 PROGRESS = "progress.json"
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 from asyncrl.utils.process import free_port
 
 

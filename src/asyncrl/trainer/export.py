@@ -20,10 +20,10 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from asyncrl.core import failpoint
 from asyncrl.trainer.lora import merge_lora_state_dict, peft_adapter, peft_config
 from asyncrl.transport.files import STABLE, publish_dir
 from asyncrl.transport.layout import ADAPTER, step_of
-from asyncrl.utils import failpoint
 
 MAX_SHARD_SIZE = "5GB"
 

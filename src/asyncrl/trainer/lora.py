@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 
 _BASE = ".base."
 _A = ".lora_A.weight"

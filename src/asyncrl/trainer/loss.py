@@ -9,7 +9,7 @@ Ratios are r = exp(logπ - logμ) with μ the sampler's logprob carried in the b
 max_async_level = k, μ may be up to k policies old). Objectives (`loss.type`):
 
 - `aipo`: token IS weight r, detached, times A·logπ; tokens with r outside
-  [token_mask_low, token_mask_high] are dropped (token-level MIS). The seeds' default.
+  [token_mask_low, token_mask_high] are dropped (token-level MIS). PRIME-RL's default.
 - `dppo`: a trust region on the probability change since the sampler: tokens whose probability rose more
   than dppo_mask_high (A > 0) or fell more than dppo_mask_low (A <= 0) are dropped, the rest give -A·r with
   the gradient through r (PRIME-RL's current objective).
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.config.trainer import LossConfig
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 
 
 @dataclass

@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from asyncrl.config.trainer import TrainerModelConfig
+from asyncrl.core.errors import UserError, model_hint
 from asyncrl.trainer.lora import SlotSelector, apply_lora, apply_multi_lora
-from asyncrl.utils.errors import UserError, model_hint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

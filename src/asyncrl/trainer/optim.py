@@ -9,7 +9,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from asyncrl.config.trainer import OptimConfig, SchedulerConfig
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 
 
 def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:

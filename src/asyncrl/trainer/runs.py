@@ -17,6 +17,8 @@ Invariants: rank 0 decides each round (which runs stop, start, train) and broadc
 the same collectives in the same order; a failure is decided on every rank alike (losses are all-reduced,
 a batch that one rank cannot read is agreed on before any forward). A run resumes only from its own
 checkpoints; a fresh run's slot is re-initialised from its seed, so a reused slot carries nothing over.
+This is a frame beside `session` (single-run's), not a loop: `rl.loop.train` branches here with `max_concurrent_runs`
+and passes its `RLLoop` in; nothing here imports a loop.
 """
 
 from __future__ import annotations
@@ -35,13 +37,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from asyncrl.config import loader
 from asyncrl.config.trainer import RunConfig, TrainerConfig
+from asyncrl.core.errors import UserError
 from asyncrl.trainer.dist import DistContext
 from asyncrl.trainer.model import load_model
-from asyncrl.trainer.rl.loop import RLLoop
-from asyncrl.trainer.session import AdapterSlot, TrainSession, in_process_group
+from asyncrl.trainer.session import AdapterSlot, Loop, TrainSession, in_process_group
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RUN_NAME, RunLayout
-from asyncrl.utils.errors import UserError
 
 POLL_S = 0.05  # rank 0 looks for new batches, runs and STOP files this often
 ROUND_S = 1.0  # ... and tells the other ranks at least this often that there is nothing to do
@@ -126,15 +127,16 @@ def _name_the_run(record) -> None:
         record["message"] = f"[{name}] {record['message']}"
 
 
-def train_runs(config: TrainerConfig) -> dict[str, list[dict]]:
-    """Serve the runs under `config.output_dir` until every run of `config.runs` has ended."""
-    return in_process_group(config, lambda ctx: MultiRunTrainer(config, ctx).run())
+def train_runs(config: TrainerConfig, loop_cls: type[Loop]) -> dict[str, list[dict]]:
+    """Serve the runs under `config.output_dir` until every run of `config.runs` has ended, each run's steps
+    being `loop_cls`'s (the RL loop passes itself in: this frame never imports a loop)."""
+    return in_process_group(config, lambda ctx: MultiRunTrainer(config, ctx, loop_cls).run())
 
 
 class MultiRunTrainer:
-    def __init__(self, config: TrainerConfig, ctx: DistContext) -> None:
-        self.config, self.ctx = config, ctx
-        self.layout = RunLayout(config.output_dir)
+    def __init__(self, config: TrainerConfig, ctx: DistContext, loop_cls: type[Loop]) -> None:
+        self.config, self.ctx, self.loop_cls = config, ctx, loop_cls
+        self.layout = RunLayout.for_config(config)
         torch.manual_seed(config.seed)
         self.lm = load_model(config.model, config.tokenizer.name, ctx.mesh, slots=config.max_concurrent_runs)
         by_name = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in self.lm.model.named_parameters()}
@@ -167,14 +169,14 @@ class MultiRunTrainer:
         for name in layout.run_names():
             if free == 0:
                 break
-            if name not in self.runs and not RunLayout(layout.run_dir(name)).run_status.exists():
+            if name not in self.runs and not layout.run(name).run_status.exists():
                 plan.admit.append((name, read_run_config(layout, name)))
                 free -= 1
         plan.train = [
             n for n, r in self.runs.items() if n not in plan.stop and r.session.layout.batch_dir(r.step).exists()
         ]
         if not plan and self.config.runs is not None and not self.runs:
-            plan.exit = all(RunLayout(layout.run_dir(n)).run_status.exists() for n in self.config.runs)
+            plan.exit = all(layout.run(n).run_status.exists() for n in self.config.runs)
         return plan
 
     # ---- every rank: doing it ----------------------------------------------------------------------
@@ -200,7 +202,7 @@ class MultiRunTrainer:
         slot = self.free.pop(0)
         sink = None
         if self.ctx.is_main:
-            path = RunLayout(self.layout.run_dir(name)).log_file("trainer")
+            path = self.layout.run(name).log_file("trainer")
             sink = logger.add(path, level=self.config.log.level.upper(), filter=lambda r: r["extra"].get("run") == name)
         with logger.contextualize(run=name):
             session = None
@@ -209,7 +211,7 @@ class MultiRunTrainer:
                     raise UserError(raw)
                 cfg = run_trainer_config(self.config, self.layout, name, raw)
                 reset_slot(self.slots[slot], cfg.seed * 1_000_003 + zlib.crc32(name.encode()))
-                session = TrainSession(cfg, self.ctx, RLLoop, slot=self.slots[slot])
+                session = TrainSession(cfg, self.ctx, self.loop_cls, slot=self.slots[slot])
                 run = Run(name, slot, session, session.begin(), sink)
             except UserError as e:  # e.g. a checkpoint it cannot resume from: the run fails, not the trainer
                 if session is not None:
@@ -251,6 +253,6 @@ class MultiRunTrainer:
             said = f"run {name} {state} after step {step}" + (f": {error}" if error else "")
             (logger.error if state == FAILED else logger.info)(said)
         status = {"state": state, "step": step, "error": error, "time": time.time()}
-        write_text_atomic(RunLayout(self.layout.run_dir(name)).run_status, json.dumps(status))
+        write_text_atomic(self.layout.run(name).run_status, json.dumps(status))
         if sink is not None:
             logger.remove(sink)

@@ -32,6 +32,7 @@ from loguru import logger
 
 from asyncrl.config.sft import SFTConfig
 from asyncrl.config.trainer import TrainerConfig
+from asyncrl.core.errors import UserError
 from asyncrl.trainer.ckpt import CheckpointManager
 from asyncrl.trainer.dist import DistContext, init_distributed, peer_lost
 from asyncrl.trainer.export import export_adapter, export_weights
@@ -39,7 +40,6 @@ from asyncrl.trainer.model import LoadedModel, load_model
 from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler
 from asyncrl.trainer.perf import FlopModel, bench_summary, mfu, peak_flops, peak_memory_gib, reset_peak_memory
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
-from asyncrl.utils.errors import UserError
 from asyncrl.utils.monitor import MetricsSink
 from asyncrl.utils.progress import Bar
 
@@ -162,7 +162,7 @@ class TrainSession:
         hf_logging.disable_progress_bar()
         self.config, self.ctx, self.slot = config, ctx, slot
         self.out = Path(config.output_dir)
-        self.layout = RunLayout(self.out, config.ckpt.path if config.ckpt else "checkpoints")
+        self.layout = RunLayout.for_config(config)
         self.max_steps = config.max_steps if config.max_steps or not config.bench else BENCH_STEPS
         self.loop = loop_cls(self)
         self.resume_step = self._resume_step()  # a bad one fails before the (slow) model load
@@ -177,7 +177,7 @@ class TrainSession:
         self.ckpt = CheckpointManager(self.layout, config.ckpt, ctx.rank, only) if self._checkpoints else None
         self.progress = {"step": 0, "tokens": 0, "samples": 0}
         self.sink = MetricsSink(
-            self.out, self.loop.metrics_name, config.wandb, config.model_dump(mode="json"), ctx.is_main
+            self.layout, self.loop.metrics_name, config.wandb, config.model_dump(mode="json"), ctx.is_main
         )
 
     @property

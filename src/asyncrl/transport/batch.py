@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.core import failpoint
+from asyncrl.core.errors import UserError
 from asyncrl.transport.files import publish_dir, wait_for
 from asyncrl.transport.layout import RunLayout
-from asyncrl.utils import failpoint
-from asyncrl.utils.errors import UserError
 
 MicroBatch = dict[str, torch.Tensor]
 FIELDS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")
@@ -51,7 +51,7 @@ def check_micro_batch(mb: MicroBatch) -> None:
         raise ValueError(f"micro-batch fields must be 1-D tensors of one length, got {lengths}")
 
 
-def write_batch(output_dir: str | Path, step: int, per_rank: list[list[MicroBatch]], meta: dict | None = None) -> Path:
+def write_batch(layout: RunLayout, step: int, per_rank: list[list[MicroBatch]], meta: dict | None = None) -> Path:
     """Atomically write step `step`'s batch: `per_rank[r]` is rank r's list of micro-batches."""
     counts = {len(mbs) for mbs in per_rank}
     if len(counts) != 1:
@@ -68,25 +68,25 @@ def write_batch(output_dir: str | Path, step: int, per_rank: list[list[MicroBatc
         (tmp / "meta.json").write_text(json.dumps(info))
 
     # a re-run of the same step (e.g. after resume) replaces it
-    return publish_dir(RunLayout(output_dir).batch_dir(step), write, marker=False)
+    return publish_dir(layout.batch_dir(step), write, marker=False)
 
 
 def wait_for_batch(
-    output_dir: str | Path,
+    layout: RunLayout,
     step: int,
     timeout: float | None = None,
     poll: float = 0.005,
     should_stop: Callable[[], bool] | None = None,
 ) -> Path:
     """Block until step `step`'s batch exists; TimeoutError after `timeout` seconds."""
-    path = RunLayout(output_dir).batch_dir(step)
+    path = layout.batch_dir(step)
     wait_for(path.exists, f"rollout batch for step {step} at {path}", timeout, poll, should_stop)
     return path
 
 
-def read_batch(output_dir: str | Path, step: int, rank: int) -> list[MicroBatch]:
+def read_batch(layout: RunLayout, step: int, rank: int) -> list[MicroBatch]:
     """Rank `rank`'s micro-batches of step `step` (the batch must exist: see `wait_for_batch`)."""
-    path = RunLayout(output_dir).batch_dir(step) / f"rank_{rank}.pt"
+    path = layout.batch_dir(step) / f"rank_{rank}.pt"
     try:
         data = torch.load(path, weights_only=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:  # batches appear whole: a disk fault
@@ -99,5 +99,5 @@ def read_batch(output_dir: str | Path, step: int, rank: int) -> list[MicroBatch]
     return data["micro_batches"]
 
 
-def read_meta(output_dir: str | Path, step: int) -> dict:
-    return json.loads((RunLayout(output_dir).batch_dir(step) / "meta.json").read_text())
+def read_meta(layout: RunLayout, step: int) -> dict:
+    return json.loads((layout.batch_dir(step) / "meta.json").read_text())

@@ -14,8 +14,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from asyncrl.core.errors import raise_if_full
 from asyncrl.transport.layout import STABLE
-from asyncrl.utils.errors import raise_if_full
 
 
 def publish_dir(final: Path, write: Callable[[Path], None], marker: bool = True) -> Path:

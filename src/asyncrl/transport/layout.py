@@ -36,10 +36,11 @@ import re
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from loguru import logger
 
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 
 STABLE = "STABLE"
 TRAINER = "trainer"  # the trainer's checkpoint component: complete once it has its STABLE marker
@@ -80,10 +81,12 @@ def steps_to_delete(steps: Iterable[int], keep_last: int | None, keep_interval: 
 
 
 class RunLayout:
-    """The paths of one run; every method that deletes only ever touches `step_N` dirs."""
+    """The paths of one run; every method that deletes only ever touches `step_N` dirs. A process makes its
+    run's layout once (`for_config`) and passes it down; a multi-run run's is `layout.run(name)`."""
 
     def __init__(self, output_dir: str | Path, checkpoints: str | Path = "checkpoints"):
         self.root = Path(output_dir)
+        self._checkpoints = checkpoints  # as given: a run's own dir resolves it the same way (see `run`)
         self.rollouts = self.root / "rollouts"
         self.broadcast = self.root / "broadcast"
         self.weights = self.root / "weights"
@@ -96,6 +99,17 @@ class RunLayout:
         self.run_config = self.root / "run.toml"  # multi-run: this run's trainer settings (config.trainer.RunConfig)
         self.run_stop = self.root / "STOP"  # multi-run: anyone may ask the trainer to end this run
         self.run_status = self.root / "run_status.json"  # multi-run: {"state": done|failed|stopped, "step", "error"}
+
+    @classmethod
+    def for_config(cls, config: Any) -> RunLayout:
+        """The layout of the run a component's config writes to: its `output_dir` and, if it has one, its
+        `ckpt.path` (made once per process and passed down; rl's is its trainer's: `for_config(cfg.trainer)`)."""
+        ckpt = getattr(config, "ckpt", None)
+        return cls(config.output_dir, ckpt.path if ckpt else "checkpoints")
+
+    def run(self, name: str) -> RunLayout:
+        """Multi-run: run `name`'s layout (`run_{name}/`, itself a run dir; a relative `ckpt.path` is under it)."""
+        return RunLayout(self.run_dir(name), self._checkpoints)
 
     def run_dir(self, name: str) -> Path:
         return self.root / f"{RUN_PREFIX}{name}"

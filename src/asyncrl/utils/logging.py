@@ -1,10 +1,9 @@
-"""Loguru setup: console plus `{output_dir}/logs/<component>.log`, called once per entrypoint."""
+"""Loguru setup: console plus the run's `logs/<component>.log`, called once per entrypoint (see entrypoints/_entry)."""
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from loguru import logger
 
@@ -15,19 +14,19 @@ _FORMAT = "<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> <cyan>[{ext
 
 
 def setup_logger(
-    component: str, output_dir: str | Path | None, level: str = "info", to_file: bool = True, console: bool = True
+    component: str, layout: RunLayout | None, level: str = "info", to_file: bool = True, console: bool = True
 ):
-    """Route loguru to stderr and to `{output_dir}/logs/{component}.log`; returns the log file path."""
+    """Route loguru to stderr and to the run's `logs/{component}.log`; returns the log file path."""
     logger.remove()
     logger.configure(extra={"component": component})
     if console:  # whatever sys.stderr is when a line is written: a live progress bar prints log lines above itself
         logger.add(_to_stderr, level=level.upper(), format=_FORMAT, colorize=sys.stderr.isatty())
     path = None
-    if to_file and output_dir is not None:
-        path = RunLayout(output_dir).log_file(component)
+    if to_file and layout is not None:
+        path = layout.log_file(component)
         path.parent.mkdir(parents=True, exist_ok=True)
         logger.add(path, level=level.upper(), format=_FORMAT, colorize=False, enqueue=False)
-        runstate.register(component, output_dir)
+        runstate.register(component, layout)
     return path
 
 
@@ -35,9 +34,9 @@ def _to_stderr(message: str) -> None:
     sys.stderr.write(message)
 
 
-def setup_rank_logger(component: str, output_dir: str | Path, level: str = "info", to_file: bool = True):
+def setup_rank_logger(component: str, layout: RunLayout, level: str = "info", to_file: bool = True):
     """For torchrun'd entrypoints: every rank logs to its own file (`<component>_rank<R>.log` past rank 0),
     only rank 0 prints to the console."""
     rank = int(os.environ.get("RANK", "0"))
     name = component if rank == 0 else f"{component}_rank{rank}"
-    return setup_logger(name, output_dir, level, to_file, console=rank == 0)
+    return setup_logger(name, layout, level, to_file, console=rank == 0)

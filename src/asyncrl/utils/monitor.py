@@ -11,27 +11,36 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from loguru import logger
 
-from asyncrl.config.base import WandbConfig
+from asyncrl.core.errors import UserError
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout
-from asyncrl.utils.errors import UserError
+
+
+class WandbSettings(Protocol):
+    """What the sink reads of W&B settings (`config.base.WandbConfig` is one): runtime does not import config."""
+
+    project: str
+    name: str | None
+    id: str | None
+    offline: bool
+    log_extras: Any  # `samples` / `distributions` switches and their `interval`
 
 
 class MetricsSink:
     def __init__(
         self,
-        output_dir: str | Path,
+        layout: RunLayout,
         name: str,
-        wandb_cfg: WandbConfig | None = None,
+        wandb_cfg: WandbSettings | None = None,
         run_config: dict | None = None,
         enabled: bool = True,
     ):
         self.enabled, self.name = enabled, name
-        self.path = RunLayout(output_dir).metrics_file(name)
+        self.path = layout.metrics_file(name)
         self.wandb_cfg = wandb_cfg
         self.run = None  # the W&B run, when W&B is on
         if not enabled:
@@ -49,7 +58,7 @@ class MetricsSink:
                 resume="allow" if wandb_cfg.id else None,
                 mode="offline" if wandb_cfg.offline else None,
                 config=run_config,
-                dir=str(output_dir),
+                dir=str(layout.root),
                 reinit="create_new",  # a multi-run trainer holds one W&B run per run, side by side
             )
 

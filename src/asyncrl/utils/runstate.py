@@ -21,9 +21,9 @@ _record: Path | None = None  # this process's record, once registered
 STOPPED = 143  # 128 + SIGTERM: what a process stopped on purpose (e.g. rl's server at the end) exits with
 
 
-def register(component: str, output_dir: str | Path) -> None:
+def register(component: str, layout: RunLayout) -> None:
     global _record
-    _record = RunLayout(output_dir).pid_file(component)
+    _record = layout.pid_file(component)
     info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "argv": sys.argv}
     write_text_atomic(_record, json.dumps(info))
 

@@ -6,6 +6,7 @@
 - backend.py: what the routes ask of an engine; deps.py: per-app state read through `Depends`
 - errors.py: `InvalidRequest` and the one error body; auth.py: bearer auth
 - schemas.py: request bodies; chat.py: chat templating and output parsing
+- weight_dir.py: what a HF weight dir holds and whether it fits the served model (both engines check with it)
 
 Importing this package loads neither torch nor vllm; import its modules directly.
 """

@@ -17,7 +17,7 @@ from fastapi import APIRouter
 from asyncrl.inference.api.deps import Config, Engine, WeightsLock
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.api.schemas import LoadLoraRequest, UpdateWeightsRequest
-from asyncrl.inference.weight_dir import is_dir
+from asyncrl.inference.api.weight_dir import is_dir
 
 router = APIRouter()
 

@@ -30,6 +30,7 @@ import torch
 from loguru import logger
 
 from asyncrl.config.inference import InferenceConfig
+from asyncrl.core.errors import UserError, model_hint
 from asyncrl.inference.api.backend import Backend, SamplingParams, SeqDelta
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.engine.kv_cache import MaskBuilder, SlotKVCache
@@ -38,7 +39,6 @@ from asyncrl.inference.engine.prefix_cache import PrefixCache
 from asyncrl.inference.engine.sampling import RowSampler, sample
 from asyncrl.inference.engine.sequence import Sequence
 from asyncrl.inference.engine.weight_loading import copy_into, load_matching_weights
-from asyncrl.utils.errors import UserError, model_hint
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _SEED_STRIDE = 1_000_003  # seeds of the n sequences of one seeded request: seed + i * stride
@@ -564,7 +564,7 @@ def _put_all(items: list[tuple[_Request, SeqDelta]]) -> None:
 
 def kv_budget_on_gpu(free: int, total: int, utilization: float | None) -> int:
     """KV bytes on a GPU, the weights already loaded: half of what is free, or, with `gpu_memory_utilization`
-    (the seeds' way to share a GPU with the trainer), what keeps all use of the GPU under that fraction."""
+    (PRIME-RL's way to share a GPU with the trainer), what keeps all use of the GPU under that fraction."""
     if utilization is None:
         return int(free * 0.5)
     budget = int(utilization * total) - (total - free)

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from asyncrl.inference.api.errors import InvalidRequest
-from asyncrl.inference.weight_dir import safetensors_files
+from asyncrl.inference.api.weight_dir import safetensors_files
 
 
 def read_state_dict(files: list[Path], param: str = "weight_dir") -> dict[str, torch.Tensor]:

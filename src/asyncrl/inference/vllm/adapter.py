@@ -21,7 +21,7 @@ from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
 from asyncrl.inference.api.errors import InvalidRequest
-from asyncrl.inference.weight_dir import check_weight_dir, checkpoint_shapes
+from asyncrl.inference.api.weight_dir import check_weight_dir, checkpoint_shapes
 
 
 class VLLMEngine:

@@ -18,12 +18,12 @@ from loguru import logger
 
 from asyncrl.config.cli import to_toml
 from asyncrl.config.inference import MULTI_NODE_FIELDS, InferenceConfig
+from asyncrl.core.errors import UserError
 from asyncrl.inference.api import training
 from asyncrl.inference.api.app import install_api
 from asyncrl.inference.vllm.shims import ErrorBodyMiddleware, NullAssistantFieldsMiddleware
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout
-from asyncrl.utils.errors import UserError
 
 WORKER_EXTENSION = "asyncrl.inference.vllm.worker.WeightReloadExtension"
 
@@ -226,12 +226,12 @@ def run_vllm_server(config: InferenceConfig) -> None:
 
 def _exec_in_vllm_env(config: InferenceConfig, missing: ImportError) -> None:
     """Replace this process by `inference @ <this resolved config>` under the vLLM environment's python."""
-    from asyncrl.inference.vllm.launch import INSTALL_HINT, vllm_python
+    from asyncrl.utils.vllm_env import INSTALL_HINT, vllm_python
 
     python = vllm_python()
     if python is None or Path(sys.prefix).resolve() == python.parent.parent.resolve():
         raise UserError(f"--backend vllm needs vLLM ({missing}): {INSTALL_HINT}") from missing
-    path = RunLayout(config.output_dir).configs / "inference.toml"
+    path = RunLayout.for_config(config).configs / "inference.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, to_toml(config))
     logger.info(f"vllm is not in this environment: serving from {python.parent.parent} with {path}")

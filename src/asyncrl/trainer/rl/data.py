@@ -24,16 +24,16 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 
 import torch
 from loguru import logger
 
 from asyncrl.config.base import BenchDataConfig
+from asyncrl.core.errors import UserError
 from asyncrl.trainer.loss import LossInputs
 from asyncrl.transport.batch import FIELDS, MicroBatch, check_micro_batch, read_batch, read_meta, wait_for_batch
+from asyncrl.transport.layout import RunLayout
 from asyncrl.transport.prefix import attention_mask, check_shared, segments
-from asyncrl.utils.errors import UserError
 
 
 @dataclass
@@ -203,21 +203,33 @@ def deal_rows(rows: list[MicroBatch], ranks: int, rank: int) -> list[MicroBatch]
     return mine + [masked() for _ in range(slots - len(mine))]
 
 
-class RolloutSource:
-    """Step n's micro-batches for this rank, from `{output_dir}/rollouts/step_n` (blocks until written)."""
+def check_seq_len(rows: list[MicroBatch], seq_len: int | None, step: int) -> list[MicroBatch]:
+    """`rows` unchanged when none is longer than `trainer.data.seq_len` (None: no limit), else a UserError."""
+    longest = max((r["input_ids"].numel() for r in rows), default=0)
+    if seq_len is not None and longest > seq_len:
+        raise UserError(
+            f"step {step}: a packed row of {longest} tokens is longer than trainer.data.seq_len ({seq_len}); rows "
+            "are packed to the orchestrator's seq_len (fake data: data.fake.seq_len x samples_per_row): give both "
+            "the same length (rl: set seq_len once, at the top level)"
+        )
+    return rows
 
-    def __init__(self, output_dir: str | Path, rank: int, world_size: int, timeout: float | None) -> None:
-        self.output_dir, self.rank, self.world_size, self.timeout = Path(output_dir), rank, world_size, timeout
+
+class RolloutSource:
+    """Step n's micro-batches for this rank, from the run's `rollouts/step_n` (blocks until written)."""
+
+    def __init__(self, layout: RunLayout, rank: int, world_size: int, timeout: float | None) -> None:
+        self.layout, self.rank, self.world_size, self.timeout = layout, rank, world_size, timeout
         self._told = False
 
     def get(self, step: int) -> list[MicroBatch]:
         try:
-            wait_for_batch(self.output_dir, step, timeout=self.timeout)
+            wait_for_batch(self.layout, step, timeout=self.timeout)
         except TimeoutError as e:
             raise UserError(f"{e}; is the orchestrator running with the same output_dir?") from e
-        packed_for = read_meta(self.output_dir, step).get("num_ranks", 1)
+        packed_for = read_meta(self.layout, step).get("num_ranks", 1)
         if packed_for == self.world_size:
-            return read_batch(self.output_dir, step, self.rank)
+            return read_batch(self.layout, step, self.rank)
         if not self._told:
             self._told = True
             logger.info(
@@ -225,18 +237,18 @@ class RolloutSource:
                 f"{self.world_size}: dealing its rows out again (the orchestrator learns the world size from "
                 "trainer_world.json, or set its num_train_workers)"
             )
-        rows = [mb for r in range(packed_for) for mb in read_batch(self.output_dir, step, r)]
+        rows = [mb for r in range(packed_for) for mb in read_batch(self.layout, step, r)]
         return deal_rows(rows, self.world_size, self.rank)
 
 
 class FakeSource:
-    """Random rows shaped like real batches: micro_batch_size samples of seq_len tokens packed per row."""
+    """Random rows shaped like real batches: samples_per_row samples of seq_len tokens packed per row."""
 
     def __init__(self, cfg: BenchDataConfig, vocab_size: int, rank: int, world_size: int, seed: int) -> None:
-        rows = cfg.batch_size // cfg.micro_batch_size
+        rows = cfg.batch_size // cfg.samples_per_row
         if rows % world_size:
             raise UserError(
-                f"data.fake gives {rows} micro-batches per step (batch_size / micro_batch_size), "
+                f"data.fake gives {rows} rows per step (batch_size / samples_per_row), "
                 f"not divisible by {world_size} trainer ranks"
             )
         self.cfg, self.vocab, self.rank, self.seed = cfg, vocab_size, rank, seed
@@ -244,7 +256,7 @@ class FakeSource:
 
     def get(self, step: int) -> list[MicroBatch]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + self.rank)
-        s, n = self.cfg.seq_len, self.cfg.micro_batch_size
+        s, n = self.cfg.seq_len, self.cfg.samples_per_row
         rows = []
         for _ in range(self.rows_per_rank):
             length = s * n

@@ -33,6 +33,8 @@ from loguru import logger
 
 from asyncrl.config.base import BenchDataConfig
 from asyncrl.config.trainer import TrainerConfig
+from asyncrl.core import failpoint
+from asyncrl.core.errors import UserError
 from asyncrl.trainer.ckpt import complete_steps
 from asyncrl.trainer.lora import adapters_off
 from asyncrl.trainer.loss import entropy_with_grad, get_loss_fn, mismatch_kl_sum, token_entropy, token_logprobs
@@ -43,18 +45,18 @@ from asyncrl.trainer.rl.data import (
     PackedRow,
     RolloutSource,
     RowBatch,
+    check_seq_len,
     micro_batches,
     plan_forwards,
     prepare,
     split_to,
 )
+from asyncrl.trainer.runs import train_runs
 from asyncrl.trainer.session import Loop, StepBatch, TrainSession, run_training
 from asyncrl.transport.batch import MicroBatch
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import is_stable
 from asyncrl.transport.prefix import expand, segments
-from asyncrl.utils import failpoint
-from asyncrl.utils.errors import UserError
 
 MASKED_ATTENTION = ("sdpa", "eager")  # take an explicit 4D mask, so shared prefixes stay in one row
 # a forward pass's fixed cost, as the FLOPs of this many tokens (CPU, tiny model: ~64; the plan is not sensitive)
@@ -67,9 +69,7 @@ def train(config: TrainerConfig) -> list[dict] | dict[str, list[dict]]:
     """Train until `max_steps` (or forever); returns the metrics of every step run (on every rank). With
     `max_concurrent_runs`, serve the runs under the output dir instead (`trainer.runs`): metrics by run."""
     if config.max_concurrent_runs is not None:
-        from asyncrl.trainer.runs import train_runs
-
-        return train_runs(config)
+        return train_runs(config, RLLoop)
     return run_training(config, RLLoop)
 
 
@@ -91,7 +91,7 @@ class RLLoop(Loop):
             shape = cfg.data.fake or BenchDataConfig()
             self.source = FakeSource(shape, s.vocab_size, s.ctx.rank, s.ctx.world_size, cfg.seed)
         else:
-            self.source = RolloutSource(s.out, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout)
+            self.source = RolloutSource(s.layout, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout)
             if s.ctx.is_main:  # an orchestrator without num_train_workers packs for this many ranks
                 write_text_atomic(s.layout.trainer_world, json.dumps({"world_size": s.ctx.world_size}))
         if cfg.loss.ref_kl is not None:
@@ -115,7 +115,8 @@ class RLLoop(Loop):
         start = time.perf_counter()
         rows, error = [], None
         try:
-            rows = [prepare(mb, ctx.device) for mb in self._shareable(self.source.get(step))]
+            mbs = check_seq_len(self.source.get(step), self.config.data.seq_len, step)
+            rows = [prepare(mb, ctx.device) for mb in self._shareable(mbs)]
         except UserError as e:
             error = str(e)
         if (error := ctx.first_error(error)) is not None:  # every rank stops, with the one that could not read
@@ -289,6 +290,6 @@ class RLLoop(Loop):
 
     def bench_header(self) -> str:
         cfg, fake = self.config, self.config.data.fake
-        shape = f"seq {fake.seq_len} x {fake.micro_batch_size}/row x bs {fake.batch_size}" if fake else "default fake"
+        shape = f"seq {fake.seq_len} x {fake.samples_per_row}/row x bs {fake.batch_size}" if fake else "default fake"
         world, rows, dtype = self.session.ctx.world_size, cfg.data.micro_batch_size, cfg.model.optimization_dtype
         return f"bench | {cfg.model.name} | {world} rank(s) | {shape} | {rows} rows/fwd | {dtype}"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 from asyncrl.utils.messages import openai_messages, openai_tools
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from loguru import logger
 
 from asyncrl.config.sft import SFTConfig
+from asyncrl.core.errors import UserError
 from asyncrl.trainer.model import load_tokenizer
 from asyncrl.trainer.perf import format_mfu
 from asyncrl.trainer.session import Loop, StepBatch, TrainSession, run_training
 from asyncrl.trainer.sft.data import ConversationTokenizer, SFTSample, fake_sample, load_sft_dataset
 from asyncrl.trainer.sft.packing import SampleStream, SFTMicroBatch, make_micro_batch, split_for_rank, take_rows
-from asyncrl.utils.errors import UserError
 
 FAKE_SIZE = 1_000_000  # samples in the fake dataset (each made from its index)
 EARLY_CHECK_ROWS = 8  # rows tokenized before the model loads, so template errors show at once

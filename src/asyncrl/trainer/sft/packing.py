@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from loguru import logger
 
+from asyncrl.core.errors import UserError
 from asyncrl.trainer.sft.data import SFTSample
-from asyncrl.utils.errors import UserError
 
 # ---- ordered stream with an exact position -------------------------------------------------------
 

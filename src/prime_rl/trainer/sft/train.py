@@ -1,6 +1,6 @@
 """The SFT trainer at the script path PRIME-RL's docs give torchrun (`torchrun ... src/prime_rl/trainer/sft/train.py`).
 
-Not a package: a script, so the seeds' lines run as written; it is asyncrl's `sft`.
+Not a package: a script, so PRIME-RL's lines run as written; it is asyncrl's `sft`.
 """
 
 from asyncrl.entrypoints.sft import main

@@ -1,9 +1,9 @@
-"""The config files the seeds name exist at the seeds' paths and resolve; the seeds' lines parse as written.
+"""The config files PRIME-RL's docs name exist at their paths and resolve; their lines parse as written.
 
 Every file under `configs/` resolves (what `--dry-run` prints) as the entrypoint its directory names.
-The seeds' command lines that use them are copied verbatim from `../shared/seeds/` (the `uv run`
+PRIME-RL's command lines that use them are copied verbatim from `../shared/seeds/` (the `uv run`
 prefix dropped) and must resolve too. A hub model that cannot be reached says what it needs and where
-the CPU twins are. (The CPU twins run for real in tests/integration/test_seed_twins.py.)
+the CPU twins are. (The CPU twins run for real in tests/integration/test_prime_rl_twins.py.)
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from asyncrl.config.rl import RLConfig, resolve_rl
 from asyncrl.config.sft import SFTConfig
 from asyncrl.config.synthesize import SynthesizeConfig
 from asyncrl.config.trainer import TrainerConfig
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").rglob("*.toml"))
 KINDS = {"trainer": TrainerConfig, "orchestrator": OrchestratorConfig, "inference": InferenceConfig, "eval": EvalConfig}
 
-# the seeds' commands that name shipped configs (readme.md, rl-architecture.md, prime-rl-docs.md)
-SEED_COMMANDS = [
+# PRIME-RL's commands that name shipped configs (readme.md, rl-architecture.md, prime-rl-docs.md)
+PRIME_RL_COMMANDS = [
     "trainer @ configs/trainer/debug.toml",
     "inference @ configs/inference/debug.toml",
     "orchestrator @ configs/orchestrator/debug.toml",
@@ -79,15 +79,15 @@ def test_every_shipped_config_resolves_as_its_entrypoint(path):
     resolve(kind, ["@", str(path)])
 
 
-@pytest.mark.parametrize("command", SEED_COMMANDS)
-def test_seed_commands_resolve_as_written(command, monkeypatch):
+@pytest.mark.parametrize("command", PRIME_RL_COMMANDS)
+def test_prime_rl_commands_resolve_as_written(command, monkeypatch):
     monkeypatch.chdir(REPO)
     entrypoint, *argv = shlex.split(command.replace("$INFERENCE_SERVER_API_KEY", "secret"))
     resolve(entrypoint, argv)
 
 
-def test_seed_paths_all_exist():
-    named = {tok for c in SEED_COMMANDS for tok in shlex.split(c) if tok.endswith(".toml")}
+def test_prime_rl_paths_all_exist():
+    named = {tok for c in PRIME_RL_COMMANDS for tok in shlex.split(c) if tok.endswith(".toml")}
     assert all((REPO / p).is_file() for p in named)
     assert len(named) == 18  # debug x3, reverse_text x3, the two math runs x3, eval x3, examples/reverse_text/rl x3
 
@@ -127,7 +127,7 @@ def test_an_unreachable_hub_model_names_the_cpu_twins(monkeypatch):
         _load_hf("./no/such/dir", "sdpa", False)
 
 
-def test_seed_lines_with_older_or_shorthand_flags():
+def test_prime_rl_lines_with_older_or_shorthand_flags():
     cfg = resolve(
         "sft", shlex.split("sft --data.seq-len 4096 --data.batch-size 64 --data.micro-batch-size 2 --bench")[1:]
     )
@@ -147,7 +147,7 @@ def test_seed_lines_with_older_or_shorthand_flags():
         ("trainer", "--model.cp", "context parallelism (one sequence split over several GPUs) is not implemented"),
     ],
 )
-def test_seed_flags_that_cannot_work_here_say_why(entrypoint, flag, says, monkeypatch):
+def test_prime_rl_flags_that_cannot_work_here_say_why(entrypoint, flag, says, monkeypatch):
     monkeypatch.chdir(REPO)
     with pytest.raises(UserError) as e:
         resolve(entrypoint, [flag, "x"])
@@ -160,7 +160,7 @@ def test_auto_backend_is_vllm_with_cuda_and_vllm_only(monkeypatch):
     import torch
 
     from asyncrl.config import inference
-    from asyncrl.inference.vllm import launch
+    from asyncrl.utils import vllm_env
 
     choose = inference.auto_backend.__wrapped__  # uncached
     for has_vllm, cuda, engine, why in [
@@ -169,7 +169,7 @@ def test_auto_backend_is_vllm_with_cuda_and_vllm_only(monkeypatch):
         (True, True, "vllm", "vLLM is installed and a CUDA GPU is visible"),
     ]:
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, has=has_vllm: object() if has else None)
-        monkeypatch.setattr(launch, "vllm_python", lambda: None)
+        monkeypatch.setattr(vllm_env, "vllm_python", lambda: None)
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
         assert choose()[0] == engine and why in choose()[1]
 
@@ -208,7 +208,7 @@ MULTI_NODE = {  # rl-architecture.md, "Multi-Node Inference", verbatim
 }
 
 
-def test_seed_multi_node_inference_lines_become_vllm_flags(gpu_with_vllm):
+def test_prime_rl_multi_node_inference_lines_become_vllm_flags(gpu_with_vllm):
     from asyncrl.inference.vllm.server import build_vllm_argv
 
     argv = build_vllm_argv(
@@ -225,7 +225,7 @@ def test_seed_multi_node_inference_lines_become_vllm_flags(gpu_with_vllm):
 
 
 @pytest.mark.parametrize("node", MULTI_NODE)
-def test_seed_multi_node_lines_without_vllm_say_what_they_need(node):
+def test_prime_rl_multi_node_lines_without_vllm_say_what_they_need(node):
     says = r"multi-node data parallelism is vLLM's; serve with --backend vllm \(engine here: embedded, auto: "
     with pytest.raises(UserError, match=says):
         resolve("inference", shlex.split(MULTI_NODE[node].replace("$DATA_PARALLEL_ADDRESS", "10.0.0.1"))[1:])

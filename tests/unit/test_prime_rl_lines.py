@@ -1,4 +1,4 @@
-"""Every command line and TOML block of the seeds (../shared/seeds/*.md), by hand, with what it does here.
+"""Every command line and TOML block of the PRIME-RL docs (../shared/seeds/*.md), by hand, with what it does here.
 
 One row per line as the docs print it (`uv run ` dropped, continuation lines joined):
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_seed_configs import REPO, resolve
+from test_prime_rl_configs import REPO, resolve
 
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -451,7 +451,7 @@ def argv_of(row: Row, tmp: Path) -> tuple[str, list[str]]:
 
 
 @pytest.mark.parametrize("row", ASYNCRL, ids=lambda r: r.where)
-def test_seed_line_resolves_or_says_what_it_needs(row, tmp_path, monkeypatch):
+def test_prime_rl_line_resolves_or_says_what_it_needs(row, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     for name, text in QWEN.items():
         (tmp_path / name).write_text(text)
@@ -487,13 +487,13 @@ def test_what_the_elsewhere_lines_rely_on_is_here():
 
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r.kind == "script"], ids=lambda r: r.where)
-def test_seed_torchrun_script_paths_ship(row):
+def test_prime_rl_torchrun_script_paths_ship(row):
     script = next((t for t in row.line.split() if t.startswith("src/prime_rl/")), None)
     assert script is None or (REPO / script).is_file()  # a line without a path runs `torchrun` on a command
 
 
 @pytest.mark.slow
-def test_the_seeds_two_node_trainer_lines_train(tmp_path):
+def test_prime_rl_two_node_trainer_lines_train(tmp_path):
     """rl-architecture.md's multi-node trainer lines, as written but with 1 process per node (not 8), the CPU
     twin's config and 2 steps: two torchrun agents rendezvous and train as 2 ranks."""
     from asyncrl.utils.process import free_port
@@ -542,12 +542,12 @@ def guide_blocks() -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(("where", "kind", "block"), TOML_BLOCKS, ids=[b[0] for b in TOML_BLOCKS])
-def test_seed_toml_blocks_validate(where, kind, block, tmp_path):
+def test_prime_rl_toml_blocks_validate(where, kind, block, tmp_path):
     (tmp_path / "c.toml").write_text(block)
     resolve(kind, ["@", str(tmp_path / "c.toml")])
 
 
-@pytest.mark.skipif(not GUIDE.is_file(), reason="the seeds are not beside this checkout")
+@pytest.mark.skipif(not GUIDE.is_file(), reason="the PRIME-RL docs are not beside this checkout")
 def test_the_guides_toml_blocks_validate_as_rl_configs(tmp_path):
     blocks = guide_blocks()
     assert len(blocks) == 9

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import signal
 
-from asyncrl.utils.errors import UserError
+from asyncrl.core.errors import UserError
 
 VAR = "ASYNCRL_FAILPOINT"
 POINTS = ("trainer.step", "trainer.weights", "trainer.checkpoint", "orchestrator.batch", "orchestrator.checkpoint")

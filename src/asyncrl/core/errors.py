@@ -20,7 +20,7 @@ def model_hint(name: str) -> str:
     return (
         f"'{name}' is a Hugging Face hub id: it needs network access to huggingface.co (or a copy in the local "
         "HF cache; gated models: huggingface-cli login). Without a GPU or hub access run the CPU twins in "
-        "configs/debug/cpu/ (README: Seed configs)"
+        "configs/debug/cpu/ (docs/configuration.md: PRIME-RL configs)"
     )
 
 

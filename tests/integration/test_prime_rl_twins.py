@@ -1,4 +1,4 @@
-"""The seeds' first checks, run for real through their CPU twins (configs/debug/cpu/) on a tiny local model.
+"""PRIME-RL's first checks, run for real through their CPU twins (configs/debug/cpu/) on a tiny local model.
 
 `trainer @ configs/debug/cpu/trainer/debug.toml` trains on fake batches alone; `inference @ .../inference/
 debug.toml` serves while `orchestrator @ .../orchestrator/debug.toml` writes two steps of batches (no

@@ -1,7 +1,8 @@
-"""THE JOB of `rl --bench`: the tiny-Qwen3 reverse-text GRPO run users compare with TRL's GRPOTrainer.
+"""The bench job, `rl --bench`: the tiny-Qwen3 reverse-text GRPO run users compare with TRL's GRPOTrainer.
 
-One job: say what the benchmark runs, as constants and as `rl` config defaults (`apply_defaults`).
-No torch and no environment imports here, so `rl`'s config resolution stays light.
+One job: say what the bench job runs, as constants and as `rl` config defaults (`apply_defaults`).
+No torch and no environment imports here, so `rl`'s config resolution stays light. It lives on the config
+floor because both `config.rl` (the defaults) and the `bench` package (the run, warm-up, scoring) read it.
 
 Invariants:
 - Every value a user gives (CLI, @ files, env vars) wins over these defaults; shared fields
@@ -96,10 +97,10 @@ def _set_anywhere(raw: dict, top: tuple[str, ...], where: dict[str, tuple[str, .
     )
 
 
-def apply_defaults(raw: dict) -> dict:
-    """`raw` (the user's `rl` config) over the job's defaults; the user's values win."""
+def apply_defaults(raw: dict, shared_at: dict[str, dict[str, tuple[str, ...] | None]]) -> dict:
+    """`raw` (the user's `rl` config) over the job's defaults; the user's values win. `shared_at` is
+    `config.rl.SHARED`: where each shared field may also be set per component."""
     from asyncrl.config.loader import deep_merge, get_path, set_path
-    from asyncrl.config.rl import SHARED
 
     merged = deep_merge(component_defaults(), raw)  # --no-inference keeps None: the user's own server
     places = [("output_dir",)] + [(c, "output_dir") for c in ("trainer", "orchestrator", "inference")]
@@ -113,6 +114,6 @@ def apply_defaults(raw: dict) -> dict:
     }
     for name, value in shared.items():
         top = tuple(name.split("."))
-        if not _set_anywhere(merged, top, SHARED[name]):
+        if not _set_anywhere(merged, top, shared_at[name]):
             set_path(merged, top, value)
     return merged
