@@ -37,6 +37,7 @@ ONE_GPU = ["--inference-gpu-ids", "[0]", "--trainer-gpu-ids", "[0]", "--inferenc
 EXTRA = os.environ.get("GPU_CHECK_EXTRA_TRAINER_ARGS", "").split()  # e.g. a broken flag, to see the check fail
 PORT = 8011
 MIN_SECONDS = 30  # a row is not started with less of the budget left
+SHARED_PREFIX_TEST = Path("tests/unit/trainer/test_trainer_shared_prefix.py")
 NO_VLLM = "not run: vLLM cannot be carried to the lent machine (its wheels are far over a call's 64 MiB)"
 
 
@@ -167,7 +168,7 @@ CHECKS = [
     Check("fsdp2_nccl", lambda w: [trainer_bench(str(w / "tiny"), 2048)], bench_line, 90, ["cuda"]),
     Check(
         "shared_prefix_cuda_attention",
-        lambda w: [[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_trainer_shared_prefix.py"]],
+        lambda w: [[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(SHARED_PREFIX_TEST)]],
         tests_pass,
         90,
         ["cuda"],

@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHECKS = [
     "imports",
     "cuda",

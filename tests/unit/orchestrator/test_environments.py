@@ -19,7 +19,7 @@ import pytest
 import verifiers as vf
 from openai import AsyncOpenAI
 
-ENV_DIR = Path(__file__).resolve().parents[2] / "environments"
+ENV_DIR = Path(__file__).resolve().parents[3] / "environments"
 for _name in ("reverse_text", "tool_calc", "echo_twice", "sort_letters"):
     # Editable installs make these importable; a fresh checkout without them still tests.
     if importlib.util.find_spec(_name) is None:

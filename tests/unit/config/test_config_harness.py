@@ -2,10 +2,10 @@
 
 Each case runs through `cli.parse_or_exit` (what the entrypoints call) and records what a user sees: the
 resolved config (as the keys that differ from that entrypoint's defaults), or the exit status and the
-stderr lines (the one-line error, the older-spelling notes). `tests/unit/data/config_harness.json` holds
+stderr lines (the one-line error, the older-spelling notes). `tests/unit/config/data/config_harness.jsonl` holds
 the results of the loader as it was before it was split; any change in behaviour fails here, case by case.
 
-Record anew (only when a behaviour change is intended): `python tests/unit/test_config_harness.py --record`.
+Record anew (only when a behaviour change is intended): `python tests/unit/config/test_config_harness.py --record`.
 The cases come from walking each model's pydantic fields, not from the loader, so a loader change cannot
 change what is asked.
 """
@@ -35,7 +35,7 @@ from asyncrl.config.sft import SFTConfig
 from asyncrl.config.synthesize import SynthesizeConfig
 from asyncrl.config.trainer import TrainerConfig
 
-GOLDEN = Path(__file__).parent / "data" / "config_harness.json"
+GOLDEN = Path(__file__).parent / "data" / "config_harness.jsonl"
 ENTRIES: dict[str, tuple[type[BaseModel], dict]] = {
     "rl": (RLConfig, {"resolve": resolve_rl}),
     "trainer": (TrainerConfig, {}),
@@ -442,13 +442,32 @@ def run_all(parse=None, defaults: dict | None = None) -> dict[str, dict]:
     return {"defaults": defaults, "cases": results}
 
 
+def lean(result: dict) -> dict:
+    """A case's result without its empty parts (no exit code, no stderr, nothing set): what the golden stores."""
+    return {k: v for k, v in result.items() if v not in (None, [], {})}
+
+
+def save_golden(results: dict) -> None:
+    """One JSON line for the defaults, then one per case (sorted): small, and a diff names the cases."""
+    compact = {"sort_keys": True, "separators": (",", ":"), "ensure_ascii": False}
+    lines = [json.dumps({"defaults": results["defaults"]}, **compact)]
+    lines += [json.dumps({"id": k, "result": lean(results["cases"][k])}, **compact) for k in sorted(results["cases"])]
+    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+    GOLDEN.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def load_golden() -> dict:
+    first, *rest = (json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines())
+    return {"defaults": first["defaults"], "cases": {r["id"]: r["result"] for r in rest}}
+
+
 def test_harness_matches_golden():
-    golden = json.loads(GOLDEN.read_text())
+    golden = load_golden()
     now = run_all()
     again = "if a config field was added or renamed on purpose, record anew (see the module docstring)"
     assert now["defaults"] == golden["defaults"], f"the configs' defaults changed: {again}"
     assert set(now["cases"]) == set(golden["cases"]), f"the cases changed: {again}"
-    diff = [k for k in golden["cases"] if now["cases"][k] != golden["cases"][k]]
+    diff = [k for k in golden["cases"] if lean(now["cases"][k]) != golden["cases"][k]]
     assert not diff, f"{len(diff)} cases differ, e.g. {diff[0]}: {golden['cases'][diff[0]]} -> {now['cases'][diff[0]]}"
     assert len(now["cases"]) >= 800
 
@@ -456,8 +475,7 @@ def test_harness_matches_golden():
 if __name__ == "__main__":
     results = run_all()
     if "--record" in sys.argv:
-        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-        GOLDEN.write_text(json.dumps(results, indent=0, sort_keys=True) + "\n")
+        save_golden(results)
     exits: dict = {}
     for r in results["cases"].values():
         exits[str(r["exit"])] = exits.get(str(r["exit"]), 0) + 1

@@ -12,7 +12,7 @@ import sys
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 OWN = {"asyncrl"} | {p.name.replace("_", "-") for p in (REPO / "environments").iterdir() if p.is_dir()}
 OPTIONAL = {"vllm": "its own env (scripts/install_vllm.sh); not carried", "wandb": "the wandb extra; off by default"}
 

@@ -23,7 +23,7 @@ from asyncrl.config.synthesize import SynthesizeConfig
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.core.errors import UserError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((REPO / "configs").rglob("*.toml"))
 KINDS = {"trainer": TrainerConfig, "orchestrator": OrchestratorConfig, "inference": InferenceConfig, "eval": EvalConfig}
 

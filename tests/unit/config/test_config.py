@@ -22,7 +22,7 @@ from asyncrl.config.synthesize import SynthesizeConfig
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.core.errors import UserError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ENTRYPOINTS = ["rl", "trainer", "orchestrator", "inference", "sft", "eval", "synthesize"]
 CONFIGS = [RLConfig, TrainerConfig, OrchestratorConfig, InferenceConfig, SFTConfig, EvalConfig, SynthesizeConfig]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SLURM = REPO / "scripts" / "slurm"
 # ignores the SIGTERM a template sends its servers at the end: a recording is never cut short
 SRUN = """#!/usr/bin/env bash
