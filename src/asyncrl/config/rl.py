@@ -269,13 +269,24 @@ def gpu_counts_to_ids(raw: dict) -> dict:
         return raw
     if "inference_gpu_ids" in raw or "trainer_gpu_ids" in raw:
         raise UserError("set GPUs by count (--inference-gpus/--trainer-gpus) or by id (*_gpu_ids), not both")
-    inference, trainer = int(inference or 1), int(trainer or 1)
+    inference, trainer = _gpu_count("--inference-gpus", inference), _gpu_count("--trainer-gpus", trainer)
     ids = {"inference_gpu_ids": list(range(inference)), "trainer_gpu_ids": list(range(inference, inference + trainer))}
     loader.note_older_spelling(
         "--inference-gpus/--trainer-gpus",
         f"inference_gpu_ids = {ids['inference_gpu_ids']}, trainer_gpu_ids = {ids['trainer_gpu_ids']}",
     )
     return {**raw, **ids}
+
+
+def _gpu_count(flag: str, value: object) -> int:
+    """A GPU count as given (absent: 1); anything but a whole number >= 1 is the user's one-line error."""
+    if value is None:
+        return 1
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if isinstance(value, str) and value.strip().isdigit() and int(value) >= 1:
+        return int(value)
+    raise UserError(f"{flag} takes a number of GPUs (1, 2, ...), got {value!r}; or set *_gpu_ids = [0, 1]")
 
 
 def vllm_data_parallel(raw: dict) -> dict:

@@ -97,6 +97,9 @@ def test_gpu_counts_are_the_older_spelling_of_gpu_ids():
     assert cfg.inference_gpu_ids == [0, 1, 2, 3, 4, 5] and cfg.trainer_gpu_ids == [6, 7]
     with pytest.raises(UserError, match="by count .* or by id"):
         resolve("rl", ["--trainer-gpus", "2", "--trainer-gpu-ids", "[1]"])
+    for flag, bad in [("--inference-gpus", "not-a-number"), ("--trainer-gpus", "0"), ("--trainer-gpus", "1.5")]:
+        with pytest.raises(UserError, match=f"{flag} takes a number of GPUs .*got '{bad}'"):
+            resolve("rl", [flag, bad])
 
 
 def test_vllm_serves_on_every_inference_gpu(monkeypatch):
