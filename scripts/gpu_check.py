@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -283,20 +282,18 @@ CHECKS = [
 
 def run(cmd: list[str], log: Path, deadline: float, servers: list) -> str:
     """Run one command until `deadline` (a `SERVE` one in the background, waited for on /health); its output."""
-    if cmd[0] == "SERVE":
-        from asyncrl.utils.process import spawn, wait_for_http
+    from asyncrl.utils.process import spawn, stop_group, wait_for_http
 
+    if cmd[0] == "SERVE":
         servers.append(spawn(cmd[1:], log))
         wait_for_http(f"http://127.0.0.1:{PORT}/health", max(1, deadline - time.monotonic()), servers[-1], log)
         return ""
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise AssertionError("out of its time limit") from None
+    proc = spawn(cmd, log)  # its own process group, run from the repo root (main)
+    try:
+        code = proc.wait(timeout=max(1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        stop_group(proc, grace=0)  # the whole group, at once
+        raise AssertionError("out of its time limit") from None
     text = log.read_text()
     if code:
         raise AssertionError(f"exit {code}: {text.strip().splitlines()[-1:]}")
@@ -312,7 +309,7 @@ def on_gpu(check: Check, work: Path, seconds: float) -> tuple[str, str]:
         outputs = [run(cmd, log, deadline, servers) for cmd, log in zip(check.commands(work), logs)]
         return "pass", check.judge(work, outputs)
     except (AssertionError, OSError, RuntimeError, ValueError, KeyError) as e:
-        return "FAIL", f"{type(e).__name__}: {e}"[:240] if not isinstance(e, AssertionError) else str(e)[:240]
+        return "FAIL", (str(e) if isinstance(e, AssertionError) else f"{type(e).__name__}: {e}")[:240]
     finally:
         stop_groups(servers)
 
@@ -359,6 +356,8 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=450, help="seconds for all the rows together")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     args = ap.parse_args()
+    out = args.out.resolve() if args.out else None
+    os.chdir(REPO)  # every command's paths are relative to the repo root
     import torch
 
     cuda = torch.cuda.is_available() and not args.dry
@@ -386,7 +385,7 @@ def main() -> int:
             passed |= {check.name} if status in ("pass", "dry") else set()
             rows.append((check.name, status, time.monotonic() - start, result))
             print(f"  {status}: {result} ({rows[-1][2]:.0f}s)", flush=True)
-        write(rows, args.out, work, device)
+        write(rows, out, work, device)
     return 1 if any(status == "FAIL" for _, status, _, _ in rows) else 0
 
 
