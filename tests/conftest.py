@@ -96,9 +96,28 @@ def _shared_key(item) -> tuple | None:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """The tests of each shared server (and backend) as one block, in collection order, where the first of them
-    was; the other tests keep their order."""
+    was; the other tests keep their order. Under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup) each
+    block is one group, so one worker starts that server once, and the slow tests go first: the two workers
+    then end together, the quick tests filling the gaps."""
+    _shared_blocks(items)
+    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", None):
+        _xdist_groups(items)
+
+
+def _xdist_groups(items) -> None:
+    """Every vLLM test in one group (one vLLM server at a time: each sizes its KV cache from free RAM), each
+    other shared server's tests in one group; slow tests first, groups kept whole."""
+    for item in items:
+        key = _shared_key(item)
+        group = "vllm" if "vllm" in item.keywords else (f"{key[0]}-{key[1]}" if key is not None else None)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: "slow" not in item.keywords and "xdist_group" not in item.keywords)
+
+
+def _shared_blocks(items) -> None:
     keys = {item: _shared_key(item) for item in items}
     ordered, placed = [], set()
     for item in items:

@@ -11,11 +11,23 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def warm_model(tmp_path_factory) -> Path:
-    """The demo's warm-up, through the real `sft` entrypoint: a tiny model that reverses ~10-20% of strings."""
+def warm_model(tmp_path_factory, worker_id) -> Path:
+    """The demo's warm-up, through the real `sft` entrypoint: a tiny model that reverses ~10-20% of strings.
+
+    Built once per session: under pytest-xdist the workers share it (the first builds it, under a file lock)."""
+    if worker_id == "master":
+        return _build_warm_model(tmp_path_factory.mktemp("warm"))
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent / "warm"  # this session's dir, above the workers' own
+    with FileLock(f"{root}.lock"):
+        done = root / "sft" / "weights" / "step_150"
+        return done if done.is_dir() else _build_warm_model(root)
+
+
+def _build_warm_model(root: Path) -> Path:
     from asyncrl.utils.tiny_model import build_tiny_model
 
-    root = tmp_path_factory.mktemp("warm")
     build_tiny_model(root / "tiny", hidden_size=128, num_layers=4)
     subprocess.run(
         [sys.executable, "-m", "reverse_text", "--sft-out", str(root / "sft.jsonl"), "--n", "10000"],

@@ -159,9 +159,9 @@ def auto_backend() -> tuple[str, str]:
 
     if importlib.util.find_spec("vllm") is None and vllm_python() is None:
         return "embedded", "vLLM is not installed; scripts/install_vllm.sh installs it"
-    import torch
+    from asyncrl.utils.cuda import cuda_available
 
-    if not torch.cuda.is_available():
+    if not cuda_available():
         return "embedded", "no CUDA GPU is visible; vLLM on CPU needs --backend vllm"
     return "vllm", "vLLM is installed and a CUDA GPU is visible"
 

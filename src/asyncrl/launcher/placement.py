@@ -21,15 +21,7 @@ import os
 
 from asyncrl.config.rl import RLConfig
 from asyncrl.core.errors import UserError
-
-
-def cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001 - a broken torch just means "no CUDA" for placement
-        return False
+from asyncrl.utils.cuda import cuda_available
 
 
 def usable_cores() -> list[int]:
@@ -52,6 +44,11 @@ class Placement:
     @property
     def trainer_ranks(self) -> int:
         return len(self.config.trainer_gpu_ids) if self.cuda else self.config.trainer_cpu_processes
+
+    @property
+    def shares_gpu(self) -> bool:
+        """Inference and trainer on one GPU: the trainer must start after the server has sized its memory."""
+        return self.cuda and bool(set(self.config.inference_gpu_ids) & set(self.config.trainer_gpu_ids))
 
     @property
     def server_threads(self) -> int | None:

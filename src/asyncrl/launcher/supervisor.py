@@ -178,18 +178,24 @@ class Launcher:
         client = self.config.orchestrator.client
         return client.url.rstrip("/").removesuffix("/v1")
 
-    def _wait_for_server(self, server: Child | None) -> None:
+    def _check_external_server(self) -> None:
+        """Without an [inference] section rl starts no server: one must answer already."""
         url = self._server_url() + "/health"
-        if server is None and not answers(url):
+        if not answers(url):
             raise UserError(
                 f"no inference server answers at {url}; start one (`inference --model.name ...`) "
                 "or add an [inference] section so rl starts it"
             )
+
+    def _wait_for_server(self) -> None:
+        """Until the server answers; a child that exits meanwhile is named (the run's orchestrators: later)."""
+        url = self._server_url() + "/health"
         self.bar.waiting(f"the inference server at {self._server_url()} (start, model load)")
+        watched = {c.proc: c for c in self.children if c.run is None}
         try:
-            waited = wait_for_http(url, HEALTH_TIMEOUT_S, server.proc if server else None)
-        except ChildExited:
-            self._died(server)
+            waited = wait_for_http(url, HEALTH_TIMEOUT_S, list(watched), poll=0.1)
+        except ChildExited as exited:
+            self._died(watched[exited.proc])
         except TimeoutError:
             raise UserError(f"inference server did not become healthy at {url} in {HEALTH_TIMEOUT_S:.0f}s") from None
         logger.info(f"inference server is up at {self._server_url()} ({waited:.0f}s)")
@@ -235,21 +241,27 @@ class Launcher:
             self.bar.done = start
         paths = self._write_configs(start)
         py = sys.executable
-        server = None
         if "inference" in paths:
             logger.info(f"inference engine: {self.config.inference.backend} ({self.config.inference.backend_why})")
-            server = self._spawn(
+            self._spawn(
                 "inference",
                 [self._server_python(), "-m", "asyncrl.entrypoints.inference", "@", str(paths["inference"])],
                 self.placement.inference_env(),
             )
-        self._wait_for_server(server)
+        else:
+            self._check_external_server()
+        # the orchestrators wait for the server themselves; the trainer loads the model meanwhile unless it
+        # shares the server's GPU (a GPU engine sizes its cache from the memory free when it starts)
+        if self.placement.shares_gpu:
+            self._wait_for_server()
         orchestrators = run_paths or {None: paths["orchestrator"]}
         for run, path in orchestrators.items():
             name = "orchestrator" if run is None else f"orchestrator-{run}"
             cmd = [py, "-m", "asyncrl.entrypoints.orchestrator", "@", str(path)]
             self._spawn(name, cmd, self.placement.orchestrator_env(), run=run)
         self._spawn("trainer", self._trainer_cmd(paths["trainer"]), self.placement.trainer_env(), stream=True)
+        if not self.placement.shares_gpu:
+            self._wait_for_server()
         self.bar.waiting(f"step {self.bar.done}: its rollouts (the trainer loads the model meanwhile)")
         self.last_news = self.last_step = time.monotonic()
 

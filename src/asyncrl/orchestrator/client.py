@@ -55,7 +55,7 @@ class InferenceClient:
             return False
         return response.status_code == 200
 
-    async def wait_healthy(self, timeout: float = 600.0, poll: float = 1.0) -> None:
+    async def wait_healthy(self, timeout: float = 600.0, poll: float = 0.1) -> None:
         """Block until `/health` answers 200; a UserError naming the URL after `timeout` seconds."""
         start = time.monotonic()
         logged = False
@@ -65,7 +65,7 @@ class InferenceClient:
                 raise UserError(
                     f"inference server at {self.root} not reachable after {timeout:.0f}s; {start_hint(self.url)}"
                 )
-            if not logged and waited > 2 * poll:
+            if not logged and waited > 2.0:
                 logger.info(f"waiting for the inference server at {self.root} ...")
                 logged = True
             await asyncio.sleep(poll)

@@ -27,7 +27,7 @@ class ChildExited(RuntimeError):
     """A child that was expected to stay up exited; the message carries the end of its log."""
 
     def __init__(self, proc: subprocess.Popen, log: Path | None):
-        self.returncode = proc.returncode
+        self.proc, self.returncode = proc, proc.returncode
         super().__init__(f"{_name(proc)} exited with code {proc.returncode}{_log_note(log)}")
 
 
@@ -96,16 +96,23 @@ def answers(url: str, timeout: float = 2.0) -> bool:
 
 
 def wait_for_http(
-    url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None, poll: float = 0.5
+    url: str,
+    timeout: float,
+    proc: subprocess.Popen | Sequence[subprocess.Popen] | None = None,
+    log: Path | None = None,
+    poll: float = 0.5,
 ) -> float:
     """Poll GET `url` until it answers 200; returns the seconds waited.
 
-    ChildExited (with the tail of `log`) as soon as `proc` exits; TimeoutError naming `url` after `timeout` s.
+    ChildExited (with the tail of `log`) as soon as `proc` (or any of several) exits; TimeoutError naming `url`
+    after `timeout` s.
     """
+    watched = [proc] if isinstance(proc, subprocess.Popen) else list(proc or ())
     start = time.monotonic()
     while not answers(url):
-        if proc is not None and proc.poll() is not None:
-            raise ChildExited(proc, log)
+        for p in watched:
+            if p.poll() is not None:
+                raise ChildExited(p, log)
         if time.monotonic() - start > timeout:
             raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f}s{_log_note(log)}")
         time.sleep(poll)

@@ -160,9 +160,8 @@ def test_prime_rl_flags_that_cannot_work_here_say_why(entrypoint, flag, says, mo
 def test_auto_backend_is_vllm_with_cuda_and_vllm_only(monkeypatch):
     import importlib.util
 
-    import torch
-
     from asyncrl.config import inference
+    from asyncrl.utils import cuda as cuda_check
     from asyncrl.utils import vllm_env
 
     choose = inference.auto_backend.__wrapped__  # uncached
@@ -173,7 +172,7 @@ def test_auto_backend_is_vllm_with_cuda_and_vllm_only(monkeypatch):
     ]:
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, has=has_vllm: object() if has else None)
         monkeypatch.setattr(vllm_env, "vllm_python", lambda: None)
-        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        monkeypatch.setattr(cuda_check, "cuda_available", lambda cuda=cuda: cuda)
         assert choose()[0] == engine and why in choose()[1]
 
 
