@@ -3,6 +3,9 @@ servers shared for the session by the suites that need the same server."""
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -95,15 +98,24 @@ def _shared_key(item) -> tuple | None:
     return None
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the groups into the tests' ids
 def pytest_collection_modifyitems(config, items):
     """The tests of each shared server (and backend) as one block, in collection order, where the first of them
     was; the other tests keep their order. Under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup) each
     block is one group, so one worker starts that server once, and the slow tests go first: the two workers
     then end together, the quick tests filling the gaps."""
     _shared_blocks(items)
-    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", None):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker (only workers collect)
         _xdist_groups(items)
+
+
+# ---- pytest-xdist: the groups ------------------------------------------------------------------------------
+# xdist's own `--dist loadgroup` names a test's group by appending it to the test's id, which pytest 9 no
+# longer lets a plugin change; so the workers write {test id: group} to a dir the controller made (its path
+# in GROUPS_VAR, inherited by the workers) and the controller schedules whole groups with xdist's scope
+# scheduler, its scope being the group. A test outside every group is a scope of its own.
+GROUPS_VAR = "ASYNCRL_XDIST_GROUPS"
+_GROUPS: dict[str, str] = {}  # worker: test id -> group, for what it collected
 
 
 def _xdist_groups(items) -> None:
@@ -113,8 +125,45 @@ def _xdist_groups(items) -> None:
         key = _shared_key(item)
         group = "vllm" if "vllm" in item.keywords else (f"{key[0]}-{key[1]}" if key is not None else None)
         if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: "slow" not in item.keywords and "xdist_group" not in item.keywords)
+            _GROUPS[item.nodeid] = group
+    items.sort(key=lambda item: "slow" not in item.keywords and item.nodeid not in _GROUPS)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+        import tempfile
+
+        os.environ[GROUPS_VAR] = tempfile.mkdtemp(prefix="asyncrl-xdist-groups-")
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and GROUPS_VAR in os.environ:
+        import shutil
+
+        shutil.rmtree(os.environ.pop(GROUPS_VAR), ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        """xdist's scope scheduler, the scope of a test being its group (read once all workers collected)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _written_groups().get(nodeid, nodeid)
+
+    return ByGroup(config, log)
+
+
+@functools.cache
+def _written_groups() -> dict[str, str]:
+    groups: dict[str, str] = {}
+    for path in Path(os.environ[GROUPS_VAR]).glob("*.json"):
+        groups.update(json.loads(path.read_text()))
+    return groups
 
 
 def _shared_blocks(items) -> None:
@@ -130,7 +179,13 @@ def _shared_blocks(items) -> None:
     items[:] = ordered
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist tells the controller it collected: the groups are written by then
 def pytest_collection_finish(session):
+    if hasattr(session.config, "workerinput") and GROUPS_VAR in os.environ:
+        worker = session.config.workerinput["workerid"]
+        tmp = Path(os.environ[GROUPS_VAR]) / f".{worker}.tmp"
+        tmp.write_text(json.dumps(_GROUPS))
+        tmp.rename(tmp.with_name(f"{worker}.json"))
     _LAST_USER.clear()
     for item in session.items:  # after any deselection
         key = _shared_key(item)
