@@ -23,5 +23,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   args=(-r requirements/cpu.lock -e ".[dev]")
   for d in $envs; do args+=(-e "$d"); done
   install_into .venv "${args[@]}"
+  # verifiers 0.3 installs a console script named `eval` too: the one in .venv/bin must be ours
+  grep -q "asyncrl.entrypoints.eval" .venv/bin/eval || install_into .venv --no-deps --force-reinstall -e .
   echo "$want" > "$stamp"
 fi
