@@ -15,6 +15,7 @@ import asyncio
 import copy
 import json
 import random
+import sys
 import threading
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from asyncrl.transport.layout import RunLayout
 from asyncrl.transport.prefix import expand, segments
 
 pytestmark = pytest.mark.slow
+sys.path.insert(0, str(Path(__file__).resolve().parent / "v1_envs"))  # reverse_v1, not installed
 
 STEPS = 3
 # env id -> (load_environment args, seq_len); tool-calc's prompt carries the tool schema (~650 tokens).
@@ -36,6 +38,7 @@ ENVS = {
     "reverse-text": ({"num_train_examples": 50, "num_eval_examples": 4}, 256),
     "echo-twice": ({"num_train_examples": 50, "num_eval_examples": 4}, 256),
     "tool-calc": ({"num_train_examples": 50, "num_eval_examples": 4}, 1024),
+    "reverse-v1": ({}, 256),  # a verifiers v1 taskset (v1_envs/reverse_v1): episodes through /inference/v1/generate
 }
 
 

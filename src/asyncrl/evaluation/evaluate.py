@@ -131,7 +131,7 @@ async def _evaluate(config: EvalConfig) -> dict[str, Any]:
     slots = load_slots(config.envs(), eval_split=True)
     targets = find_targets(config)
     await check_server(config.client, config.model.name, config.server_wait)
-    run_group = make_run_group(config.client, config.model.name)
+    run_group = make_run_group(config.client, config.model.name, slots)
     args = request_args(config.sampling)
     out = Path(config.output_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)

@@ -24,9 +24,11 @@ from asyncrl.orchestrator.envs import (
     EnvMixture,
     EnvSlot,
     RunGroup,
+    example_id,
     group_inputs,
     make_vf_client,
     sampling_args,
+    v1_runner_for,
     verifiers_run_group,
 )
 from asyncrl.utils.progress import Bar
@@ -78,9 +80,11 @@ class Job:
     first: int = 0
 
 
-def make_run_group(client: ClientConfig, model: str) -> RunGroup:
-    """verifiers' run_group through its plain chat client (one shared connection pool)."""
-    return verifiers_run_group(make_vf_client(client, PLAIN_CLIENT), model)
+def make_run_group(client: ClientConfig, model: str, slots: list[EnvSlot]) -> RunGroup:
+    """verifiers' run_group through its plain chat client (one shared connection pool); v1 slots through
+    verifiers v1's eval client (chat completions: any OpenAI-compatible server)."""
+    v1 = v1_runner_for(slots, client, model, model, train=False)
+    return verifiers_run_group(make_vf_client(client, PLAIN_CLIENT), model, v1)
 
 
 def load_slots(envs: list[EnvConfig], eval_split: bool) -> list[EnvSlot]:
@@ -91,7 +95,7 @@ def load_slots(envs: list[EnvConfig], eval_split: bool) -> list[EnvSlot]:
 def example_rows(slot: EnvSlot, num_examples: int) -> list[tuple[int, dict]]:
     """The first `num_examples` rows (-1: all) with their example ids (verifiers sets `example_id`)."""
     rows = slot.rows if num_examples < 0 else slot.rows[:num_examples]
-    return [(int(row.get("example_id", i)), row) for i, row in enumerate(rows)]
+    return [(example_id(row, i), row) for i, row in enumerate(rows)]
 
 
 def request_args(cfg: SamplingConfig) -> dict:

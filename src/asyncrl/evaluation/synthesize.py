@@ -154,7 +154,7 @@ async def _synthesize(config: SynthesizeConfig) -> SynthStats:
 
     await run_jobs(
         jobs,
-        make_run_group(config.client, config.model.name),
+        make_run_group(config.client, config.model.name, slots),
         request_args(config.sampling),
         config.max_concurrent,
         on_group,

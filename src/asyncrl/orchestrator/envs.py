@@ -19,6 +19,7 @@ from loguru import logger
 
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
 from asyncrl.core.errors import UserError
+from asyncrl.orchestrator.v1 import is_v1_env, is_v1_module, load_v1_env, v1_run_group, v1_tasks
 
 # (env slot, group inputs, sampling args) -> verifiers rollout outputs; the boundary tests replace.
 RunGroup = Callable[["EnvSlot", list[dict], dict], Awaitable[list[dict]]]
@@ -88,6 +89,8 @@ def load_env(cfg: EnvConfig) -> Any:
     module = env_module(cfg.id)
     if importlib.util.find_spec(module) is None:
         raise UserError(f"environment '{cfg.id}' is not installed (no module '{module}'); {install_hint(cfg.id)}")
+    if is_v1_module(module):
+        return load_v1_env(module, cfg.id, cfg.args)
     try:
         return vf.load_environment(module, **cfg.args)
     except (TypeError, ValueError, RuntimeError) as e:
@@ -144,10 +147,12 @@ class EnvMixture:
         slots = []
         for cfg in configs:
             env = load_env(cfg)
-            if seq_len is not None and hasattr(env, "set_max_seq_len"):
-                env.set_max_seq_len(seq_len)
-            dataset = env.get_eval_dataset() if eval_split else env.get_dataset()
-            rows = dataset.to_list()
+            if is_v1_env(env):  # its tasks are its prompts; a held-out split is the taskset's own args
+                rows = v1_tasks(env, cfg.id)
+            else:
+                if seq_len is not None and hasattr(env, "set_max_seq_len"):
+                    env.set_max_seq_len(seq_len)
+                rows = (env.get_eval_dataset() if eval_split else env.get_dataset()).to_list()
             if not rows:
                 raise UserError(f"environment '{cfg.id}' has an empty {'eval ' if eval_split else ''}dataset")
             slots.append(EnvSlot(name=cfg.name or cfg.id, env=env, ratio=cfg.ratio or 1.0, rows=rows))
@@ -181,8 +186,17 @@ class EnvMixture:
             slot.order = shuffled(len(slot.rows), f"{self.seed}:{slot.name}:{slot.epoch}")
 
 
-def group_inputs(row: dict, n: int) -> list[dict]:
-    return [dict(row) for _ in range(n)]
+def example_id(row: Any, default: int = -1) -> int:
+    """A classic row's `example_id`, a v1 task's `data.idx` (`default` when it has none)."""
+    if isinstance(row, dict):
+        return int(row.get("example_id", default))
+    idx = getattr(getattr(row, "data", None), "idx", None)
+    return default if idx is None else int(idx)
+
+
+def group_inputs(row: Any, n: int) -> list[Any]:
+    """The group's n inputs: copies of a classic row; a v1 task itself, n times."""
+    return [dict(row) if isinstance(row, dict) else row for _ in range(n)]
 
 
 def sampling_args(cfg: SamplingConfig, with_seed: bool = False) -> dict:
@@ -235,11 +249,14 @@ def make_vf_client(cfg: ClientConfig, client_type: str = TOKEN_CLIENT) -> Any:
     return classes[client_type](client)
 
 
-def verifiers_run_group(vf_client: Any, model: str | Callable[[], str]) -> RunGroup:
+def verifiers_run_group(vf_client: Any, model: str | Callable[[], str], v1: RunGroup | None = None) -> RunGroup:
     """The production RunGroup: the slot's environment runs and scores the group via verifiers; `model` is the
-    served model's name, or a function giving it at each group (a LoRA run's adapter, once loaded)."""
+    served model's name, or a function giving it at each group (a LoRA run's adapter, once loaded). `v1`:
+    the runner for verifiers v1 slots (`orchestrator.v1`), where the mixture has any."""
 
     async def run(slot: EnvSlot, inputs: list[dict], args: dict) -> list[dict]:
+        if v1 is not None and is_v1_env(slot.env):
+            return await v1(slot, inputs, args)
         merged = {
             **slot.env.sampling_args,
             **args,
@@ -257,3 +274,10 @@ def problems_per_step(batch_size: int, rollouts_per_example: int) -> int:
 
 def in_flight_target(problems: int, oversampling_factor: float) -> int:
     return max(problems, math.ceil(problems * oversampling_factor))
+
+
+def v1_runner_for(slots: list[EnvSlot], client: ClientConfig, base_model: str, model, train: bool = True):
+    """The v1 RunGroup when any slot is a v1 environment, else None (no v1 import)."""
+    if not any(is_v1_env(s.env) for s in slots):
+        return None
+    return v1_run_group(client, base_model, model, train=train)

@@ -28,6 +28,7 @@ from asyncrl.orchestrator.envs import (
     make_vf_client,
     problems_per_step,
     sampling_args,
+    v1_runner_for,
     verifiers_run_group,
 )
 from asyncrl.orchestrator.evaluation import evaluate_policy
@@ -389,7 +390,9 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
         if run_group is None:
             vf_client = make_vf_client(config.client)
             name = config.model.name if config.bench else (lambda: orchestrator.served_model)
-            run_group = verifiers_run_group(vf_client, name)
+            slots = mixture.slots + (eval_mixture.slots if eval_mixture else [])
+            v1 = v1_runner_for(slots, config.client, config.model.name, name)
+            run_group = verifiers_run_group(vf_client, name, v1)
         if config.bench:
             await run_bench(config, mixture, run_group)
         else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from loguru import logger
 
 from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig
-from asyncrl.orchestrator.envs import EnvMixture, RunGroup, group_inputs
+from asyncrl.orchestrator.envs import EnvMixture, RunGroup, example_id, group_inputs
 from asyncrl.orchestrator.filtering import Group, judge_group
 from asyncrl.orchestrator.samples import Rollout, TrajectoryConverter
 
@@ -68,7 +68,7 @@ class GroupCollector:
 
     async def _run_one(self, step_policy: int, args: dict) -> Group:
         slot, row = self.mixture.draw()
-        group = Group(env=slot.name, example_id=int(row.get("example_id", -1)), policy_step=step_policy)
+        group = Group(env=slot.name, example_id=example_id(row), policy_step=step_policy)
         try:
             outputs = await self.run_group(slot, group_inputs(row, self.n), args)
             group.rollouts = [self.converter.convert(o, slot.name) for o in outputs]

@@ -128,7 +128,7 @@ def fake_synth(monkeypatch):
         return None
 
     monkeypatch.setattr(synth, "check_server", no_server)
-    monkeypatch.setattr(synth, "make_run_group", lambda client, model: fake)
+    monkeypatch.setattr(synth, "make_run_group", lambda client, model, slots: fake)
     return fake
 
 

@@ -1,0 +1,138 @@
+"""verifiers v1 environments: a taskset package, run as single-agent episodes against our server.
+
+A v1 environment is an installed package whose `__all__` exports a `verifiers.v1.Taskset` subclass (the
+rule of verifiers' own loader). Its tasks are the slot's prompts. A group is `rollouts_per_example`
+episodes of one task, run in this process: harness `null` and runtime `subprocess` unless the
+environment's `args.agent` says otherwise (no sandbox, no tunnel). Episodes go through verifiers'
+training client, which renders the prompt with the `renderers` package and posts the token ids to
+`/inference/v1/generate`.
+
+Invariant: every branch of a trace becomes one turn for the samples converter. Its prompt is the tokens
+before the first sampled one, its completion the rest, with `sampled_mask` as the completion mask and the
+engine's logprobs. The trainer therefore sees exactly the ids and logprobs the engine sampled, env tokens
+between turns masked out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from asyncrl.config.orchestrator import ClientConfig
+from asyncrl.core.errors import UserError
+
+AGENT_DEFAULTS = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
+
+
+def is_v1_env(env: Any) -> bool:
+    """Whether a loaded environment is a v1 Env (else a classic one)."""
+    try:
+        from verifiers.v1 import Env
+    except ImportError:
+        return False
+    return isinstance(env, Env)
+
+
+def is_v1_module(module: str) -> bool:
+    """Whether installed module `module` is a v1 environment: it exports a v1 Taskset subclass."""
+    try:
+        from verifiers.v1 import Taskset
+    except ImportError:  # a verifiers without the v1 API
+        return False
+    mod = importlib.import_module(module)
+    exported = (getattr(mod, name, None) for name in getattr(mod, "__all__", ()))
+    return any(isinstance(obj, type) and issubclass(obj, Taskset) for obj in exported)
+
+
+def load_v1_env(module: str, env_id: str, args: dict[str, Any]) -> Any:
+    """The v1 Env for taskset `module`: `args` are its taskset config's fields, `args.agent` the agent's."""
+    from pydantic import ValidationError
+    from verifiers.v1.envs.single_agent import SingleAgentEnvConfig
+    from verifiers.v1.utils.loaders import load_environment
+
+    taskset = {k: v for k, v in args.items() if k != "agent"}
+    agent = {**AGENT_DEFAULTS, **(args.get("agent") or {})}
+    try:
+        config = SingleAgentEnvConfig.model_validate({"taskset": {**taskset, "id": module}, "agent": agent})
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise UserError(
+            f"environment '{env_id}' (verifiers v1) does not take args {args}: {where}: {first['msg']}"
+        ) from None
+    return load_environment(config)
+
+
+def v1_tasks(env: Any, env_id: str) -> list[Any]:
+    tasks = list(env.taskset)
+    if not tasks:
+        raise UserError(f"environment '{env_id}' (verifiers v1) has no tasks")
+    return tasks
+
+
+def sampling_config(args: dict) -> Any:
+    """The orchestrator's request arguments as a v1 SamplingConfig (extra keys such as top_k pass through)."""
+    from verifiers.v1.types import SamplingConfig
+
+    flat = {k: v for k, v in args.items() if k not in ("n", "extra_body")}
+    return SamplingConfig(**flat, **(args.get("extra_body") or {}))
+
+
+def v1_run_group(client: ClientConfig, base_model: str, model: str | Callable[[], str], train: bool = True) -> Callable:
+    """A RunGroup for v1 slots: the group's episodes run concurrently; each becomes one rollout output.
+
+    `train`: verifiers' training client (token ids and logprobs, our server or vLLM); else its eval client
+    (chat completions, any OpenAI-compatible server: `eval` and `synthesize`)."""
+    import verifiers.v1 as vf
+
+    endpoint = {"base_url": client.url, "api_key_var": client.api_key_var}
+    if train:
+        chosen = vf.TrainClientConfig(**endpoint, renderer_model_name=base_model)
+    else:
+        chosen = vf.EvalClientConfig(**endpoint)
+
+    async def run(slot, tasks: list[Any], args: dict) -> list[dict]:
+        name = model() if callable(model) else model
+        ctx = vf.ModelContext(model=name, client=chosen, sampling=sampling_config(args))
+        episodes = await asyncio.gather(*(slot.env.run_episode(task, ctx) for task in tasks), return_exceptions=True)
+        return [episode_output(task, episode) for task, episode in zip(tasks, episodes)]
+
+    return run
+
+
+def episode_output(task: Any, episode: Any) -> dict:
+    """One episode as the rollout output `samples.TrajectoryConverter` reads (`trajectory`: a turn per branch)."""
+    example_id = int(getattr(task.data, "idx", -1) or 0)
+    if isinstance(episode, BaseException):
+        return {"example_id": example_id, "error": f"{type(episode).__name__}: {episode}"}
+    if not episode.traces:
+        errors = "; ".join(str(e) for e in episode.errors) or "the episode produced no trace"
+        return {"example_id": example_id, "error": errors}
+    trace = episode.traces[0]
+    if trace.has_error or episode.errors:
+        return {"example_id": example_id, "error": str(trace.last_error or episode.errors[0])}
+    return {
+        "example_id": example_id,
+        "reward": trace.reward,
+        "metrics": dict(trace.metrics or {}),
+        "is_truncated": bool(trace.is_truncated),
+        "prompt": getattr(task.data, "prompt", None),
+        "completion": list(trace.assistant_messages),
+        "trajectory": [branch_turn(b) for b in trace.branches],
+    }
+
+
+def branch_turn(branch: Any) -> dict:
+    """A branch (one token sequence, `sampled_mask` on the model's tokens) as one turn's tokens."""
+    ids, mask, logprobs = list(branch.token_ids), [bool(m) for m in branch.sampled_mask], list(branch.logprobs)
+    first = mask.index(True) if True in mask else len(ids)
+    return {
+        "tokens": {
+            "prompt_ids": ids[:first],
+            "completion_ids": ids[first:],
+            "completion_mask": [int(m) for m in mask[first:]],
+            "completion_logprobs": logprobs[first:],
+        }
+    }
