@@ -1,0 +1,85 @@
+"""orchestrator.v1: which packages are v1 environments, what bad args say, how a trace's branch becomes
+training tokens (the prompt before the first sampled token, `sampled_mask` as the completion mask)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from asyncrl.config.orchestrator import EnvConfig
+from asyncrl.core.errors import UserError
+from asyncrl.orchestrator.envs import EnvMixture, example_id, group_inputs
+from asyncrl.orchestrator.samples import TrajectoryConverter
+from asyncrl.orchestrator.v1 import branch_turn, episode_output, is_v1_module, load_v1_env, sampling_config
+
+pytest.importorskip("verifiers.v1")
+V1_ENVS = Path(__file__).resolve().parents[2] / "integration" / "v1_envs"
+
+
+@pytest.fixture(autouse=True)
+def v1_envs_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(V1_ENVS))
+
+
+def test_a_package_exporting_a_v1_taskset_is_v1_and_a_classic_one_is_not():
+    assert is_v1_module("reverse_v1")
+    assert not is_v1_module("reverse_text")
+
+
+def test_v1_tasks_are_the_mixtures_rows_with_their_ids():
+    slot = EnvMixture.load([EnvConfig(id="reverse-v1")], seq_len=None).slots[0]
+    assert len(slot.rows) == 8 and [example_id(t) for t in slot.rows] == list(range(8))
+    task = slot.rows[3]
+    assert group_inputs(task, 2) == [task, task]  # a task is run n times, not copied as a dict row
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        ({"nope": 1}, "taskset.nope: Extra inputs are not permitted"),
+        ({"agent": {"runtime": {"type": "nonsense"}}}, "agent.runtime"),
+    ],
+)
+def test_bad_args_are_one_line_errors_naming_the_field(args, said):
+    with pytest.raises(UserError, match="does not take args") as e:
+        load_v1_env("reverse_v1", "reverse-v1", args)
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sampling_flattens_extra_body_and_drops_n():
+    cfg = sampling_config({"n": 1, "temperature": 0.7, "max_tokens": 9, "extra_body": {"top_k": -1, "min_p": 0.0}})
+    assert cfg.wire_args() == {"temperature": 0.7, "max_tokens": 9, "top_k": -1, "min_p": 0.0}
+
+
+def test_a_branch_is_one_turn_with_env_tokens_masked_and_the_engines_logprobs():
+    branch = SimpleNamespace(
+        token_ids=[1, 2, 3, 4, 5, 6, 7],
+        sampled_mask=[False, False, True, True, False, True, True],  # 5: an env token between two turns
+        logprobs=[0.0, 0.0, -0.1, -0.2, 0.0, -0.3, -0.4],
+    )
+    turn = branch_turn(branch)["tokens"]
+    assert turn == {
+        "prompt_ids": [1, 2],
+        "completion_ids": [3, 4, 5, 6, 7],
+        "completion_mask": [1, 1, 0, 1, 1],
+        "completion_logprobs": [-0.1, -0.2, 0.0, -0.3, -0.4],
+    }
+    trace = SimpleNamespace(
+        branches=[branch], reward=0.5, metrics={"exact": 0.5}, is_truncated=False, has_error=False,
+        last_error=None, assistant_messages=[],
+    )  # fmt: skip
+    task = SimpleNamespace(data=SimpleNamespace(idx=3, prompt="reverse: abcd"))
+    rollout = TrajectoryConverter().convert(episode_output(task, SimpleNamespace(traces=[trace], errors=[])), "r")
+    assert rollout.ok and rollout.reward == 0.5 and rollout.example_id == 3
+    (sample,) = rollout.samples
+    assert sample.input_ids == branch.token_ids and sample.loss_mask == branch.sampled_mask
+    assert sample.logprobs == branch.logprobs
+
+
+def test_a_failed_episode_is_a_rollout_error_not_an_exception():
+    task = SimpleNamespace(data=SimpleNamespace(idx=1, prompt="p"))
+    out = episode_output(task, RuntimeError("server went away"))
+    rollout = TrajectoryConverter().convert(out, "r")
+    assert not rollout.ok and "server went away" in rollout.error
