@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 from collections.abc import Callable
 from typing import Any
+
+from loguru import logger
 
 from asyncrl.config.orchestrator import ClientConfig
 from asyncrl.core.errors import UserError
 
 AGENT_DEFAULTS = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
+MAX_TASKS = 10_000  # of a taskset that never ends (one that generates tasks), the ones sampled from
 
 
 def is_v1_env(env: Any) -> bool:
@@ -47,15 +51,26 @@ def is_v1_module(module: str) -> bool:
 
 
 def load_v1_env(module: str, env_id: str, args: dict[str, Any]) -> Any:
-    """The v1 Env for taskset `module`: `args` are its taskset config's fields, `args.agent` the agent's."""
+    """The v1 Env for taskset `module`: the taskset's own Env class when it exports one (several agents,
+    each a role of its config), else the single-agent one. `args`: a role's name overrides that agent
+    (each defaults to `AGENT_DEFAULTS`), another field of the env config sets it, the rest are the taskset
+    config's fields."""
     from pydantic import ValidationError
-    from verifiers.v1.envs.single_agent import SingleAgentEnvConfig
-    from verifiers.v1.utils.loaders import load_environment
+    from verifiers.v1.configs.agent import AgentConfig
+    from verifiers.v1.utils.loaders import env_config_type, load_environment
 
-    taskset = {k: v for k, v in args.items() if k != "agent"}
-    agent = {**AGENT_DEFAULTS, **(args.get("agent") or {})}
+    config_type = env_config_type(module)
+    roles = [n for n, f in config_type.model_fields.items() if isinstance(f.default, AgentConfig)]
+    raw: dict[str, Any] = {"taskset": {"id": module}}
+    for key, value in args.items():
+        if key in roles or (key in config_type.model_fields and key not in ("taskset", "id")):
+            raw[key] = value
+        else:
+            raw["taskset"][key] = value
+    for role in roles:
+        raw[role] = {**AGENT_DEFAULTS, **(raw.get(role) or {})}
     try:
-        config = SingleAgentEnvConfig.model_validate({"taskset": {**taskset, "id": module}, "agent": agent})
+        config = config_type.model_validate(raw)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -66,9 +81,13 @@ def load_v1_env(module: str, env_id: str, args: dict[str, Any]) -> Any:
 
 
 def v1_tasks(env: Any, env_id: str) -> list[Any]:
-    tasks = list(env.taskset)
+    """The taskset's tasks; of one that keeps generating them (an infinite taskset), the first MAX_TASKS."""
+    tasks = list(itertools.islice(iter(env.taskset), MAX_TASKS + 1))
     if not tasks:
         raise UserError(f"environment '{env_id}' (verifiers v1) has no tasks")
+    if len(tasks) > MAX_TASKS:
+        logger.info(f"environment '{env_id}' generates tasks without end: sampling from its first {MAX_TASKS}")
+        tasks = tasks[:MAX_TASKS]
     return tasks
 
 
@@ -97,22 +116,30 @@ def v1_run_group(client: ClientConfig, base_model: str, model: str | Callable[[]
         name = model() if callable(model) else model
         ctx = vf.ModelContext(model=name, client=chosen, sampling=sampling_config(args))
         episodes = await asyncio.gather(*(slot.env.run_episode(task, ctx) for task in tasks), return_exceptions=True)
-        return [episode_output(task, episode) for task, episode in zip(tasks, episodes)]
+        return [out for task, episode in zip(tasks, episodes) for out in episode_outputs(task, episode)]
 
     return run
 
 
-def episode_output(task: Any, episode: Any) -> dict:
-    """One episode as the rollout output `samples.TrajectoryConverter` reads (`trajectory`: a turn per branch)."""
+def episode_outputs(task: Any, episode: Any) -> list[dict]:
+    """One episode as rollout outputs for `samples.TrajectoryConverter`: one per trace (an agent's run; a
+    multi-agent episode has several), its `trajectory` a turn per branch."""
     example_id = int(getattr(task.data, "idx", -1) or 0)
     if isinstance(episode, BaseException):
-        return {"example_id": example_id, "error": f"{type(episode).__name__}: {episode}"}
+        return [{"example_id": example_id, "error": f"{type(episode).__name__}: {episode}"}]
     if not episode.traces:
         errors = "; ".join(str(e) for e in episode.errors) or "the episode produced no trace"
-        return {"example_id": example_id, "error": errors}
-    trace = episode.traces[0]
-    if trace.has_error or episode.errors:
-        return {"example_id": example_id, "error": str(trace.last_error or episode.errors[0])}
+        return [{"example_id": example_id, "error": errors}]
+    # a seat that never got to act (a hand decided before its turn) has nothing to train on: left out
+    played = [t for t in episode.traces if t.branches or t.has_error]
+    if not played:
+        return [{"example_id": example_id, "error": "no agent of the episode made a model call"}]
+    return [trace_output(example_id, task, trace, episode.errors) for trace in played]
+
+
+def trace_output(example_id: int, task: Any, trace: Any, episode_errors: list) -> dict:
+    if trace.has_error or episode_errors:
+        return {"example_id": example_id, "error": str(trace.last_error or episode_errors[0])}
     return {
         "example_id": example_id,
         "reward": trace.reward,

@@ -12,7 +12,7 @@ from asyncrl.config.orchestrator import EnvConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.envs import EnvMixture, example_id, group_inputs
 from asyncrl.orchestrator.samples import TrajectoryConverter
-from asyncrl.orchestrator.v1 import branch_turn, episode_output, is_v1_module, load_v1_env, sampling_config
+from asyncrl.orchestrator.v1 import branch_turn, episode_outputs, is_v1_module, load_v1_env, sampling_config
 
 pytest.importorskip("verifiers.v1")
 V1_ENVS = Path(__file__).resolve().parents[2] / "integration" / "v1_envs"
@@ -71,7 +71,8 @@ def test_a_branch_is_one_turn_with_env_tokens_masked_and_the_engines_logprobs():
         last_error=None, assistant_messages=[],
     )  # fmt: skip
     task = SimpleNamespace(data=SimpleNamespace(idx=3, prompt="reverse: abcd"))
-    rollout = TrajectoryConverter().convert(episode_output(task, SimpleNamespace(traces=[trace], errors=[])), "r")
+    (out,) = episode_outputs(task, SimpleNamespace(traces=[trace], errors=[]))
+    rollout = TrajectoryConverter().convert(out, "r")
     assert rollout.ok and rollout.reward == 0.5 and rollout.example_id == 3
     (sample,) = rollout.samples
     assert sample.input_ids == branch.token_ids and sample.loss_mask == branch.sampled_mask
@@ -80,6 +81,20 @@ def test_a_branch_is_one_turn_with_env_tokens_masked_and_the_engines_logprobs():
 
 def test_a_failed_episode_is_a_rollout_error_not_an_exception():
     task = SimpleNamespace(data=SimpleNamespace(idx=1, prompt="p"))
-    out = episode_output(task, RuntimeError("server went away"))
+    (out,) = episode_outputs(task, RuntimeError("server went away"))
     rollout = TrajectoryConverter().convert(out, "r")
     assert not rollout.ok and "server went away" in rollout.error
+
+
+def test_a_seat_that_never_acted_is_left_out_and_an_episode_without_any_call_is_one_error():
+    task = SimpleNamespace(data=SimpleNamespace(idx=2, prompt="p"))
+    branch = SimpleNamespace(token_ids=[1, 2], sampled_mask=[False, True], logprobs=[0.0, -0.5])
+    played = SimpleNamespace(
+        branches=[branch], reward=-1.0, metrics={}, is_truncated=False, has_error=False, last_error=None,
+        assistant_messages=[],
+    )  # fmt: skip
+    idle = SimpleNamespace(branches=[], reward=1.0, has_error=False)
+    outs = episode_outputs(task, SimpleNamespace(traces=[idle, played], errors=[]))
+    assert [o["reward"] for o in outs] == [-1.0]
+    (out,) = episode_outputs(task, SimpleNamespace(traces=[idle], errors=[]))
+    assert out["error"] == "no agent of the episode made a model call"
