@@ -98,7 +98,7 @@ def _shared_key(item) -> tuple | None:
     return None
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the groups into the tests' ids
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """The tests of each shared server (and backend) as one block, in collection order, where the first of them
     was; the other tests keep their order. Under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup) each

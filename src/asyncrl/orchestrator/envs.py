@@ -19,7 +19,7 @@ from loguru import logger
 
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
 from asyncrl.core.errors import UserError
-from asyncrl.orchestrator.v1 import is_v1_env, is_v1_module, load_v1_env, v1_run_group, v1_tasks
+from asyncrl.orchestrator.v1 import is_v1_env, is_v1_module, load_v1_env, task_id, v1_run_group, v1_tasks
 
 # (env slot, group inputs, sampling args) -> verifiers rollout outputs; the boundary tests replace.
 RunGroup = Callable[["EnvSlot", list[dict], dict], Awaitable[list[dict]]]
@@ -188,10 +188,7 @@ class EnvMixture:
 
 def example_id(row: Any, default: int = -1) -> int:
     """A classic row's `example_id`, a v1 task's `data.idx` (`default` when it has none)."""
-    if isinstance(row, dict):
-        return int(row.get("example_id", default))
-    idx = getattr(getattr(row, "data", None), "idx", None)
-    return default if idx is None else int(idx)
+    return int(row.get("example_id", default)) if isinstance(row, dict) else task_id(row, default)
 
 
 def group_inputs(row: Any, n: int) -> list[Any]:

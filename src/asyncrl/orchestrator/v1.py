@@ -1,16 +1,16 @@
-"""verifiers v1 environments: a taskset package, run as single-agent episodes against our server.
+"""verifiers v1 environments: a taskset package, run as episodes of its agents against our server.
 
 A v1 environment is an installed package whose `__all__` exports a `verifiers.v1.Taskset` subclass (the
 rule of verifiers' own loader). Its tasks are the slot's prompts. A group is `rollouts_per_example`
-episodes of one task, run in this process: harness `null` and runtime `subprocess` unless the
-environment's `args.agent` says otherwise (no sandbox, no tunnel). Episodes go through verifiers'
-training client, which renders the prompt with the `renderers` package and posts the token ids to
-`/inference/v1/generate`.
+episodes of one task, run in this process: the taskset's own Env (several agents) or the single-agent one,
+every agent on harness `null` and runtime `subprocess` unless the environment's args say otherwise (no
+sandbox, no tunnel). Episodes go through verifiers' training client, which renders the prompt with the
+`renderers` package and posts the token ids to `/inference/v1/generate`.
 
-Invariant: every branch of a trace becomes one turn for the samples converter. Its prompt is the tokens
-before the first sampled one, its completion the rest, with `sampled_mask` as the completion mask and the
-engine's logprobs. The trainer therefore sees exactly the ids and logprobs the engine sampled, env tokens
-between turns masked out.
+Invariant: each trace (an agent's run) is one rollout, and each of its branches one turn for the samples
+converter. A branch's prompt is the tokens before the first sampled one, its completion the rest, with
+`sampled_mask` as the completion mask and the engine's logprobs. The trainer therefore sees exactly the ids
+and logprobs the engine sampled, env tokens between turns masked out.
 """
 
 from __future__ import annotations
@@ -28,6 +28,12 @@ from asyncrl.core.errors import UserError
 
 AGENT_DEFAULTS = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
 MAX_TASKS = 10_000  # of a taskset that never ends (one that generates tasks), the ones sampled from
+
+
+def task_id(task: Any, default: int = -1) -> int:
+    """A v1 task's `data.idx` (`default` when it has none): its example id in metrics and outputs."""
+    idx = getattr(getattr(task, "data", None), "idx", None)
+    return default if idx is None else int(idx)
 
 
 def is_v1_env(env: Any) -> bool:
@@ -124,7 +130,7 @@ def v1_run_group(client: ClientConfig, base_model: str, model: str | Callable[[]
 def episode_outputs(task: Any, episode: Any) -> list[dict]:
     """One episode as rollout outputs for `samples.TrajectoryConverter`: one per trace (an agent's run; a
     multi-agent episode has several), its `trajectory` a turn per branch."""
-    example_id = int(getattr(task.data, "idx", -1) or 0)
+    example_id = task_id(task)
     if isinstance(episode, BaseException):
         return [{"example_id": example_id, "error": f"{type(episode).__name__}: {episode}"}]
     if not episode.traces:
