@@ -13,6 +13,8 @@ env's own `--sft-out` data):
 - reverse: reverse-text (similarity reward), the demo's RL settings (16 prompts x 8, 16 tokens, lr 3e-4, 60 steps);
 - sort:    sort-letters (similarity reward), a task no other part of the project trains on, same shape;
 - echo:    echo-twice (two model turns, similarity reward): the multi-turn path, 8 prompts x 8.
+- vf-reverse: verifiers' own v1 `reverse_text` example, unmodified (VF_REVERSE_TEXT=its directory in a
+           verifiers checkout), on a local dataset; reward = LCS ratio of the answer in <reversed_text> tags.
 
     PYTHONPATH=src .venv/bin/python benchmarks/learning.py --tasks reverse,sort,echo --k 0,1,2 --seeds 8 \\
         --recipes default [--lr-scales 1,3] [--jobs 2] [--out outputs/learning]
@@ -57,12 +59,26 @@ class Task:
     lr: float = 3e-4
     seq_len: int = 256
     eval_examples: int = 200
+    eval_args: dict[str, Any] | None = None  # the held-out split's env args (None: the env's eval split)
+    pythonpath: str | None = None  # an env var naming a directory to import the env (and its data module) from
 
 
 TASKS = {
     "reverse": Task("reverse-text", "reverse_text", 10000, 150),
     "sort": Task("sort-letters", "sort_letters", 10000, 150),
     "echo": Task("echo-twice", "echo_twice", 4000, 400, {"reward": "similarity"}, prompts=8, eval_examples=100),
+    # verifiers' own v1 example, unmodified: VF_REVERSE_TEXT names its directory in a verifiers checkout
+    # (environments/reverse_text); its dataset and SFT rows come from benchmarks/vf_reverse_data.py
+    "vf-reverse": Task(
+        "reverse-text",
+        "vf_reverse_data",
+        10000,
+        200,
+        {"dataset_name": "{warm}/dataset"},
+        max_tokens=48,
+        eval_args={"dataset_name": "{warm}/dataset", "dataset_split": "test"},
+        pythonpath="VF_REVERSE_TEXT",
+    ),
 }
 
 RECIPES: dict[str, list[str]] = {
@@ -79,6 +95,20 @@ RECIPES: dict[str, list[str]] = {
 
 def log(msg: str) -> None:
     print(f"[learning {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def task_env(task: Task) -> dict[str, str]:
+    """The process environment for a task's commands: its env's directory (and benchmarks/) importable."""
+    if task.pythonpath is None:
+        return dict(os.environ)
+    where = os.environ.get(task.pythonpath)
+    if not where:
+        raise SystemExit(f"set {task.pythonpath} to the environment's directory (see TASKS)")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([where, str(ROOT / "benchmarks")])}
+
+
+def with_warm(args: dict[str, Any], warm_dir: Path) -> dict[str, Any]:
+    return {k: v.format(warm=warm_dir) if isinstance(v, str) else v for k, v in args.items()}
 
 
 def run(cmd: list[str], logfile: Path, env: dict | None = None) -> None:
@@ -105,6 +135,7 @@ def warm(name: str, task: Task, out: Path) -> Path:
     run(
         [sys.executable, "-m", task.sft_module, "--sft-out", str(d / "sft.jsonl"), "--n", str(task.sft_n)],
         d / "warm.log",
+        task_env(task),
     )
     sft = [str(BIN / "sft"), "--model.name", str(d / "tiny-model"), "--data.name", str(d / "sft.jsonl")]
     sft += ["--data.seq-len", "512", "--data.batch-size", "4", "--data.micro-batch-size", "4", "--optim.lr", "1e-3"]
@@ -117,6 +148,9 @@ def warm(name: str, task: Task, out: Path) -> Path:
 
 
 def rl_config(task: Task, model: Path, eval_rollouts: int) -> dict[str, Any]:
+    warm_dir = model.parents[2]  # {warm}/sft/weights/step_N
+    env = {"id": task.env, "args": with_warm(task.env_args, warm_dir)}
+    held_out = [{"id": task.env, "args": with_warm(task.eval_args, warm_dir)}] if task.eval_args else []
     return {
         "max_steps": task.steps,
         "seq_len": task.seq_len,
@@ -126,8 +160,9 @@ def rl_config(task: Task, model: Path, eval_rollouts: int) -> dict[str, Any]:
             "batch_size": task.prompts * task.rollouts,
             "rollouts_per_example": task.rollouts,
             "sampling": {"max_tokens": task.max_tokens, "temperature": 1.0},
-            "env": [{"id": task.env, "args": task.env_args}],
+            "env": [env],
             "eval": {
+                "env": held_out,
                 "interval": 10_000,
                 "num_examples": task.eval_examples,
                 "rollouts_per_example": eval_rollouts,
@@ -167,7 +202,7 @@ def run_one(cell: Cell, seed: int, model: Path, out: Path, port: int, eval_rollo
     cmd = [str(BIN / "rl"), "@", str(d / "rl.toml"), "--output-dir", str(d / "run"), "--max-async-level", str(cell.k)]
     cmd += ["--trainer.seed", str(seed), "--orchestrator.seed", str(seed), "--inference.server.port", str(port)]
     cmd += ["--trainer.optim.lr", f"{task.lr * cell.lr_scale:g}", *RECIPES[cell.recipe]]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**task_env(task), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     start = time.time()
     run(cmd, d / "rl.log", env)
     result = summarize_run(d / "run", time.time() - start)

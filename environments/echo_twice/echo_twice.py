@@ -1,4 +1,4 @@
-"""echo-twice: a two-turn verifiers environment — say a word, then say it again when asked.
+"""echo-twice: a two-turn verifiers v1 environment — say a word, then say it again when asked.
 
 The user asks the model to say a random word; the environment answers once with a follow-up
 ("Say it again.") and the rollout ends after the model's second reply. Reward 1.0 when both
@@ -16,16 +16,16 @@ import os
 import random
 import string
 import sys
+from collections.abc import Iterator
 from difflib import SequenceMatcher
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import verifiers as vf
-from datasets import Dataset
+import verifiers.v1 as vf
+from pydantic import Field, model_validator
 
 USER_TEMPLATE = "Say exactly: {word}"
 DEFAULT_FOLLOW_UP = "Say it again."
-REWARD_WEIGHTS = {"exact": [1.0, 0.0, 0.0], "similarity": [0.0, 1.0, 0.0]}  # over both_correct, similarity, replies
 
 
 def random_words(n: int, seed: int, split: str, min_len: int, max_len: int) -> list[str]:
@@ -33,81 +33,93 @@ def random_words(n: int, seed: int, split: str, min_len: int, max_len: int) -> l
     return ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(min_len, max_len))) for _ in range(n)]
 
 
-def _replies(parser: vf.Parser, completion: vf.Messages) -> list[str]:
-    """The stripped text of each assistant message, in order."""
-    assistant = parser.get_assistant_messages(completion)
-    return [(parser.parse_answer([m]) or "").strip() for m in assistant]
+def replies(trace: vf.Trace) -> list[str]:
+    """The stripped text of each model reply, in order."""
+    return [(m.content or "").strip() for m in trace.assistant_messages]
 
 
-def both_correct(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
-    replies = _replies(parser, completion)
-    return float(len(replies) == 2 and all(r == answer for r in replies))
+def both_correct(said: list[str], word: str) -> float:
+    return float(len(said) == 2 and all(r == word for r in said))
 
 
-def similarity(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
+def similarity(said: list[str], word: str) -> float:
     """Partial credit: each of the two replies' similarity to the word (2*matched / total length), averaged."""
-    replies = (_replies(parser, completion) + ["", ""])[:2]
-    return sum(SequenceMatcher(None, r, answer).ratio() for r in replies) / 2
+    return sum(SequenceMatcher(None, r, word).ratio() for r in (said + ["", ""])[:2]) / 2
 
 
-def correct_replies(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
+def correct_replies(said: list[str], word: str) -> float:
     """Number of replies equal to the word (0, 1 or 2); logged as a metric."""
-    return float(sum(r == answer for r in _replies(parser, completion)))
+    return float(sum(r == word for r in said))
 
 
-class EchoTwiceEnv(vf.MultiTurnEnv):
-    """Two model turns with one fixed follow-up message in between."""
-
-    def __init__(self, follow_up: str = DEFAULT_FOLLOW_UP, **kwargs: Any):
-        super().__init__(max_turns=2, **kwargs)
-        self.follow_up = follow_up
-
-    async def env_response(self, messages: vf.Messages, state: vf.State, **kwargs: Any) -> vf.Messages:
-        return [vf.UserMessage(content=self.follow_up)]
+SCORES = {"exact": both_correct, "similarity": similarity}  # the `reward` arg -> the function that is the reward
 
 
-def load_environment(
-    num_train_examples: int = 1000,
-    num_eval_examples: int = 100,
-    min_len: int = 3,
-    max_len: int = 6,
-    seed: int = 0,
-    system_prompt: str | None = None,
-    follow_up: str = DEFAULT_FOLLOW_UP,
-    reward: str = "exact",
-) -> EchoTwiceEnv:
-    """Say a random lowercase word of `min_len`..`max_len` letters, then repeat it once asked.
+class EchoData(vf.TaskData):
+    answer: str
+    """The word."""
+    follow_up: str = DEFAULT_FOLLOW_UP
+    """The user's second message."""
 
-    `reward`: "exact" (1 when both replies are the word, the default) or "similarity" (partial credit: the
-    replies' mean similarity to the word); all three are logged.
-    """
-    if reward not in REWARD_WEIGHTS:
-        raise ValueError(f"reward must be one of {sorted(REWARD_WEIGHTS)}, got {reward!r}")
-    if min_len < 1 or max_len < min_len:
-        raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
-    if num_train_examples < 1 or num_eval_examples < 0:
-        raise ValueError("need num_train_examples >= 1 and num_eval_examples >= 0 (0: no eval set)")
 
-    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+class EchoTaskConfig(vf.TaskConfig):
+    reward: Literal["exact", "similarity"] = "exact"
 
-    def dataset(n: int, split: str) -> Dataset:
-        words = random_words(n, seed, split, min_len, max_len)
-        return Dataset.from_list(
-            [
-                {"prompt": [*system, {"role": "user", "content": USER_TEMPLATE.format(word=w)}], "answer": w}
-                for w in words
-            ]
-        )
 
-    parser = vf.Parser()
-    rubric = vf.Rubric(funcs=[both_correct, similarity, correct_replies], weights=REWARD_WEIGHTS[reward], parser=parser)
-    return EchoTwiceEnv(
-        follow_up=follow_up,
-        dataset=dataset(num_train_examples, "train"),
-        eval_dataset=dataset(num_eval_examples, "eval") if num_eval_examples else None,
-        parser=parser,
-        rubric=rubric,
-    )
+class EchoTask(vf.Task[EchoData, vf.State, EchoTaskConfig]):
+    @vf.reward(weight=1.0)
+    async def reward(self, trace: vf.Trace) -> dict[str, float]:
+        fn = SCORES[self.config.reward]
+        return {fn.__name__: fn(replies(trace), self.data.answer)}
+
+    @vf.metric
+    async def scores(self, trace: vf.Trace) -> dict[str, float]:
+        fns = [*SCORES.values(), correct_replies]
+        return {fn.__name__: fn(replies(trace), self.data.answer) for fn in fns}
+
+
+class EchoTwiceEnv(vf.SingleAgentEnv):
+    """Two model turns with the task's follow-up message in between, then the exchange ends."""
+
+    async def run(self, task, agents):
+        async with agents.agent.interaction(task) as interaction:
+            segment = await interaction.turn()
+            if not segment.terminated:
+                await interaction.turn([vf.UserMessage(content=task.data.follow_up)])
+
+
+class EchoTwiceConfig(vf.TasksetConfig):
+    """The environment's args (`[[orchestrator.env]] args = {...}`)."""
+
+    split: Literal["train", "eval"] = "train"
+    """Which stream of words: "train", or "eval" (held out; `eval` and the orchestrator's evals set it)."""
+    num_train_examples: int = Field(1000, ge=1)
+    num_eval_examples: int = Field(100, ge=0)
+    min_len: int = Field(3, ge=1)
+    max_len: int = Field(6, ge=1)
+    seed: int = 0
+    follow_up: str = DEFAULT_FOLLOW_UP
+    reward: Literal["exact", "similarity"] = "exact"
+    """"exact" (both replies are the word) or "similarity" (partial credit) is the reward; all are logged."""
+
+    @model_validator(mode="after")
+    def _valid(self) -> EchoTwiceConfig:
+        if self.max_len < self.min_len:
+            raise ValueError(f"need min_len <= max_len, got min_len={self.min_len}, max_len={self.max_len}")
+        return self
+
+
+class EchoTwiceTaskset(vf.Taskset[EchoTask, EchoTwiceConfig]):
+    def load(self) -> Iterator[EchoTask]:
+        c = self.config
+        n = c.num_train_examples if c.split == "train" else c.num_eval_examples
+        task_config = EchoTaskConfig(**{**c.task.model_dump(), "reward": c.reward})
+        for i, word in enumerate(random_words(n, c.seed, c.split, c.min_len, c.max_len)):
+            data = EchoData(idx=i, prompt=USER_TEMPLATE.format(word=word), answer=word, follow_up=c.follow_up)
+            yield EchoTask(data, task_config)
+
+
+__all__ = ["EchoTwiceEnv", "EchoTwiceTaskset", "EchoTwiceConfig", "EchoTask"]
 
 
 def sft_examples(n: int, seed: int = 0, min_len: int = 3, max_len: int = 6) -> list[dict[str, Any]]:

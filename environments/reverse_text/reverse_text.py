@@ -1,10 +1,10 @@
-"""reverse-text: a single-turn verifiers environment where the model reverses a random string.
+"""reverse-text: a single-turn verifiers v1 taskset where the model reverses a random string.
 
-Data is generated locally from a seed (no downloads). The reward is the character-level
-similarity (difflib's matching-blocks ratio, in [0, 1]) between the stripped answer and the
-reversed string; `exact_match` is logged with weight 0 (`reward="exact"` swaps the weights: exact
-match is then the reward). The same prompt builder feeds the SFT warm-up data (`sft_examples`, or
-`python -m reverse_text --sft-out FILE --n N`).
+Data is generated locally from a seed (no downloads); the `split` arg picks the train or the held-out
+eval stream. The reward is the character-level similarity (difflib's matching-blocks ratio, in [0, 1])
+between the stripped reply and the reversed string, `lcs_reward`; `exact_match` is logged beside it
+(`reward="exact"` makes exact match the reward). The same prompt builder feeds the SFT warm-up data
+(`sft_examples`, or `python -m reverse_text --sft-out FILE --n N`).
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import random
 import string
 import sys
 import tempfile
+from collections.abc import Iterator
 from difflib import SequenceMatcher
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import verifiers as vf
-from datasets import Dataset
+import verifiers.v1 as vf
+from pydantic import Field, model_validator
 
 USER_TEMPLATE = "Reverse the text: {text}"
 DEFAULT_ALPHABET = string.ascii_lowercase
-REWARD_WEIGHTS = {"similarity": [1.0, 0.0], "exact": [0.0, 1.0]}  # weights of [lcs_reward, exact_match]
 
 
 def _check_args(min_len: int, max_len: int, alphabet: str, user_template: str = USER_TEMPLATE) -> None:
@@ -71,53 +71,76 @@ def _rows(
     return [{"prompt": make_prompt(t, system_prompt, user_template), "answer": t[::-1]} for t in texts]
 
 
-def _answer_text(parser: vf.Parser, completion: vf.Messages) -> str:
-    return (parser.parse_answer(completion) or "").strip()
+def lcs_reward(reply: str, answer: str) -> float:
+    """Similarity of the stripped reply to the reversed string: 2*matched / (len(a) + len(b))."""
+    return SequenceMatcher(None, reply.strip(), answer).ratio()
 
 
-def lcs_reward(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
-    """Similarity of the answer to the reversed string: 2*matched / (len(a) + len(b))."""
-    return SequenceMatcher(None, _answer_text(parser, completion), answer).ratio()
+def exact_match(reply: str, answer: str) -> float:
+    return float(reply.strip() == answer)
 
 
-def exact_match(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
-    return float(_answer_text(parser, completion) == answer)
+SCORES = {"similarity": lcs_reward, "exact": exact_match}  # the `reward` arg -> the function that is the reward
 
 
-def load_environment(
-    num_train_examples: int = 2000,
-    num_eval_examples: int = 200,
-    min_len: int = 5,
-    max_len: int = 8,
-    seed: int = 0,
-    system_prompt: str | None = None,
-    alphabet: str = DEFAULT_ALPHABET,
-    user_template: str = USER_TEMPLATE,
-    reward: str = "similarity",
-) -> vf.SingleTurnEnv:
-    """Reverse a random string of `min_len`..`max_len` characters drawn from `alphabet`.
+class ReverseData(vf.TaskData):
+    answer: str
+    """The string reversed."""
 
-    `reward`: "similarity" (lcs_reward, the default) or "exact" (exact_match); both are logged.
-    """
-    _check_args(min_len, max_len, alphabet, user_template)
-    if num_train_examples < 1 or num_eval_examples < 0:
-        raise ValueError("need num_train_examples >= 1 and num_eval_examples >= 0 (0: no eval set)")
-    if reward not in REWARD_WEIGHTS:
-        raise ValueError(f"reward must be one of {sorted(REWARD_WEIGHTS)}, got {reward!r}")
-    common = dict(
-        seed=seed,
-        min_len=min_len,
-        max_len=max_len,
-        alphabet=alphabet,
-        system_prompt=system_prompt,
-        user_template=user_template,
-    )
-    dataset = Dataset.from_list(_rows(num_train_examples, split="train", **common))
-    eval_rows = _rows(num_eval_examples, split="eval", **common)
-    eval_dataset = Dataset.from_list(eval_rows) if eval_rows else None
-    parser = vf.Parser()
-    rubric = vf.Rubric(funcs=[lcs_reward, exact_match], weights=REWARD_WEIGHTS[reward], parser=parser)
-    return vf.SingleTurnEnv(dataset=dataset, eval_dataset=eval_dataset, parser=parser, rubric=rubric)
+
+class ReverseTaskConfig(vf.TaskConfig):
+    reward: Literal["similarity", "exact"] = "similarity"
+
+
+class ReverseTask(vf.Task[ReverseData, vf.State, ReverseTaskConfig]):
+    @vf.stop
+    async def single_turn(self, trace: vf.Trace) -> bool:
+        return trace.num_turns >= 1
+
+    @vf.reward(weight=1.0)
+    async def reward(self, trace: vf.Trace) -> dict[str, float]:
+        fn = SCORES[self.config.reward]
+        return {fn.__name__: fn(trace.last_reply, self.data.answer)}
+
+    @vf.metric
+    async def scores(self, trace: vf.Trace) -> dict[str, float]:
+        return {fn.__name__: fn(trace.last_reply, self.data.answer) for fn in SCORES.values()}
+
+
+class ReverseTextConfig(vf.TasksetConfig):
+    """The environment's args (`[[orchestrator.env]] args = {...}`)."""
+
+    split: Literal["train", "eval"] = "train"
+    """Which stream of strings: "train", or "eval" (held out; `eval` and the orchestrator's evals set it)."""
+    num_train_examples: int = Field(2000, ge=1)
+    num_eval_examples: int = Field(200, ge=0)
+    min_len: int = Field(5, ge=1)
+    max_len: int = Field(8, ge=1)
+    seed: int = 0
+    alphabet: str = Field(DEFAULT_ALPHABET, min_length=1)
+    user_template: str = USER_TEMPLATE
+    """The user message; `{text}` is the string ("{text}" alone sends the bare string)."""
+    reward: Literal["similarity", "exact"] = "similarity"
+    """"similarity" (lcs_reward) or "exact" (exact_match) is the reward; both are logged."""
+
+    @model_validator(mode="after")
+    def _valid(self) -> ReverseTextConfig:
+        _check_args(self.min_len, self.max_len, self.alphabet, self.user_template)
+        return self
+
+
+class ReverseTextTaskset(vf.Taskset[ReverseTask, ReverseTextConfig]):
+    def load(self) -> Iterator[ReverseTask]:
+        c = self.config
+        n = c.num_train_examples if c.split == "train" else c.num_eval_examples
+        task_config = ReverseTaskConfig(**{**c.task.model_dump(), "reward": c.reward})
+        texts = random_strings(n, c.seed, c.split, c.min_len, c.max_len, c.alphabet)
+        for i, text in enumerate(texts):
+            prompt = c.user_template.format(text=text)
+            yield ReverseTask(ReverseData(idx=i, prompt=prompt, answer=text[::-1]), task_config)
+
+
+__all__ = ["ReverseTextTaskset", "ReverseTextConfig", "ReverseTask"]
 
 
 def sft_examples(

@@ -1,11 +1,11 @@
-"""sort-letters: a single-turn verifiers environment where the model sorts a random string's letters.
+"""sort-letters: a single-turn verifiers v1 taskset where the model sorts a random string's letters.
 
 Data is generated locally from a seed (no downloads). The reward is the character-level
-similarity (difflib's matching-blocks ratio, in [0, 1]) between the stripped answer and the
-letters sorted alphabetically; `exact_match` is logged with weight 0 (`reward="exact"` swaps the
-weights: exact match is then the reward). The train, eval and SFT strings come from independent
-random streams of the same seed ("train", "eval", "sft"); they are not deduplicated against each
-other, so a short string may occur in more than one of them by chance. The same prompt builder
+similarity (difflib's matching-blocks ratio, in [0, 1]) between the stripped reply and the
+letters sorted alphabetically; `exact_match` is logged beside it (`reward="exact"` makes exact match
+the reward); the `split` arg picks the train or the held-out eval stream. The train, eval and SFT
+strings come from independent random streams of the same seed ("train", "eval", "sft"); they are not
+deduplicated against each other, so a short string may occur in more than one of them by chance. The same prompt builder
 feeds the SFT warm-up data (`sft_examples`, or `python -m sort_letters --sft-out FILE --n N`).
 """
 
@@ -18,16 +18,16 @@ import random
 import string
 import sys
 import tempfile
+from collections.abc import Iterator
 from difflib import SequenceMatcher
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import verifiers as vf
-from datasets import Dataset
+import verifiers.v1 as vf
+from pydantic import Field, model_validator
 
 USER_TEMPLATE = "Sort the letters: {text}"
 ALPHABET = string.ascii_lowercase
-REWARD_WEIGHTS = {"similarity": [1.0, 0.0], "exact": [0.0, 1.0]}  # weights of [similarity, exact_match]
 
 
 def _check_args(min_len: int, max_len: int) -> None:
@@ -61,46 +61,72 @@ def _rows(n: int, seed: int, split: str, min_len: int, max_len: int, system_prom
     return [{"prompt": make_prompt(t, system_prompt), "answer": sorted_letters(t)} for t in texts]
 
 
-def _answer_text(parser: vf.Parser, completion: vf.Messages) -> str:
-    return (parser.parse_answer(completion) or "").strip()
+def similarity(reply: str, answer: str) -> float:
+    """Similarity of the stripped reply to the sorted string: 2*matched / (len(a) + len(b))."""
+    return SequenceMatcher(None, reply.strip(), answer).ratio()
 
 
-def similarity(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
-    """Similarity of the answer to the sorted string: 2*matched / (len(a) + len(b))."""
-    return SequenceMatcher(None, _answer_text(parser, completion), answer).ratio()
+def exact_match(reply: str, answer: str) -> float:
+    return float(reply.strip() == answer)
 
 
-def exact_match(parser: vf.Parser, completion: vf.Messages, answer: str, **kwargs: Any) -> float:
-    return float(_answer_text(parser, completion) == answer)
+SCORES = {"similarity": similarity, "exact": exact_match}  # the `reward` arg -> the function that is the reward
 
 
-def load_environment(
-    num_train_examples: int = 2000,
-    num_eval_examples: int = 200,
-    min_len: int = 5,
-    max_len: int = 8,
-    seed: int = 0,
-    system_prompt: str | None = None,
-    reward: str = "similarity",
-) -> vf.SingleTurnEnv:
-    """Sort the letters of a random lowercase string of `min_len`..`max_len` letters.
+class SortData(vf.TaskData):
+    answer: str
+    """The letters sorted."""
 
-    `eval_dataset` is the held-out "eval" stream (none when `num_eval_examples` is 0); it is
-    independent of the "train" stream, not deduplicated against it.
-    `reward`: "similarity" (the default) or "exact" (exact_match); both are logged.
-    """
-    _check_args(min_len, max_len)
-    if num_train_examples < 1 or num_eval_examples < 0:
-        raise ValueError("need num_train_examples >= 1 and num_eval_examples >= 0 (0: no eval set)")
-    if reward not in REWARD_WEIGHTS:
-        raise ValueError(f"reward must be one of {sorted(REWARD_WEIGHTS)}, got {reward!r}")
-    common = dict(seed=seed, min_len=min_len, max_len=max_len, system_prompt=system_prompt)
-    dataset = Dataset.from_list(_rows(num_train_examples, split="train", **common))
-    eval_rows = _rows(num_eval_examples, split="eval", **common)
-    eval_dataset = Dataset.from_list(eval_rows) if eval_rows else None
-    parser = vf.Parser()
-    rubric = vf.Rubric(funcs=[similarity, exact_match], weights=REWARD_WEIGHTS[reward], parser=parser)
-    return vf.SingleTurnEnv(dataset=dataset, eval_dataset=eval_dataset, parser=parser, rubric=rubric)
+
+class SortTaskConfig(vf.TaskConfig):
+    reward: Literal["similarity", "exact"] = "similarity"
+
+
+class SortTask(vf.Task[SortData, vf.State, SortTaskConfig]):
+    @vf.stop
+    async def single_turn(self, trace: vf.Trace) -> bool:
+        return trace.num_turns >= 1
+
+    @vf.reward(weight=1.0)
+    async def reward(self, trace: vf.Trace) -> dict[str, float]:
+        fn = SCORES[self.config.reward]
+        return {fn.__name__: fn(trace.last_reply, self.data.answer)}
+
+    @vf.metric
+    async def scores(self, trace: vf.Trace) -> dict[str, float]:
+        return {fn.__name__: fn(trace.last_reply, self.data.answer) for fn in SCORES.values()}
+
+
+class SortLettersConfig(vf.TasksetConfig):
+    """The environment's args (`[[orchestrator.env]] args = {...}`)."""
+
+    split: Literal["train", "eval"] = "train"
+    """Which stream of strings: "train", or "eval" (held out; `eval` and the orchestrator's evals set it)."""
+    num_train_examples: int = Field(2000, ge=1)
+    num_eval_examples: int = Field(200, ge=0)
+    min_len: int = Field(5, ge=1)
+    max_len: int = Field(8, ge=1)
+    seed: int = 0
+    reward: Literal["similarity", "exact"] = "similarity"
+    """"similarity" or "exact" (exact_match) is the reward; both are logged."""
+
+    @model_validator(mode="after")
+    def _valid(self) -> SortLettersConfig:
+        _check_args(self.min_len, self.max_len)
+        return self
+
+
+class SortLettersTaskset(vf.Taskset[SortTask, SortLettersConfig]):
+    def load(self) -> Iterator[SortTask]:
+        c = self.config
+        n = c.num_train_examples if c.split == "train" else c.num_eval_examples
+        task_config = SortTaskConfig(**{**c.task.model_dump(), "reward": c.reward})
+        for i, text in enumerate(random_strings(n, c.seed, c.split, c.min_len, c.max_len)):
+            prompt = USER_TEMPLATE.format(text=text)
+            yield SortTask(SortData(idx=i, prompt=prompt, answer=sorted_letters(text)), task_config)
+
+
+__all__ = ["SortLettersTaskset", "SortLettersConfig", "SortTask"]
 
 
 def sft_examples(

@@ -9,6 +9,7 @@ from this process, no sandbox.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -58,3 +59,85 @@ def test_a_v1_episode_carries_the_engines_tokens_and_logprobs(shared_inference_p
     served = torch.tensor(logprobs[1:])
     mask = torch.tensor(sampled[1:])
     assert torch.allclose(served[mask], recomputed[mask], atol=1e-4), (served[mask], recomputed[mask])
+
+
+class ScriptedEngine:
+    """Plays the engine behind `/inference/v1/generate`: each request gets the next scripted reply as token ids
+    (the tiny byte tokenizer's) with a logprob per token; records the prompt ids it was sent."""
+
+    def __init__(self, tokenizer, replies: list[str]):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.replies, self.prompts = [tokenizer.encode(r, add_special_tokens=False) for r in replies], []
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):  # /v1/models: no max_model_len, so the client skips its length pre-check
+                self._send({"object": "list", "data": []})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                engine.prompts.append(body["token_ids"])
+                ids = engine.replies.pop(0)
+                lps = [{"token": f"token_id:{t}", "logprob": -0.5} for t in ids]
+                self._send({"choices": [{"index": 0, "token_ids": ids, "logprobs": {"content": lps},
+                                         "finish_reason": "stop"}]})  # fmt: skip
+
+            def _send(self, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/v1"
+
+
+def test_a_tool_episode_through_the_training_client_trains_on_the_model_turns_only(tiny_model_dir, monkeypatch):
+    """tool-calc through verifiers' training client: the renderer (model's own template + qwen3 tool parser)
+    turns the engine's `<tool_call>` tokens into a call, the calculator's MCP server answers, the second turn
+    answers; the trace's tokens are the engine's, its tool reply masked out of the loss."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.config.orchestrator import ClientConfig, EnvConfig
+    from asyncrl.orchestrator.envs import EnvMixture, group_inputs, runners_for
+    from asyncrl.orchestrator.samples import TrajectoryConverter
+
+    monkeypatch.setenv("ASYNCRL_TEST_V1_KEY", "unused")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    mixture = EnvMixture.load([EnvConfig(id="tool-calc", args={"num_train_examples": 2})], seq_len=None)
+    slot = mixture.slots[0]
+    task = slot.rows[0]
+    call = json.dumps({"name": "calculate", "arguments": {"expression": task.data.expression}})
+    engine = ScriptedEngine(tok, [f"<tool_call>\n{call}\n</tool_call><|im_end|>", f"{task.data.answer}<|im_end|>"])
+    renderer = {"name": "default", "tool_parser": "qwen3"}
+    client = ClientConfig(base_url=engine.url, api_key_var="ASYNCRL_TEST_V1_KEY")
+    runners = runners_for(mixture.slots, client, str(tiny_model_dir), str(tiny_model_dir), renderer=renderer)
+
+    async def go():
+        try:
+            return await runners.run_group(slot, group_inputs(task, 1), {"n": 1, "temperature": 1.0})
+        finally:
+            await runners.close()
+
+    (out,) = asyncio.run(go())
+    engine.httpd.shutdown()
+    assert "error" not in out, out.get("error")
+    assert out["reward"] == 1.0 and out["metrics"]["calculate_calls"] == 1.0, out["metrics"]
+    assert out["tool_defs"] and out["tool_defs"][0]["function"]["name"] == "calculate"
+    assert [m.role for m in out["completion"]] == ["assistant", "tool", "assistant"]
+    assert out["completion"][1].content == task.data.answer  # the calculator's reply
+    # the second request's prompt is the first's, then the sampled call, then the tool reply (rendered)
+    first, second = engine.prompts
+    assert second[: len(first)] == first and tok.decode(second).count("<tool_response>") == 1
+    (rollout,) = [TrajectoryConverter().convert(out, slot.name)]
+    assert rollout.ok
+    trained = [t for s in rollout.samples for t, m in zip(s.input_ids, s.loss_mask) if m]
+    assert tok.decode(trained) == f"<tool_call>\n{call}\n</tool_call><|im_end|>{task.data.answer}<|im_end|>"

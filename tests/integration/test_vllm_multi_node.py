@@ -4,7 +4,7 @@ The head node (this network namespace, the link's .1 address) runs `inference --
 --data-parallel-size-local 1 --data-parallel-address HEAD_IP --data-parallel-rpc-port P`: the API
 server and data-parallel rank 0. The second node (its own network namespace, .2; see `hosts.py`) runs the same
 line plus `--data-parallel-start-rank 1 --headless`: rank 1's engine only, which connects to the head.
-Both are started from the main environment's `inference` (which runs vLLM from .venv-vllm), as the PRIME-RL docs
+Both are started from the main environment's `inference` (vLLM installed in .venv), as the PRIME-RL docs
 write them. Checked: requests are served by both ranks, and /update_weights on the head reaches rank 1.
 
 Needs root (ip netns), iproute2 and the vLLM env; skipped otherwise.

@@ -96,6 +96,12 @@ class OrchestratorConfig(BaseConfig):
         description="trainer data-parallel ranks (equal micro-batch counts); default: what the trainer says in "
         "{output_dir}/trainer_world.json (rl sets it)",
     )
+    renderer: dict[str, Any] | None = Field(
+        None,
+        description="verifiers v1 environments: the `renderers` config the training client renders prompts and "
+        'parses replies with, e.g. {name = "default", tool_parser = "qwen3"} (tool calls through the model\'s '
+        "own chat template); None: chosen from the model name",
+    )
     share_prefix: bool = Field(
         True, description="pack each group's common prompt once; the trainer computes it once (--no-share-prefix: off)"
     )

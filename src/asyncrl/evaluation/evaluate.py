@@ -29,7 +29,7 @@ from asyncrl.evaluation.runner import (
     example_rows,
     first_error,
     load_slots,
-    make_run_group,
+    make_runners,
     request_args,
     run_jobs,
     start_hint,
@@ -131,7 +131,7 @@ async def _evaluate(config: EvalConfig) -> dict[str, Any]:
     slots = load_slots(config.envs(), eval_split=True)
     targets = find_targets(config)
     await check_server(config.client, config.model.name, config.server_wait)
-    run_group = make_run_group(config.client, config.model.name, slots)
+    runners = make_runners(config.client, config.model.name, slots)
     args = request_args(config.sampling)
     out = Path(config.output_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +157,7 @@ async def _evaluate(config: EvalConfig) -> dict[str, Any]:
                 for slot in slots
                 for ex_id, row in example_rows(slot, config.num_examples)
             ]
-            records = await run_jobs(jobs, run_group, args, config.max_concurrent)
+            records = await run_jobs(jobs, runners.run_group, args, config.max_concurrent)
             if all(not r.ok for r in records):
                 raise UserError(
                     f"every rollout of {target.label} failed; first error: {first_error(records)} "
@@ -194,6 +194,7 @@ async def _evaluate(config: EvalConfig) -> dict[str, Any]:
             except Exception as e:  # the server may be gone; the results are already on disk
                 logger.warning(f"could not return the server to the base model: {e}")
             await admin.close()
+        await runners.close()
         sink.close()
     print(format_table(results), flush=True)
     logger.info(f"wrote {len(rows)} rollouts to {out / 'rollouts.jsonl'} and the summary to {out / 'summary.json'}")

@@ -24,16 +24,14 @@ from asyncrl.orchestrator.envs import (
     EnvMixture,
     EnvSlot,
     RunGroup,
+    Runners,
     example_id,
     group_inputs,
-    make_vf_client,
+    runners_for,
     sampling_args,
-    v1_runner_for,
-    verifiers_run_group,
 )
 from asyncrl.utils.progress import Bar
 
-PLAIN_CLIENT = "openai_chat_completions"
 # verifiers errors caused by the model's own answer (empty, unparsable, too long): the rollout did run
 MODEL_ERRORS = {
     "InvalidModelResponseError",
@@ -80,11 +78,10 @@ class Job:
     first: int = 0
 
 
-def make_run_group(client: ClientConfig, model: str, slots: list[EnvSlot]) -> RunGroup:
+def make_runners(client: ClientConfig, model: str, slots: list[EnvSlot]) -> Runners:
     """verifiers' run_group through its plain chat client (one shared connection pool); v1 slots through
-    verifiers v1's eval client (chat completions: any OpenAI-compatible server)."""
-    v1 = v1_runner_for(slots, client, model, model, train=False)
-    return verifiers_run_group(make_vf_client(client, PLAIN_CLIENT), model, v1)
+    verifiers v1's eval client (chat completions: any OpenAI-compatible server). Close it when done."""
+    return runners_for(slots, client, model, model, train=False)
 
 
 def load_slots(envs: list[EnvConfig], eval_split: bool) -> list[EnvSlot]:

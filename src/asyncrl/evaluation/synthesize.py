@@ -31,7 +31,7 @@ from asyncrl.evaluation.runner import (
     check_server,
     example_rows,
     load_slots,
-    make_run_group,
+    make_runners,
     request_args,
     run_jobs,
     start_hint,
@@ -152,13 +152,11 @@ async def _synthesize(config: SynthesizeConfig) -> SynthStats:
         stats.kept += len(kept)
         stats.rewards += [r.reward for r in records]
 
-    await run_jobs(
-        jobs,
-        make_run_group(config.client, config.model.name, slots),
-        request_args(config.sampling),
-        config.max_concurrent,
-        on_group,
-    )
+    runners = make_runners(config.client, config.model.name, slots)
+    try:
+        await run_jobs(jobs, runners.run_group, request_args(config.sampling), config.max_concurrent, on_group)
+    finally:
+        await runners.close()
     if stats.failed_groups == stats.groups:
         raise UserError(
             f"every rollout group failed; first error: {stats.first_error} "

@@ -207,7 +207,7 @@ class Launcher:
         return resolve_resume_step(self.layout, ckpt.resume_step, self.config.trainer.max_steps)
 
     def _server_python(self) -> str:
-        """This interpreter, or the vLLM env's: vLLM lives in its own env (it conflicts with verifiers)."""
+        """The interpreter that runs vLLM (this one, unless ASYNCRL_VLLM_PYTHON names another)."""
         if self.config.inference.backend != "vllm":
             return sys.executable
         from asyncrl.utils.vllm_env import INSTALL_HINT, vllm_python

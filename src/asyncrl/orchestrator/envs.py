@@ -1,9 +1,11 @@
 """Verifiers environments: load them, sample prompts across several by ratio, run rollout groups.
 
-Environments are installed packages loaded with verifiers' classic `load_environment(id, **args)`.
-Rollouts go through verifiers' own `run_group` with its token client
-(`openai_chat_completions_token`) against our server, so single-turn, multi-turn and tool
-environments run unmodified and every turn comes back with token ids and sampling logprobs.
+Environments are installed packages. A package exporting a verifiers v1 Taskset runs through
+`orchestrator.v1` (verifiers >= 0.4 has only these). A classic one, loaded with `load_environment(id,
+**args)` where verifiers < 0.4 is installed, runs through verifiers' own `run_group` with its token client
+(`openai_chat_completions_token`). Either way single-turn, multi-turn and tool environments run unmodified
+and every turn comes back with the engine's token ids and sampling logprobs. verifiers' classic modules are
+imported only when a classic environment is loaded.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from asyncrl.orchestrator.v1 import is_v1_env, is_v1_module, load_v1_env, task_i
 # (env slot, group inputs, sampling args) -> verifiers rollout outputs; the boundary tests replace.
 RunGroup = Callable[["EnvSlot", list[dict], dict], Awaitable[list[dict]]]
 TOKEN_CLIENT = "openai_chat_completions_token"
+PLAIN_CLIENT = "openai_chat_completions"  # no token ids: `eval`/`synthesize` against any OpenAI-compatible server
 # Keys the orchestrator sets itself; the same key in sampling.extra_body would be sent twice.
 _OWN_SAMPLING_KEYS = {
     "temperature",
@@ -82,15 +85,22 @@ def check_installed(env_ids: list[str]) -> None:
     raise UserError(f"environments not installed: {', '.join(missing)}; install them with {hints}")
 
 
-def load_env(cfg: EnvConfig) -> Any:
-    """`verifiers.load_environment(cfg.id, **cfg.args)` with user-facing errors."""
-    import verifiers as vf
-
+def load_env(cfg: EnvConfig, eval_split: bool = False) -> Any:
+    """The environment `cfg` names: a verifiers v1 taskset package, else a classic one
+    (`verifiers.load_environment(cfg.id, **cfg.args)`, where verifiers < 0.4 provides it); user-facing errors."""
     module = env_module(cfg.id)
     if importlib.util.find_spec(module) is None:
         raise UserError(f"environment '{cfg.id}' is not installed (no module '{module}'); {install_hint(cfg.id)}")
     if is_v1_module(module):
-        return load_v1_env(module, cfg.id, cfg.args)
+        return load_v1_env(module, cfg.id, cfg.args, eval_split=eval_split)
+    import verifiers as vf
+
+    if not hasattr(vf, "load_environment"):
+        raise UserError(
+            f"environment '{cfg.id}' is not a verifiers v1 environment (its package exports no v1 Taskset), and "
+            f"verifiers {vf.__version__} loads only those: port it to verifiers.v1 (docs/rl.md, 'verifiers v1 "
+            "environments') or, for a classic environment, install verifiers<0.4"
+        )
     try:
         return vf.load_environment(module, **cfg.args)
     except (TypeError, ValueError, RuntimeError) as e:
@@ -146,8 +156,8 @@ class EnvMixture:
         check_installed([c.id for c in configs])
         slots = []
         for cfg in configs:
-            env = load_env(cfg)
-            if is_v1_env(env):  # its tasks are its prompts; a held-out split is the taskset's own args
+            env = load_env(cfg, eval_split)
+            if is_v1_env(env):  # its tasks are its prompts; a held-out split is its `split` arg (or own args)
                 rows = v1_tasks(env, cfg.id)
             else:
                 if seq_len is not None and hasattr(env, "set_max_seq_len"):
@@ -220,7 +230,7 @@ def sampling_args(cfg: SamplingConfig, with_seed: bool = False) -> dict:
 def make_vf_client(cfg: ClientConfig, client_type: str = TOKEN_CLIENT) -> Any:
     """Verifiers' token client for our server, over one aiohttp connection pool.
 
-    `eval`/`synthesize` pass client_type="openai_chat_completions": no token ids, any OpenAI-compatible server.
+    `eval`/`synthesize` pass client_type=PLAIN_CLIENT: no token ids, any OpenAI-compatible server.
     aiohttp, not verifiers' default httpx pool: httpcore scans every open connection on each request it
     starts or ends, which with one connection per rollout in flight (128 in the bench job) took most of the
     orchestrator's CPU and made it, not the server, the bottleneck of generation. With
@@ -233,7 +243,7 @@ def make_vf_client(cfg: ClientConfig, client_type: str = TOKEN_CLIENT) -> Any:
 
     from asyncrl.orchestrator.coalesce import MergingTransport
 
-    classes = {TOKEN_CLIENT: OpenAIChatCompletionsTokenClient, "openai_chat_completions": OpenAIChatCompletionsClient}
+    classes = {TOKEN_CLIENT: OpenAIChatCompletionsTokenClient, PLAIN_CLIENT: OpenAIChatCompletionsClient}
     try:
         http = DefaultAioHttpClient(timeout=cfg.timeout)
     except RuntimeError as e:  # an openai build without its aiohttp transport: keep httpx's pool
@@ -246,13 +256,16 @@ def make_vf_client(cfg: ClientConfig, client_type: str = TOKEN_CLIENT) -> Any:
     return classes[client_type](client)
 
 
-def verifiers_run_group(vf_client: Any, model: str | Callable[[], str], v1: RunGroup | None = None) -> RunGroup:
+def verifiers_run_group(
+    model: str | Callable[[], str], classic_client: Any = None, v1: RunGroup | None = None
+) -> RunGroup:
     """The production RunGroup: the slot's environment runs and scores the group via verifiers; `model` is the
-    served model's name, or a function giving it at each group (a LoRA run's adapter, once loaded). `v1`:
-    the runner for verifiers v1 slots (`orchestrator.v1`), where the mixture has any."""
+    served model's name, or a function giving it at each group (a LoRA run's adapter, once loaded).
+    `classic_client`: verifiers' client for classic slots (`make_vf_client`); `v1`: the runner for verifiers
+    v1 slots (`orchestrator.v1`). Each is needed only where the mixture has such slots."""
 
     async def run(slot: EnvSlot, inputs: list[dict], args: dict) -> list[dict]:
-        if v1 is not None and is_v1_env(slot.env):
+        if is_v1_env(slot.env):
             return await v1(slot, inputs, args)
         merged = {
             **slot.env.sampling_args,
@@ -260,7 +273,7 @@ def verifiers_run_group(vf_client: Any, model: str | Callable[[], str], v1: RunG
             "extra_body": {**(slot.env.sampling_args.get("extra_body") or {}), **args.get("extra_body", {})},
         }
         name = model() if callable(model) else model
-        return await slot.env.run_group(inputs, vf_client, name, merged, state_columns=["trajectory"])
+        return await slot.env.run_group(inputs, classic_client, name, merged, state_columns=["trajectory"])
 
     return run
 
@@ -273,8 +286,34 @@ def in_flight_target(problems: int, oversampling_factor: float) -> int:
     return max(problems, math.ceil(problems * oversampling_factor))
 
 
-def v1_runner_for(slots: list[EnvSlot], client: ClientConfig, base_model: str, model, train: bool = True):
-    """The v1 RunGroup when any slot is a v1 environment, else None (no v1 import)."""
-    if not any(is_v1_env(s.env) for s in slots):
-        return None
-    return v1_run_group(client, base_model, model, train=train)
+@dataclass
+class Runners:
+    """The RunGroup for a set of slots, with what it opened: the classic client, the v1 runner (each None
+    without such slots); `close()` ends them."""
+
+    run_group: RunGroup
+    classic_client: Any = None
+
+    v1: Any = None
+
+    async def close(self) -> None:
+        if self.classic_client is not None:
+            await self.classic_client.close()
+        if self.v1 is not None:
+            await self.v1.close()
+
+
+def runners_for(
+    slots: list[EnvSlot],
+    client: ClientConfig,
+    base_model: str,
+    model: str | Callable[[], str],
+    train: bool = True,
+    renderer: dict | None = None,
+) -> Runners:
+    """The RunGroup for these slots: verifiers v1's client for v1 slots, the classic token client (train) or
+    plain chat client (`eval`/`synthesize`) for classic ones; each made only when a slot needs it."""
+    classic = [s for s in slots if not is_v1_env(s.env)]
+    v1 = v1_run_group(client, base_model, model, train, renderer) if len(classic) < len(slots) else None
+    classic_client = make_vf_client(client, TOKEN_CLIENT if train else PLAIN_CLIENT) if classic else None
+    return Runners(verifiers_run_group(model, classic_client, v1), classic_client, v1)

@@ -25,11 +25,9 @@ from asyncrl.orchestrator.envs import (
     EnvMixture,
     RunGroup,
     in_flight_target,
-    make_vf_client,
     problems_per_step,
+    runners_for,
     sampling_args,
-    v1_runner_for,
-    verifiers_run_group,
 )
 from asyncrl.orchestrator.evaluation import evaluate_policy
 from asyncrl.orchestrator.gating import Policy, PolicyGate, checkpoint_policy
@@ -383,16 +381,15 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
     if config.eval is not None and not config.bench:
         eval_mixture = EnvMixture.load(config.eval.env or config.env, config.seq_len, config.seed, eval_split=True)
     server = InferenceClient(config.client)
-    vf_client = None
+    runners = None
     try:
         await server.wait_healthy(timeout=config.client.health_timeout)
         await server.check_key()
         if run_group is None:
-            vf_client = make_vf_client(config.client)
             name = config.model.name if config.bench else (lambda: orchestrator.served_model)
             slots = mixture.slots + (eval_mixture.slots if eval_mixture else [])
-            v1 = v1_runner_for(slots, config.client, config.model.name, name)
-            run_group = verifiers_run_group(vf_client, name, v1)
+            runners = runners_for(slots, config.client, config.model.name, name, renderer=config.renderer)
+            run_group = runners.run_group
         if config.bench:
             await run_bench(config, mixture, run_group)
         else:
@@ -400,8 +397,8 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
             await orchestrator.run()
     finally:
         await server.close()
-        if vf_client is not None:
-            await vf_client.close()
+        if runners is not None:
+            await runners.close()
 
 
 def run_orchestrator(config: OrchestratorConfig) -> None:

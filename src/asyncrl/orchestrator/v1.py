@@ -26,7 +26,8 @@ from loguru import logger
 from asyncrl.config.orchestrator import ClientConfig
 from asyncrl.core.errors import UserError
 
-AGENT_DEFAULTS = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
+HARNESS_ID = "asyncrl-chat"  # verifiers' chat loop in this process (package asyncrl_chat; see v1_harness.py)
+AGENT_DEFAULTS = {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}}
 MAX_TASKS = 10_000  # of a taskset that never ends (one that generates tasks), the ones sampled from
 
 
@@ -56,14 +57,15 @@ def is_v1_module(module: str) -> bool:
     return any(isinstance(obj, type) and issubclass(obj, Taskset) for obj in exported)
 
 
-def load_v1_env(module: str, env_id: str, args: dict[str, Any]) -> Any:
+def load_v1_env(module: str, env_id: str, args: dict[str, Any], eval_split: bool = False) -> Any:
     """The v1 Env for taskset `module`: the taskset's own Env class when it exports one (several agents,
     each a role of its config), else the single-agent one. `args`: a role's name overrides that agent
     (each defaults to `AGENT_DEFAULTS`), another field of the env config sets it, the rest are the taskset
-    config's fields."""
+    config's fields. `eval_split`: a taskset with a `split` field gets split = "eval" unless args set it
+    (the held-out convention of the environments asyncrl ships)."""
     from pydantic import ValidationError
     from verifiers.v1.configs.agent import AgentConfig
-    from verifiers.v1.utils.loaders import env_config_type, load_environment
+    from verifiers.v1.utils.loaders import env_config_type, load_environment, taskset_config_type
 
     config_type = env_config_type(module)
     roles = [n for n, f in config_type.model_fields.items() if isinstance(f.default, AgentConfig)]
@@ -75,15 +77,22 @@ def load_v1_env(module: str, env_id: str, args: dict[str, Any]) -> Any:
             raw["taskset"][key] = value
     for role in roles:
         raw[role] = {**AGENT_DEFAULTS, **(raw.get(role) or {})}
+    if eval_split and "split" not in raw["taskset"] and "split" in taskset_config_type(module).model_fields:
+        raw["taskset"]["split"] = "eval"
     try:
         config = config_type.model_validate(raw)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise UserError(
-            f"environment '{env_id}' (verifiers v1) does not take args {args}: {where}: {first['msg']}"
-        ) from None
-    return load_environment(config)
+        raise UserError(f"environment '{env_id}' (verifiers v1) rejects args {args}: {first_error(e)}") from None
+    try:
+        return load_environment(config)
+    except (OSError, ValueError, TypeError) as e:  # e.g. taskset system_prompt, a file path, given as text
+        raise UserError(f"environment '{env_id}' (verifiers v1) failed to load with args {args}: {e}") from None
+
+
+def first_error(e: Any) -> str:
+    """A pydantic ValidationError's first error as `where: what`."""
+    first = e.errors()[0]
+    return f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
 
 
 def v1_tasks(env: Any, env_id: str) -> list[Any]:
@@ -105,26 +114,76 @@ def sampling_config(args: dict) -> Any:
     return SamplingConfig(**flat, **(args.get("extra_body") or {}))
 
 
-def v1_run_group(client: ClientConfig, base_model: str, model: str | Callable[[], str], train: bool = True) -> Callable:
+def v1_run_group(
+    client: ClientConfig,
+    base_model: str,
+    model: str | Callable[[], str],
+    train: bool = True,
+    renderer: dict | None = None,
+) -> V1Runner:
     """A RunGroup for v1 slots: the group's episodes run concurrently; each becomes one rollout output.
 
     `train`: verifiers' training client (token ids and logprobs, our server or vLLM); else its eval client
-    (chat completions, any OpenAI-compatible server: `eval` and `synthesize`)."""
+    (chat completions, any OpenAI-compatible server: `eval` and `synthesize`). `renderer`: the `renderers`
+    config the training client renders prompts and parses replies with (None: chosen from the model name)."""
     import verifiers.v1 as vf
+    from pydantic import ValidationError
 
     endpoint = {"base_url": client.url, "api_key_var": client.api_key_var}
     if train:
-        chosen = vf.TrainClientConfig(**endpoint, renderer_model_name=base_model)
+        try:
+            chosen = vf.TrainClientConfig(**endpoint, renderer_model_name=base_model, renderer=renderer)
+        except ValidationError as e:
+            raise UserError(f"orchestrator.renderer {renderer} is not a renderers config: {first_error(e)}") from None
     else:
         chosen = vf.EvalClientConfig(**endpoint)
+    return V1Runner(chosen, model)
 
-    async def run(slot, tasks: list[Any], args: dict) -> list[dict]:
-        name = model() if callable(model) else model
-        ctx = vf.ModelContext(model=name, client=chosen, sampling=sampling_config(args))
+
+class V1Runner:
+    """Runs groups of v1 episodes; holds each environment's serving resources (its taskset's shared tool
+    servers, one interception server) from its first group until `close()`, as verifiers' own eval does:
+    started once, not per episode."""
+
+    def __init__(self, client: Any, model: str | Callable[[], str]):
+        self.client, self.model = client, model
+        self.served: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}
+        self.lock = asyncio.Lock()
+
+    async def __call__(self, slot, tasks: list[Any], args: dict) -> list[dict]:
+        import verifiers.v1 as vf
+
+        await self.serve(slot.env)
+        name = self.model() if callable(self.model) else self.model
+        ctx = vf.ModelContext(model=name, client=self.client, sampling=sampling_config(args))
         episodes = await asyncio.gather(*(slot.env.run_episode(task, ctx) for task in tasks), return_exceptions=True)
         return [out for task, episode in zip(tasks, episodes) for out in episode_outputs(task, episode)]
 
-    return run
+    async def serve(self, env: Any) -> None:
+        """Enter `env.serving()` once, in a task of its own that holds it open until `close()`."""
+        async with self.lock:
+            if id(env) in self.served:
+                return
+            ready, done = asyncio.Event(), asyncio.Event()
+
+            async def hold() -> None:
+                async with env.serving():
+                    ready.set()
+                    await done.wait()
+
+            holder = asyncio.create_task(hold())
+            waiter = asyncio.create_task(ready.wait())
+            await asyncio.wait([holder, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if holder.done():  # serving failed to start: its error is every episode's, named once
+                raise UserError(f"environment could not start its tool servers: {error_line(holder.exception())}")
+            self.served[id(env)] = (holder, done)
+
+    async def close(self) -> None:
+        for holder, done in self.served.values():
+            done.set()
+            await asyncio.gather(holder, return_exceptions=True)
+        self.served.clear()
 
 
 def episode_outputs(task: Any, episode: Any) -> list[dict]:
@@ -132,9 +191,9 @@ def episode_outputs(task: Any, episode: Any) -> list[dict]:
     multi-agent episode has several), its `trajectory` a turn per branch."""
     example_id = task_id(task)
     if isinstance(episode, BaseException):
-        return [{"example_id": example_id, "error": f"{type(episode).__name__}: {episode}"}]
+        return [{"example_id": example_id, "error": error_line(episode)}]
     if not episode.traces:
-        errors = "; ".join(str(e) for e in episode.errors) or "the episode produced no trace"
+        errors = "; ".join(error_line(e) for e in episode.errors) or "the episode produced no trace"
         return [{"example_id": example_id, "error": errors}]
     # a seat that never got to act (a hand decided before its turn) has nothing to train on: left out
     played = [t for t in episode.traces if t.branches or t.has_error]
@@ -145,16 +204,43 @@ def episode_outputs(task: Any, episode: Any) -> list[dict]:
 
 def trace_output(example_id: int, task: Any, trace: Any, episode_errors: list) -> dict:
     if trace.has_error or episode_errors:
-        return {"example_id": example_id, "error": str(trace.last_error or episode_errors[0])}
+        return {"example_id": example_id, "error": error_line(trace.last_error or episode_errors[0])}
+    rewards = {name: r.score for name, r in (trace.rewards or {}).items() if r is not None}
     return {
         "example_id": example_id,
         "reward": trace.reward,
-        "metrics": dict(trace.metrics or {}),
+        # every named reward, metric and the turn count, as a classic environment reports them
+        "metrics": {
+            **rewards,
+            **{k: v for k, v in (trace.metrics or {}).items() if v is not None},
+            "num_turns": float(trace.num_turns),
+        },
         "is_truncated": bool(trace.is_truncated),
-        "prompt": getattr(task.data, "prompt", None),
-        "completion": list(trace.assistant_messages),
+        **conversation(task, trace),
         "trajectory": [branch_turn(b) for b in trace.branches],
     }
+
+
+def conversation(task: Any, trace: Any) -> dict:
+    """The trace's final branch as a classic output's `prompt` (the task's system prompt and prompt),
+    `completion` (the rest: replies, tool results, the env's turns) and `tool_defs` (OpenAI form)."""
+    branch = trace.branches[-1] if trace.branches else None
+    messages = [node.message for node in (branch.nodes if branch is not None else [])]
+    prompt = getattr(task.data, "prompt", None)
+    first = (1 if isinstance(prompt, str) else len(prompt or [])) + (1 if task.data.system_prompt else 0)
+    tools = [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        for t in (branch.tools if branch is not None else [])
+    ]
+    return {"prompt": messages[:first], "completion": messages[first:], "tool_defs": tools or None}
+
+
+def error_line(error: Any) -> str:
+    """A trace's error as `Type: message`, its message cut to its last line (a failed program's error
+    carries the program's whole traceback; the cause is at its end)."""
+    kind = getattr(error, "type", None) or type(error).__name__
+    message = str(getattr(error, "message", None) or error).strip()
+    return f"{kind}: {message.splitlines()[-1] if message else ''}"
 
 
 def branch_turn(branch: Any) -> dict:

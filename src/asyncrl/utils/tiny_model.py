@@ -1,7 +1,8 @@
 """Build a tiny random-init Qwen3-architecture model and a byte-level ChatML tokenizer, offline.
 
 No hub is reachable on CPU dev boxes and CI, so tests and CPU examples use these. The tokenizer maps
-every byte to one token (ids 0-255) and adds the ChatML special tokens, so any text round-trips.
+every byte to one token (ids 0-255) and adds the ChatML special tokens and Qwen's two tool-call delimiters,
+so any text round-trips.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import json
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+# Qwen's tool-call delimiters: single (non-special) tokens, as in Qwen's own vocabulary, so a tool parser that
+# looks for them by id (the `renderers` package's) finds them; they still decode to their text.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
 
 # ChatML with Qwen-style tool support. Unlike Qwen3's template it never rewrites earlier turns
 # (no stripping of <think>), so every conversation prefix tokenizes to a prefix of the whole.
@@ -51,7 +55,7 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer(out_dir: Path):
     """A byte-level fast tokenizer: token id == byte value, specials after 255."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_to_unicode = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
@@ -61,6 +65,7 @@ def build_tokenizer(out_dir: Path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

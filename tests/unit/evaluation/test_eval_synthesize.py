@@ -16,6 +16,7 @@ from asyncrl.core.errors import UserError
 from asyncrl.evaluation import synthesize as synth
 from asyncrl.evaluation.evaluate import find_targets, format_table
 from asyncrl.evaluation.runner import RolloutRecord, check_server, request_args, summarize
+from asyncrl.orchestrator.envs import Runners, example_id
 
 
 def _weights(tmp_path, steps, stable=True):
@@ -100,7 +101,7 @@ class FakeRollouts:
         self.fail, self.empty = set(fail_examples), set(empty_examples)
 
     async def __call__(self, slot, inputs, args):
-        ex = inputs[0]["example_id"]
+        ex = example_id(inputs[0])
         self.calls.append((slot.name, ex, len(inputs)))
         if ex in self.fail:
             raise ConnectionError("server went away")
@@ -110,10 +111,10 @@ class FakeRollouts:
             out.append(
                 {
                     "example_id": ex,
-                    "prompt": row["prompt"],
+                    "prompt": [{"role": "user", "content": row.data.prompt}],
                     "reward": 0.25 * (i + 1),
                     "metrics": {},
-                    "completion": [{"role": "assistant", "content": row["answer"]}],
+                    "completion": [{"role": "assistant", "content": row.data.answer}],
                     "error": error,
                 }
             )
@@ -128,7 +129,7 @@ def fake_synth(monkeypatch):
         return None
 
     monkeypatch.setattr(synth, "check_server", no_server)
-    monkeypatch.setattr(synth, "make_run_group", lambda client, model, slots: fake)
+    monkeypatch.setattr(synth, "make_runners", lambda client, model, slots: Runners(fake))
     return fake
 
 
@@ -204,8 +205,6 @@ def test_repair_drops_rows_beyond_progress_and_torn_lines(tmp_path):
 
 
 def test_sft_row_converts_tools_and_tool_calls():
-    from verifiers.types import Tool
-
     record = RolloutRecord(
         env="tool-calc",
         example_id=3,
@@ -221,7 +220,7 @@ def test_sft_row_converts_tools_and_tool_calls():
             {"role": "tool", "content": "2", "tool_call_id": "c"},
             {"role": "assistant", "content": "2"},
         ],
-        tools=[Tool(name="calculate", description="d", parameters={"type": "object"})],
+        tools=[{"name": "calculate", "description": "d", "parameters": {"type": "object"}}],  # the flat form
     )
     row = synth.sft_row(record)
     assert row["tools"] == [

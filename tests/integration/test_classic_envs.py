@@ -1,0 +1,123 @@
+"""Classic verifiers environments (`load_environment`, verifiers < 0.4) keep working where that verifiers is installed.
+
+The project's `.venv` has verifiers 0.4 (v1 only); `scripts/setup.sh --classic` makes `.venv-classic` with
+verifiers 0.3 (scripts/test.sh does, before the suite). These tests run asyncrl *in that interpreter*, as a user
+with classic environments would, against `classic_envs/reverse_classic` (the classic reverse-text asyncrl shipped
+before its v1 port): the classic path loads it, rolls it out through verifiers' token client with the engine's
+tokens and logprobs, and `rl` trains it. Shared servers and the warm model come from this (main) session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from asyncrl.utils.process import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+CLASSIC_PY = REPO / ".venv-classic" / "bin" / "python"
+CLASSIC_ENVS = Path(__file__).resolve().parent / "classic_envs"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not CLASSIC_PY.exists(), reason="no .venv-classic: run `bash scripts/setup.sh --classic`"),
+]
+
+
+def classic(args: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """Run `python args...` in the classic environment, the test's classic environments importable."""
+    env = {**os.environ, "PYTHONPATH": str(CLASSIC_ENVS)}
+    return subprocess.run([str(CLASSIC_PY), *args], capture_output=True, text=True, timeout=timeout, env=env, **kwargs)
+
+
+ROLLOUTS = """
+import asyncio, json, sys
+import verifiers
+from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
+from asyncrl.orchestrator.envs import EnvMixture, group_inputs, runners_for, sampling_args
+from asyncrl.orchestrator.samples import TrajectoryConverter
+
+url, model = sys.argv[1:]
+mixture = EnvMixture.load([EnvConfig(id="reverse-classic", args={"num_train_examples": 4})], seq_len=None)
+slot = mixture.slots[0]
+runners = runners_for(mixture.slots, ClientConfig(base_url=url), model, model)
+
+async def main():
+    try:
+        return await runners.run_group(slot, group_inputs(slot.rows[0], 3), sampling_args(SamplingConfig(max_tokens=8)))
+    finally:
+        await runners.close()
+
+outputs = asyncio.run(main())
+rollouts = [TrajectoryConverter().convert(o, slot.name) for o in outputs]
+print(json.dumps({
+    "verifiers": verifiers.__version__,
+    "env": type(slot.env).__name__,
+    "pool": type(runners.classic_client.client._client).__name__,
+    "rows": [sorted(r) for r in slot.rows[:1]],
+    "rollouts": [
+        {"ok": r.ok, "error": r.error, "reward": r.reward, "samples": [
+            {"ids": len(s.input_ids), "trained": sum(s.loss_mask), "logprobs": sum(1 for x in s.logprobs if x)}
+            for s in r.samples
+        ]}
+        for r in rollouts
+    ],
+}))
+"""
+
+
+def test_a_classic_environment_rolls_out_through_the_classic_token_client(shared_inference_process):
+    done = classic(["-c", ROLLOUTS, shared_inference_process.url, str(shared_inference_process.model)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["verifiers"].startswith("0.3") and got["env"] == "SingleTurnEnv"
+    assert "aiohttp" in got["pool"].lower()  # our pool, not verifiers' httpx default
+    assert "answer" in got["rows"][0] and "example_id" in got["rows"][0]  # classic rows are dataset dicts
+    assert len(got["rollouts"]) == 3
+    for rollout in got["rollouts"]:
+        assert rollout["ok"], rollout["error"]
+        (sample,) = rollout["samples"]
+        assert 1 <= sample["trained"] <= 8 and sample["ids"] > sample["trained"]
+        assert sample["logprobs"] >= sample["trained"] - 1  # the engine's logprobs on the sampled tokens
+
+
+def test_a_v1_only_verifiers_names_a_classic_environment_and_the_way_out():
+    """Under the main .venv (verifiers 0.4) the same package is refused in one line, saying what to do."""
+    import sys
+
+    from asyncrl.config.orchestrator import EnvConfig
+    from asyncrl.core.errors import UserError
+    from asyncrl.orchestrator.envs import load_env
+
+    sys.path.insert(0, str(CLASSIC_ENVS))
+    try:
+        with pytest.raises(UserError, match="not a verifiers v1 environment.*verifiers<0.4"):
+            load_env(EnvConfig(id="reverse-classic"))
+    finally:
+        sys.path.remove(str(CLASSIC_ENVS))
+
+
+def test_rl_trains_a_classic_environment(warm_model, tmp_path):
+    """The demo's run (warm model, 40 steps) on the classic environment, every process in .venv-classic."""
+    out = tmp_path / "run"
+    config = tmp_path / "rl.toml"
+    config.write_text('[[orchestrator.env]]\nid = "reverse-classic"\n')
+    port = free_port()
+    args = ["-m", "asyncrl.entrypoints.rl", "@", str(config), "--model.name", str(warm_model)]
+    args += ["--output-dir", str(out), "--max-steps", "40", "--seq-len", "128", "--max-async-level", "1"]
+    args += ["--inference.server.port", str(port), "--inference.server.host", "127.0.0.1"]
+    args += ["--trainer.optim.lr", "3e-4", "--trainer.optim.weight-decay", "0", "--orchestrator.batch-size", "128"]
+    args += ["--orchestrator.rollouts-per-example", "8", "--orchestrator.sampling.max-tokens", "16"]
+    args += ["--orchestrator.seed", "1"]
+    done = classic(args, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics" / "orchestrator.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if r.get("kind", "train") == "train"]
+    assert [r["step"] for r in rows] == list(range(40))
+    early = sum(r["reward/mean"] for r in rows[:5]) / 5
+    late = sum(r["reward/mean"] for r in rows[-5:]) / 5
+    assert late > early + 0.02, [round(r["reward/mean"], 3) for r in rows]
