@@ -120,6 +120,8 @@ class ReverseTextConfig(vf.TasksetConfig):
     alphabet: str = Field(DEFAULT_ALPHABET, min_length=1)
     user_template: str = USER_TEMPLATE
     """The user message; `{text}` is the string ("{text}" alone sends the bare string)."""
+    instructions: str | None = None
+    """A system prompt's text (verifiers' own `system_prompt` arg names a file holding one)."""
     reward: Literal["similarity", "exact"] = "similarity"
     """"similarity" (lcs_reward) or "exact" (exact_match) is the reward; both are logged."""
 
@@ -137,7 +139,8 @@ class ReverseTextTaskset(vf.Taskset[ReverseTask, ReverseTextConfig]):
         texts = random_strings(n, c.seed, c.split, c.min_len, c.max_len, c.alphabet)
         for i, text in enumerate(texts):
             prompt = c.user_template.format(text=text)
-            yield ReverseTask(ReverseData(idx=i, prompt=prompt, answer=text[::-1]), task_config)
+            data = ReverseData(idx=i, prompt=prompt, system_prompt=c.instructions, answer=text[::-1])
+            yield ReverseTask(data, task_config)
 
 
 __all__ = ["ReverseTextTaskset", "ReverseTextConfig", "ReverseTask"]

@@ -109,6 +109,8 @@ class SortLettersConfig(vf.TasksetConfig):
     seed: int = 0
     reward: Literal["similarity", "exact"] = "similarity"
     """"similarity" or "exact" (exact_match) is the reward; both are logged."""
+    instructions: str | None = None
+    """A system prompt's text (verifiers' own `system_prompt` arg names a file holding one)."""
 
     @model_validator(mode="after")
     def _valid(self) -> SortLettersConfig:
@@ -123,7 +125,8 @@ class SortLettersTaskset(vf.Taskset[SortTask, SortLettersConfig]):
         task_config = SortTaskConfig(**{**c.task.model_dump(), "reward": c.reward})
         for i, text in enumerate(random_strings(n, c.seed, c.split, c.min_len, c.max_len)):
             prompt = USER_TEMPLATE.format(text=text)
-            yield SortTask(SortData(idx=i, prompt=prompt, answer=sorted_letters(text)), task_config)
+            data = SortData(idx=i, prompt=prompt, system_prompt=c.instructions, answer=sorted_letters(text))
+            yield SortTask(data, task_config)
 
 
 __all__ = ["SortLettersTaskset", "SortLettersConfig", "SortTask"]

@@ -85,6 +85,48 @@ def test_a_classic_environment_rolls_out_through_the_classic_token_client(shared
         assert sample["logprobs"] >= sample["trained"] - 1  # the engine's logprobs on the sampled tokens
 
 
+MERGE = """
+import asyncio, json, sys
+from asyncrl.config.orchestrator import ClientConfig, EnvConfig
+from asyncrl.orchestrator.envs import EnvMixture, group_inputs, make_vf_client, verifiers_run_group
+
+url, model = sys.argv[1:]
+mixture = EnvMixture.load([EnvConfig(id="reverse-classic", args={"num_train_examples": 4})], seq_len=None)
+
+async def go(merge):
+    client = make_vf_client(ClientConfig(base_url=url, merge_requests=merge))
+    try:
+        slot, row = mixture.draw()
+        sampling = {"temperature": 1.0, "max_tokens": 16}
+        outputs = await verifiers_run_group(model, client)(slot, group_inputs(row, 16), sampling)
+        return outputs, client.client._client._transport
+    finally:
+        await client.close()
+
+outputs, transport = asyncio.run(go(True))
+steps = [o["trajectory"][0]["tokens"] for o in outputs if o["trajectory"]]
+_, plain = asyncio.run(go(False))
+print(json.dumps({
+    "sent": transport.sent, "merged": transport.merged, "outputs": len(outputs),
+    "prompts": len({tuple(s["prompt_ids"]) for s in steps}),
+    "logprobs_match": all(len(s["completion_logprobs"]) == len(s["completion_ids"]) > 0 for s in steps),
+    "steps": len(steps), "plain_merges": hasattr(plain, "merged"),
+}))
+"""
+
+
+def test_a_classic_group_goes_out_as_one_request_and_each_rollout_keeps_its_own_answer(shared_inference_process):
+    """verifiers' classic client sends a group's rollouts as separate identical requests; ours merges them
+    into one n = 16 request, and every rollout gets an answer of its own with token ids and logprobs."""
+    done = classic(["-c", MERGE, shared_inference_process.url, str(shared_inference_process.model)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert (got["sent"], got["merged"], got["outputs"]) == (1, 16, 16)
+    # this tiny model often answers with <|im_end|> at once, which verifiers rejects (no trajectory)
+    assert got["steps"] and got["prompts"] == 1 and got["logprobs_match"]
+    assert not got["plain_merges"]  # merge_requests = false: the client's own transport, untouched
+
+
 def test_a_v1_only_verifiers_names_a_classic_environment_and_the_way_out():
     """Under the main .venv (verifiers 0.4) the same package is refused in one line, saying what to do."""
     import sys

@@ -141,11 +141,25 @@ def chat(http, server, **body) -> dict:
     return r.json()
 
 
-def greedy(http, server, **body) -> tuple[list[int], list[float]]:
+class Greedy(tuple):
+    """Greedy token ids and their logprobs; equal when the ids are and the logprobs agree to 1e-4 (the engine
+    batches a request with whatever else is in flight, which moves a float's last bits)."""
+
+    def __eq__(self, other) -> bool:
+        (ids, lps), (other_ids, other_lps) = self, other
+        return ids == other_ids and all(abs(a - b) < 1e-4 for a, b in zip(lps, other_lps))
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    __hash__ = tuple.__hash__
+
+
+def greedy(http, server, **body) -> Greedy:
     """Greedy token ids and their logprobs (random-init models often repeat one token, so ids alone
     rarely tell two weight sets apart)."""
     choice = chat(http, server, temperature=0, logprobs=True, return_token_ids=True, **body)["choices"][0]
-    return choice["token_ids"], [round(c["logprob"], 5) for c in choice["logprobs"]["content"]]
+    return Greedy((choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]))
 
 
 def sse_events(response: httpx.Response) -> list:
@@ -641,79 +655,87 @@ def test_error_bodies_are_the_same_on_every_backend(server, tmp_path):
 # ---- verifiers' token client end to end -----------------------------------------------------------
 
 
-def _run_env(env, server, n: int, sampling_args: dict, monkeypatch) -> list[dict]:
-    import verifiers as vf
+def sampled_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """The [start, end) runs of 1s in a completion mask: one per model turn."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def _run_v1(env_id: str, args: dict, server, n: int, sampling: dict, monkeypatch) -> list[dict]:
+    """n episodes of the environment's first n tasks through verifiers v1's training client."""
+    from asyncrl.config.orchestrator import ClientConfig, EnvConfig
+    from asyncrl.orchestrator.envs import EnvMixture, runners_for
 
     monkeypatch.setenv("CONTRACT_API_KEY", API_KEY)
-    client = vf.ClientConfig(client_type="openai_chat_completions_token", api_base_url=server.base_url + "/v1",
-                             api_key_var="CONTRACT_API_KEY", max_retries=0)  # fmt: skip
-    out = asyncio.run(env.generate(env.get_dataset(n=n), client=client, model=server.model,
-                                   sampling_args=sampling_args, state_columns=["trajectory"]))  # fmt: skip
-    return out["outputs"]
+    # renderers keeps a module-level asyncio.Lock, bound to the first event loop that waits on it; a process
+    # runs one loop (the orchestrator, eval), this test module one per test
+    import renderers.client
 
+    monkeypatch.setattr(renderers.client, "_max_prompt_len_lock", asyncio.Lock())
+    mixture = EnvMixture.load([EnvConfig(id=env_id, args=args)], seq_len=None)
+    slot = mixture.slots[0]
+    client = ClientConfig(base_url=server.base_url + "/v1", api_key_var="CONTRACT_API_KEY")
+    runners = runners_for(mixture.slots, client, server.model, server.model)
 
-def _dataset(words: list[str]):
-    from datasets import Dataset
+    async def go():
+        try:
+            return await runners.run_group(slot, slot.rows[:n], {"temperature": 1.0, **sampling})
+        finally:
+            await runners.close()
 
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"say {w}"}], "answer": w} for w in words])
+    return asyncio.run(go())
 
 
 def test_verifiers_single_turn(server, http, model_dir, monkeypatch):
-    import verifiers as vf
-
-    # min_tokens = max_tokens: a random model that ends at once returns no content, which verifiers
-    # counts as a failed rollout (seen in CI); the reference logprobs carry the same ban.
-    env = vf.SingleTurnEnv(dataset=_dataset(["ab", "cd", "ef"]), rubric=vf.Rubric(funcs=[lambda **kw: 0.0]))
-    sampling = {"max_tokens": 8, "temperature": 1.0, "extra_body": {"min_tokens": 8}}
-    outputs = _run_env(env, server, 3, sampling, monkeypatch)
+    """verifiers v1's training client against the server: each episode's prompt ids are the server's own
+    chat template (/tokenize), and its completion logprobs are the model's (HF forward, same ban)."""
+    # min_tokens = max_tokens: a random model that ends at once would give an empty reply
+    outputs = _run_v1(
+        "reverse-text", {"num_train_examples": 3}, server, 3, {"max_tokens": 8, "min_tokens": 8}, monkeypatch
+    )
     assert len(outputs) == 3
     for o in outputs:
-        assert o["error"] is None
+        assert "error" not in o, o.get("error")
         [step] = o["trajectory"]
         tok = step["tokens"]
-        messages = [{"role": "user", "content": o["prompt"][-1]["content"]}]
+        messages = [{"role": "user", "content": o["prompt"][-1].content}]
         expected = http.post("/tokenize", json={"model": server.model, "messages": messages}).json()["tokens"]
-        assert tok["prompt_ids"] == expected and tok["prompt_mask"] == [0] * len(expected)
+        assert tok["prompt_ids"] == expected
         assert tok["completion_mask"] == [1] * len(tok["completion_ids"]) and len(tok["completion_ids"]) == 8
         ref = hf_logprobs(model_dir, tok["prompt_ids"], tok["completion_ids"], 1.0, None, (8, EOS_IDS))
         assert max(abs(a - b) for a, b in zip(tok["completion_logprobs"], ref)) < LOGPROB_TOL[server.backend]
 
 
-def test_verifiers_multi_turn_stitches_tokens(server, http, model_dir, monkeypatch):
-    """Turn 2 goes through /tokenize + /v1/chat/completions/tokens: its prompt extends turn 1's ids.
+def test_verifiers_multi_turn_stitches_tokens(server, model_dir, monkeypatch):
+    """echo-twice's second turn extends the first's token ids (token in, token out: no re-tokenization of the
+    model's reply), the env's tokens between the turns masked out of the loss; logprobs are the model's.
 
-    A logit bias on <|im_end|> makes the random model end its turns (a truncated turn 1 would make
-    verifiers fall back to re-tokenizing messages); the logprobs checked include that bias.
-    """
-    import verifiers as vf
-
-    class TwoTurns(vf.MultiTurnEnv):
-        def __init__(self, **kwargs):
-            super().__init__(max_turns=2, **kwargs)
-
-        async def env_response(self, messages, state, **kwargs):
-            return [vf.UserMessage(content="again")]
-
+    A logit bias on <|im_end|> makes the random model end its turns (an unended turn cannot be extended)."""
     eos = 258  # <|im_end|> in the tiny tokenizer
-    env = TwoTurns(dataset=_dataset(["ab", "cd", "ef"]), rubric=vf.Rubric(funcs=[lambda **kw: 0.0]))
-    sampling = {"max_tokens": 16, "temperature": 1.0, "logit_bias": {str(eos): 7.0},
-                "extra_body": {"min_tokens": 2}}  # fmt: skip
-    outputs = _run_env(env, server, 3, sampling, monkeypatch)
+    sampling = {"max_tokens": 16, "min_tokens": 2, "logit_bias": {str(eos): 7.0}}
+    outputs = _run_v1("echo-twice", {"num_train_examples": 3}, server, 3, sampling, monkeypatch)
     stitched_any = False
     for o in outputs:
-        assert o["error"] is None
-        first, second = (s["tokens"] for s in o["trajectory"])
-        for t in (first, second):
-            ref = hf_logprobs(model_dir, t["prompt_ids"], t["completion_ids"], 1.0, {eos: 7.0}, (2, EOS_IDS))
-            assert max(abs(a - b) for a, b in zip(t["completion_logprobs"], ref)) < LOGPROB_TOL[server.backend]
-            assert t["prompt_mask"] == [0] * len(t["prompt_ids"]) and t["completion_mask"] == [1] * len(
-                t["completion_ids"]
-            )
-        if first["completion_ids"][-1] != eos:
-            continue  # truncated turn 1: verifiers re-tokenizes by design
-        stitched_any = True
-        stitched = first["prompt_ids"] + first["completion_ids"]
-        assert second["prompt_ids"][: len(stitched)] == stitched  # token-in, token-out: no re-tokenization
-        bridge = second["prompt_ids"][len(stitched) :]
-        assert bridge and bridge[-1] == 10  # "...<|im_start|>assistant\n"
+        assert "error" not in o, o.get("error")
+        for step in o["trajectory"]:
+            t = step["tokens"]
+            mask = t["completion_mask"]
+            sampled = [i for i, m in zip(t["completion_ids"], mask) if m]
+            lps = [lp for lp, m in zip(t["completion_logprobs"], mask) if m]
+            ids = t["prompt_ids"] + t["completion_ids"]
+            for start, end in sampled_runs(mask):  # each model turn, given everything before it
+                at = len(t["prompt_ids"]) + start
+                ref = hf_logprobs(model_dir, ids[:at], ids[at : at + end - start], 1.0, {eos: 7.0}, (2, EOS_IDS))
+                served = t["completion_logprobs"][start:end]
+                assert max(abs(a - b) for a, b in zip(served, ref)) < LOGPROB_TOL[server.backend]
+            assert sampled and len(lps) == len(sampled)
+            if 0 in mask and mask[-1]:  # the second turn in the same sequence as the first
+                stitched_any = True
+                assert t["completion_ids"][mask.index(0) - 1] == eos  # turn 1 ended, then the env's tokens
     assert stitched_any

@@ -51,7 +51,7 @@ WARMUP = {
 }
 
 ENV_ARGS: dict[str, Any] = {
-    "system_prompt": SYSTEM_PROMPT,
+    "instructions": SYSTEM_PROMPT,
     "user_template": USER_TEMPLATE,
     "reward": "exact",
     "min_len": MIN_LEN,

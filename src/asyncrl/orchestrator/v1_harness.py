@@ -92,6 +92,9 @@ async def chat(
 
 
 _HTTP: dict[int, httpx.AsyncClient] = {}
+# every connection kept alive: with httpx's default of 20 idle ones, a step's hundreds of episodes would open
+# (and close) a TCP connection per model call
+KEEP_ALL = httpx.Limits(max_connections=None, max_keepalive_connections=None)
 
 
 def shared_http() -> httpx.AsyncClient:

@@ -112,8 +112,9 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out)
+    tool_rows = len(TOOL_TOKENS)  # appended after the init below, so they leave every other weight as it was
     config = Qwen3Config(
-        vocab_size=max(vocab_size or 0, len(tokenizer)),
+        vocab_size=max(vocab_size or 0, len(tokenizer) - tool_rows),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or hidden_size * 3,
         num_hidden_layers=num_layers,
@@ -129,11 +130,26 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    if len(tokenizer) > config.vocab_size:
+        _append_token_rows(model, len(tokenizer), seed)
     model.generation_config.eos_token_id = [config.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     (out / "asyncrl_tiny.json").write_text(json.dumps({"seed": seed, "hidden_size": hidden_size, "layers": num_layers}))
     return out
+
+
+def _append_token_rows(model, vocab: int, seed: int) -> None:
+    """Grow the (tied) embedding to `vocab` rows, the new ones from a generator of their own: the model's
+    other weights stay exactly those of the same seed without them (the tests' warm-up depends on them)."""
+    import torch
+
+    old = model.get_input_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(seed + 1)
+    rows = torch.randn(vocab - old, model.config.hidden_size, generator=gen) * model.config.initializer_range
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[old:] = rows
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -214,6 +214,15 @@ def test_reverse_text_system_prompt_file_matches_sft_format(rollouts, tmp_path):
     assert [m["role"] for m in row["prompt"]] == [m["role"] for m in request["messages"]] == ["system", "user"]
 
 
+def test_reverse_text_instructions_are_the_system_prompt_text(rollouts):
+    """`instructions` (text) is what `rl --bench` and the SFT data use; the request matches the SFT rows."""
+    env = _env("reverse-text", num_train_examples=1, seed=7, instructions="S", user_template="{text}")
+    (task,) = v1_tasks(env, "reverse-text")
+    _, server = rollouts(env, [task], [{"content": task.data.answer}])
+    (request,) = server.requests
+    assert request["messages"] == reverse_text.make_prompt(task.data.answer[::-1], "S", "{text}")
+
+
 def test_reverse_text_sft_matches_env_prompt_format():
     tasks = _tasks("reverse-text", num_train_examples=20, seed=7)
     rows = reverse_text.sft_examples(20, seed=7, system_prompt="S")
