@@ -73,7 +73,7 @@ TASKS = {
         "reverse-text",
         "vf_reverse_data",
         10000,
-        200,
+        800,  # ~3 samples per 512-token row (its system prompt): 4x the steps of reverse for the same data
         {"dataset_name": "{warm}/dataset"},
         max_tokens=48,
         eval_args={"dataset_name": "{warm}/dataset", "dataset_split": "test"},
