@@ -19,11 +19,12 @@ from pathlib import Path
 
 SYSTEM = "Reverse the text character-by-character. Put your answer in <reversed_text> tags."  # the env's
 SPLITS = {"train": 2000, "test": 200}
+MIN_LEN, MAX_LEN = 3, 5  # short: the tiny model learns to reverse them inside the tags within its SFT warm-up
 
 
 def strings(n: int, stream: str) -> list[str]:
     rng = random.Random(f"vf-reverse:{stream}")
-    return ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(5, 8))) for _ in range(n)]
+    return ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(MIN_LEN, MAX_LEN))) for _ in range(n)]
 
 
 def write(path: Path, rows: list[dict]) -> None:

@@ -30,7 +30,7 @@ pytestmark = [
 
 def classic(args: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
     """Run `python args...` in the classic environment, the test's classic environments importable."""
-    env = {**os.environ, "PYTHONPATH": str(CLASSIC_ENVS)}
+    env = {**os.environ, "PYTHONPATH": str(CLASSIC_ENVS), "CLASSIC_TEST_KEY": "classic-secret"}
     return subprocess.run([str(CLASSIC_PY), *args], capture_output=True, text=True, timeout=timeout, env=env, **kwargs)
 
 
@@ -44,7 +44,7 @@ from asyncrl.orchestrator.samples import TrajectoryConverter
 url, model = sys.argv[1:]
 mixture = EnvMixture.load([EnvConfig(id="reverse-classic", args={"num_train_examples": 4})], seq_len=None)
 slot = mixture.slots[0]
-runners = runners_for(mixture.slots, ClientConfig(base_url=url), model, model)
+runners = runners_for(mixture.slots, ClientConfig(base_url=url, api_key_var="CLASSIC_TEST_KEY"), model, model)
 
 async def main():
     try:
@@ -58,6 +58,7 @@ print(json.dumps({
     "verifiers": verifiers.__version__,
     "env": type(slot.env).__name__,
     "pool": type(runners.classic_client.client._client).__name__,
+    "key": runners.classic_client.client.api_key,
     "rows": [sorted(r) for r in slot.rows[:1]],
     "rollouts": [
         {"ok": r.ok, "error": r.error, "reward": r.reward, "samples": [
@@ -76,6 +77,7 @@ def test_a_classic_environment_rolls_out_through_the_classic_token_client(shared
     got = json.loads(done.stdout.splitlines()[-1])
     assert got["verifiers"].startswith("0.3") and got["env"] == "SingleTurnEnv"
     assert "aiohttp" in got["pool"].lower()  # our pool, not verifiers' httpx default
+    assert got["key"] == "classic-secret"  # from the variable api_key_var names
     assert "answer" in got["rows"][0] and "example_id" in got["rows"][0]  # classic rows are dataset dicts
     assert len(got["rollouts"]) == 3
     for rollout in got["rollouts"]:

@@ -152,19 +152,6 @@ def test_share_prefix_reaches_the_packed_batch_and_its_metrics(tmp_path, share):
     assert sum(segments(expand(mb)["position_ids"]).num_samples for mb in rows) == 8
 
 
-def test_rollout_client_uses_an_aiohttp_pool_with_the_api_key(monkeypatch):
-    """verifiers' default httpx pool scans every connection per request; ours goes through aiohttp."""
-    from asyncrl.evaluation.runner import PLAIN_CLIENT
-    from asyncrl.orchestrator.envs import TOKEN_CLIENT, make_vf_client
-
-    monkeypatch.setenv("MY_KEY", "secret")
-    for kind in (TOKEN_CLIENT, PLAIN_CLIENT):
-        client = make_vf_client(ClientConfig(port=8123, api_key_var="MY_KEY"), kind)
-        assert "aiohttp" in type(client.client._client).__name__.lower()
-        assert client.client.api_key == "secret" and str(client.client.base_url) == "http://localhost:8123/v1/"
-        asyncio.run(client.close())
-
-
 def test_without_num_train_workers_batches_are_packed_for_the_trainers_world_size(tmp_path, caplog_loguru):
     from asyncrl.transport.batch import read_meta
 
