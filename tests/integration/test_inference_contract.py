@@ -716,11 +716,14 @@ def test_verifiers_multi_turn_stitches_tokens(server, model_dir, monkeypatch):
     """echo-twice's second turn extends the first's token ids (token in, token out: no re-tokenization of the
     model's reply), the env's tokens between the turns masked out of the loss; logprobs are the model's.
 
-    A logit bias on <|im_end|> makes the random model end its turns (an unended turn cannot be extended)."""
+    A logit bias on <|im_end|> makes the random model end its turns (an unended turn cannot be extended), and
+    one against non-ASCII bytes and the other special tokens keeps its replies text that reads back as the
+    same tokens (a reply that does not cannot be extended either)."""
     eos = 258  # <|im_end|> in the tiny tokenizer
-    sampling = {"max_tokens": 16, "min_tokens": 2, "logit_bias": {str(eos): 7.0}}
-    outputs = _run_v1("echo-twice", {"num_train_examples": 3}, server, 3, sampling, monkeypatch)
-    stitched_any = False
+    bias = {eos: 7.0, **{t: -100.0 for t in [*range(128, 256), 256, 257, 259, 260, 261]}}
+    sampling = {"max_tokens": 16, "min_tokens": 2, "logit_bias": {str(t): b for t, b in bias.items()}}
+    outputs = _run_v1("echo-twice", {"num_train_examples": 8}, server, 8, sampling, monkeypatch)
+    stitched = 0
     for o in outputs:
         assert "error" not in o, o.get("error")
         for step in o["trajectory"]:
@@ -731,11 +734,11 @@ def test_verifiers_multi_turn_stitches_tokens(server, model_dir, monkeypatch):
             ids = t["prompt_ids"] + t["completion_ids"]
             for start, end in sampled_runs(mask):  # each model turn, given everything before it
                 at = len(t["prompt_ids"]) + start
-                ref = hf_logprobs(model_dir, ids[:at], ids[at : at + end - start], 1.0, {eos: 7.0}, (2, EOS_IDS))
+                ref = hf_logprobs(model_dir, ids[:at], ids[at : at + end - start], 1.0, bias, (2, EOS_IDS))
                 served = t["completion_logprobs"][start:end]
                 assert max(abs(a - b) for a, b in zip(served, ref)) < LOGPROB_TOL[server.backend]
             assert sampled and len(lps) == len(sampled)
             if 0 in mask and mask[-1]:  # the second turn in the same sequence as the first
-                stitched_any = True
+                stitched += 1
                 assert t["completion_ids"][mask.index(0) - 1] == eos  # turn 1 ended, then the env's tokens
-    assert stitched_any
+    assert stitched >= len(outputs) // 2, f"{stitched} of {len(outputs)} episodes in one sequence"

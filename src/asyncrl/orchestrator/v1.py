@@ -3,9 +3,12 @@
 A v1 environment is an installed package whose `__all__` exports a `verifiers.v1.Taskset` subclass (the
 rule of verifiers' own loader). Its tasks are the slot's prompts. A group is `rollouts_per_example`
 episodes of one task, run in this process: the taskset's own Env (several agents) or the single-agent one,
-every agent on harness `null` and runtime `subprocess` unless the environment's args say otherwise (no
-sandbox, no tunnel). Episodes go through verifiers' training client, which renders the prompt with the
-`renderers` package and posts the token ids to `/inference/v1/generate`.
+every agent on harness `asyncrl-chat` (verifiers' chat loop as a coroutine here, `v1_harness.py`) and
+runtime `subprocess` unless the environment's args say otherwise (no sandbox, no tunnel). Each env's
+serving resources (shared tool servers, one interception server) are held from its first group to the
+run's end (`V1Runner`). Episodes go through verifiers' training client, which renders each turn with the
+`renderers` package and posts the token ids to `/inference/v1/generate` (`eval`/`synthesize`: its eval
+client, plain chat completions).
 
 Invariant: each trace (an agent's run) is one rollout, and each of its branches one turn for the samples
 converter. A branch's prompt is the tokens before the first sampled one, its completion the rest, with
