@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.utils.process import free_port
+from tests.integration.test_rl import orchestrator_rows, rl_args  # the demo run's flags, as test_rl runs it
 
 REPO = Path(__file__).resolve().parents[2]
 CLASSIC_PY = REPO / ".venv-classic" / "bin" / "python"
@@ -150,17 +151,10 @@ def test_rl_trains_a_classic_environment(warm_model, tmp_path):
     out = tmp_path / "run"
     config = tmp_path / "rl.toml"
     config.write_text('[[orchestrator.env]]\nid = "reverse-classic"\n')
-    port = free_port()
-    args = ["-m", "asyncrl.entrypoints.rl", "@", str(config), "--model.name", str(warm_model)]
-    args += ["--output-dir", str(out), "--max-steps", "40", "--seq-len", "128", "--max-async-level", "1"]
-    args += ["--inference.server.port", str(port), "--inference.server.host", "127.0.0.1"]
-    args += ["--trainer.optim.lr", "3e-4", "--trainer.optim.weight-decay", "0", "--orchestrator.batch-size", "128"]
-    args += ["--orchestrator.rollouts-per-example", "8", "--orchestrator.sampling.max-tokens", "16"]
-    args += ["--orchestrator.seed", "1"]
+    args = ["-m", "asyncrl.entrypoints.rl", "@", str(config), *rl_args(warm_model, out, 40, free_port())]
     done = classic(args, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics" / "orchestrator.jsonl").read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if r.get("kind", "train") == "train"]
+    rows = orchestrator_rows(out)
     assert [r["step"] for r in rows] == list(range(40))
     early = sum(r["reward/mean"] for r in rows[:5]) / 5
     late = sum(r["reward/mean"] for r in rows[-5:]) / 5

@@ -293,7 +293,6 @@ class Runners:
 
     run_group: RunGroup
     classic_client: Any = None
-
     v1: Any = None
 
     async def close(self) -> None:

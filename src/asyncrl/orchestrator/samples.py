@@ -94,7 +94,8 @@ class TrajectoryConverter:
         except TrajectoryError as e:
             rollout.error = str(e)
             return rollout
-        rollout.num_turns = int(output.get("num_turns") or len(steps))  # model turns (a v1 branch may hold several)
+        # model turns, as the environment counted them (a v1 branch may hold several); else one per step
+        rollout.num_turns = int((output.get("metrics") or {}).get("num_turns") or len(steps))
         rollout.prompt_len = len(steps[0]["prompt_ids"])
         rollout.completion_len = sum(len(s["completion_ids"]) for s in steps)
         rollout.is_truncated = rollout.is_truncated or any(s["is_truncated"] for s in steps)

@@ -218,7 +218,6 @@ def trace_output(example_id: int, task: Any, trace: Any, episode_errors: list) -
             **{k: v for k, v in (trace.metrics or {}).items() if v is not None},
             "num_turns": float(trace.num_turns),
         },
-        "num_turns": trace.num_turns,
         "is_truncated": bool(trace.is_truncated),
         **conversation(task, trace),
         "trajectory": [branch_turn(b) for b in trace.branches],
