@@ -91,6 +91,9 @@ class EchoTwiceEnv(vf.SingleAgentEnv):
 class EchoTwiceConfig(vf.TasksetConfig):
     """The environment's args (`[[orchestrator.env]] args = {...}`)."""
 
+    task: EchoTaskConfig = EchoTaskConfig()
+    """Each task's config: `reward` below set it (an env server builds its tasks from it)."""
+
     split: Literal["train", "eval"] = "train"
     """Which stream of words: "train", or "eval" (held out; `eval` and the orchestrator's evals set it)."""
     num_train_examples: int = Field(1000, ge=1)
@@ -108,15 +111,19 @@ class EchoTwiceConfig(vf.TasksetConfig):
             raise ValueError(f"need min_len <= max_len, got min_len={self.min_len}, max_len={self.max_len}")
         return self
 
+    @model_validator(mode="after")
+    def _task_follows_args(self) -> EchoTwiceConfig:
+        self.task = self.task.model_copy(update={"reward": self.reward})
+        return self
+
 
 class EchoTwiceTaskset(vf.Taskset[EchoTask, EchoTwiceConfig]):
     def load(self) -> Iterator[EchoTask]:
         c = self.config
         n = c.num_train_examples if c.split == "train" else c.num_eval_examples
-        task_config = EchoTaskConfig(**{**c.task.model_dump(), "reward": c.reward})
         for i, word in enumerate(random_words(n, c.seed, c.split, c.min_len, c.max_len)):
             data = EchoData(idx=i, prompt=USER_TEMPLATE.format(word=word), answer=word, follow_up=c.follow_up)
-            yield EchoTask(data, task_config)
+            yield EchoTask(data, c.task)
 
 
 __all__ = ["EchoTwiceEnv", "EchoTwiceTaskset", "EchoTwiceConfig", "EchoTask"]

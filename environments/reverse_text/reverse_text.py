@@ -110,6 +110,9 @@ class ReverseTask(vf.Task[ReverseData, vf.State, ReverseTaskConfig]):
 class ReverseTextConfig(vf.TasksetConfig):
     """The environment's args (`[[orchestrator.env]] args = {...}`)."""
 
+    task: ReverseTaskConfig = ReverseTaskConfig()
+    """Each task's config: `reward` below set it (an env server builds its tasks from it)."""
+
     split: Literal["train", "eval"] = "train"
     """Which stream of strings: "train", or "eval" (held out; `eval` and the orchestrator's evals set it)."""
     num_train_examples: int = Field(2000, ge=1)
@@ -130,17 +133,21 @@ class ReverseTextConfig(vf.TasksetConfig):
         _check_args(self.min_len, self.max_len, self.alphabet, self.user_template)
         return self
 
+    @model_validator(mode="after")
+    def _task_follows_args(self) -> ReverseTextConfig:
+        self.task = self.task.model_copy(update={"reward": self.reward})
+        return self
+
 
 class ReverseTextTaskset(vf.Taskset[ReverseTask, ReverseTextConfig]):
     def load(self) -> Iterator[ReverseTask]:
         c = self.config
         n = c.num_train_examples if c.split == "train" else c.num_eval_examples
-        task_config = ReverseTaskConfig(**{**c.task.model_dump(), "reward": c.reward})
         texts = random_strings(n, c.seed, c.split, c.min_len, c.max_len, c.alphabet)
         for i, text in enumerate(texts):
             prompt = c.user_template.format(text=text)
             data = ReverseData(idx=i, prompt=prompt, system_prompt=c.instructions, answer=text[::-1])
-            yield ReverseTask(data, task_config)
+            yield ReverseTask(data, c.task)
 
 
 __all__ = ["ReverseTextTaskset", "ReverseTextConfig", "ReverseTask"]

@@ -100,6 +100,9 @@ class SortTask(vf.Task[SortData, vf.State, SortTaskConfig]):
 class SortLettersConfig(vf.TasksetConfig):
     """The environment's args (`[[orchestrator.env]] args = {...}`)."""
 
+    task: SortTaskConfig = SortTaskConfig()
+    """Each task's config: `reward` below set it (an env server builds its tasks from it)."""
+
     split: Literal["train", "eval"] = "train"
     """Which stream of strings: "train", or "eval" (held out; `eval` and the orchestrator's evals set it)."""
     num_train_examples: int = Field(2000, ge=1)
@@ -117,16 +120,20 @@ class SortLettersConfig(vf.TasksetConfig):
         _check_args(self.min_len, self.max_len)
         return self
 
+    @model_validator(mode="after")
+    def _task_follows_args(self) -> SortLettersConfig:
+        self.task = self.task.model_copy(update={"reward": self.reward})
+        return self
+
 
 class SortLettersTaskset(vf.Taskset[SortTask, SortLettersConfig]):
     def load(self) -> Iterator[SortTask]:
         c = self.config
         n = c.num_train_examples if c.split == "train" else c.num_eval_examples
-        task_config = SortTaskConfig(**{**c.task.model_dump(), "reward": c.reward})
         for i, text in enumerate(random_strings(n, c.seed, c.split, c.min_len, c.max_len)):
             prompt = USER_TEMPLATE.format(text=text)
             data = SortData(idx=i, prompt=prompt, system_prompt=c.instructions, answer=sorted_letters(text))
-            yield SortTask(data, task_config)
+            yield SortTask(data, c.task)
 
 
 __all__ = ["SortLettersTaskset", "SortLettersConfig", "SortTask"]

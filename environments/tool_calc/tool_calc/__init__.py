@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import verifiers.v1 as vf
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tool_calc.calculator import Calculator, calculate, format_number, safe_eval
 
@@ -137,6 +137,9 @@ def make_problems(n: int, seed: int, split: str, num_terms: int, max_value: int)
 class ToolCalcConfig(vf.TasksetConfig):
     """The environment's args (`[[orchestrator.env]] args = {...}`)."""
 
+    task: CalcTaskConfig = CalcTaskConfig()
+    """Each task's config: `max_turns` and `shaping` below set it (an env server builds its tasks from it)."""
+
     split: Literal["train", "eval"] = "train"
     """Which stream of problems: "train", or "eval" (held out; `eval` and the orchestrator's evals set it)."""
     num_train_examples: int = Field(1000, ge=1)
@@ -153,6 +156,11 @@ class ToolCalcConfig(vf.TasksetConfig):
     tools: vf.SharedToolsetConfig = vf.SharedToolsetConfig()
     """Where the calculator's MCP server runs (a subprocess by default)."""
 
+    @model_validator(mode="after")
+    def _task_follows_args(self) -> ToolCalcConfig:
+        self.task = self.task.model_copy(update={"max_turns": self.max_turns, "shaping": self.shaping})
+        return self
+
 
 class ToolCalcTaskset(vf.Taskset[CalcTask, ToolCalcConfig]):
     @classmethod
@@ -162,12 +170,11 @@ class ToolCalcTaskset(vf.Taskset[CalcTask, ToolCalcConfig]):
     def load(self) -> Iterator[CalcTask]:
         c = self.config
         n = c.num_train_examples if c.split == "train" else c.num_eval_examples
-        task_config = CalcTaskConfig(**{**c.task.model_dump(), "max_turns": c.max_turns, "shaping": c.shaping})
         for i, (expr, result) in enumerate(make_problems(n, c.seed, c.split, c.num_terms, c.max_value)):
             data = CalcData(
                 idx=i, prompt=f"What is {expr}?", system_prompt=c.instructions, expression=expr, answer=result
             )
-            yield CalcTask(data, task_config)
+            yield CalcTask(data, c.task)
 
 
 __all__ = ["ToolCalcTaskset", "ToolCalcConfig", "CalcTask", "Calculator", "calculate", "safe_eval"]

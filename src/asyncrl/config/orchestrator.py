@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, ModelConfig, WandbConfig, default_output_dir
 
@@ -40,11 +41,42 @@ class SamplingConfig(BaseConfig):
     extra_body: dict[str, Any] = Field(default_factory=dict, description="extra request fields for the server")
 
 
+class EnvServingConfig(BaseConfig):
+    """Run a verifiers v1 environment's episodes in a standalone env server (verifiers' `serve_env`, ZMQ)."""
+
+    address: str | None = Field(
+        None,
+        description="a running `env-server`'s address, e.g. tcp://10.0.0.3:5000: connect to it and start none "
+        "(default: start one, a child process on a free local port)",
+    )
+    workers: int = Field(1, ge=1, description="worker processes of a server started here (above 1: verifiers' pool)")
+    max_concurrent: int | None = Field(None, ge=1, description="episodes at once in a server started here")
+    restarts: int = Field(3, ge=0, description="times a started server that dies is started again")
+    startup_timeout: float = Field(120.0, gt=0, description="seconds for the server to answer its first health check")
+
+    @field_validator("address")
+    @classmethod
+    def _zmq_address(cls, address: str | None) -> str | None:
+        return zmq_address(address) if address is not None else None
+
+
+def zmq_address(address: str) -> str:
+    """A ZMQ endpoint an env server binds or is reached at: tcp://HOST:PORT or ipc://PATH."""
+    if not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}|ipc://\S+", address):
+        raise ValueError("not a ZMQ address: give tcp://HOST:PORT (e.g. tcp://10.0.0.3:5000) or ipc://PATH")
+    return address
+
+
 class EnvConfig(BaseConfig):
     id: str = Field("reverse-text", description="installed verifiers environment id (load_environment(id, **args))")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword args for load_environment")
     name: str | None = Field(None, description="name for metrics (default: id)")
     ratio: float | None = Field(None, gt=0, description="sampling weight among several envs (default: equal)")
+    server: EnvServingConfig | None = Field(
+        None,
+        description="run the episodes in a standalone env server (`server = {}`: one started here; "
+        "`server = {address = ...}`: one running elsewhere); default: in the orchestrator's process",
+    )
 
 
 class BufferConfig(BaseConfig):

@@ -131,7 +131,7 @@ async def _evaluate(config: EvalConfig) -> dict[str, Any]:
     slots = load_slots(config.envs(), eval_split=True)
     targets = find_targets(config)
     await check_server(config.client, config.model.name, config.server_wait)
-    runners = make_runners(config.client, config.model.name, slots)
+    runners = make_runners(config.client, config.model.name, slots, RunLayout.for_config(config).logs)
     args = request_args(config.sampling)
     out = Path(config.output_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -78,10 +79,11 @@ class Job:
     first: int = 0
 
 
-def make_runners(client: ClientConfig, model: str, slots: list[EnvSlot]) -> Runners:
+def make_runners(client: ClientConfig, model: str, slots: list[EnvSlot], log_dir: Path | None = None) -> Runners:
     """verifiers' run_group through its plain chat client (one shared connection pool); v1 slots through
-    verifiers v1's eval client (chat completions: any OpenAI-compatible server). Close it when done."""
-    return runners_for(slots, client, model, model, train=False)
+    verifiers v1's eval client (chat completions: any OpenAI-compatible server); `log_dir`: env servers'
+    logs. Close it when done."""
+    return runners_for(slots, client, model, model, train=False, log_dir=log_dir)
 
 
 def load_slots(envs: list[EnvConfig], eval_split: bool) -> list[EnvSlot]:

@@ -37,6 +37,7 @@ from asyncrl.evaluation.runner import (
     start_hint,
 )
 from asyncrl.transport.files import write_text_atomic
+from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.messages import openai_messages, openai_tools
 
 Key = tuple[str, int]  # (env name, example id)
@@ -152,7 +153,7 @@ async def _synthesize(config: SynthesizeConfig) -> SynthStats:
         stats.kept += len(kept)
         stats.rewards += [r.reward for r in records]
 
-    runners = make_runners(config.client, config.model.name, slots)
+    runners = make_runners(config.client, config.model.name, slots, RunLayout.for_config(config).logs)
     try:
         await run_jobs(jobs, runners.run_group, request_args(config.sampling), config.max_concurrent, on_group)
     finally:

@@ -15,6 +15,7 @@ import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from loguru import logger
@@ -85,12 +86,18 @@ def check_installed(env_ids: list[str]) -> None:
     raise UserError(f"environments not installed: {', '.join(missing)}; install them with {hints}")
 
 
+def installed_module(env_id: str) -> str:
+    """The module of environment `env_id`; a UserError with how to install it when it is not installed."""
+    module = env_module(env_id)
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"environment '{env_id}' is not installed (no module '{module}'); {install_hint(env_id)}")
+    return module
+
+
 def load_env(cfg: EnvConfig, eval_split: bool = False) -> Any:
     """The environment `cfg` names: a verifiers v1 taskset package, else a classic one
     (`verifiers.load_environment(cfg.id, **cfg.args)`, where verifiers < 0.4 provides it); user-facing errors."""
-    module = env_module(cfg.id)
-    if importlib.util.find_spec(module) is None:
-        raise UserError(f"environment '{cfg.id}' is not installed (no module '{module}'); {install_hint(cfg.id)}")
+    module = installed_module(cfg.id)
     if is_v1_module(module):
         return load_v1_env(module, cfg.id, cfg.args, eval_split=eval_split)
     import verifiers as vf
@@ -116,6 +123,7 @@ class EnvSlot:
     env: Any
     ratio: float
     rows: list[dict] = field(default_factory=list)
+    config: EnvConfig | None = None  # what it was loaded from (its `server`: where its episodes run)
     epoch: int = 0
     cursor: int = 0
     order: list[int] = field(default_factory=list)
@@ -157,6 +165,11 @@ class EnvMixture:
         slots = []
         for cfg in configs:
             env = load_env(cfg, eval_split)
+            if cfg.server is not None and not is_v1_env(env):
+                raise UserError(
+                    f"environment '{cfg.id}' is a classic one: only verifiers v1 environments run in an "
+                    "env server; drop its `server`"
+                )
             if is_v1_env(env):  # its tasks are its prompts; a held-out split is its `split` arg (or own args)
                 rows = v1_tasks(env, cfg.id)
             else:
@@ -165,7 +178,7 @@ class EnvMixture:
                 rows = (env.get_eval_dataset() if eval_split else env.get_dataset()).to_list()
             if not rows:
                 raise UserError(f"environment '{cfg.id}' has an empty {'eval ' if eval_split else ''}dataset")
-            slots.append(EnvSlot(name=cfg.name or cfg.id, env=env, ratio=cfg.ratio or 1.0, rows=rows))
+            slots.append(EnvSlot(name=cfg.name or cfg.id, env=env, ratio=cfg.ratio or 1.0, rows=rows, config=cfg))
             logger.info(f"loaded environment {slots[-1].name} ({type(env).__name__}, {len(rows)} prompts)")
         return cls(slots, seed)
 
@@ -309,10 +322,12 @@ def runners_for(
     model: str | Callable[[], str],
     train: bool = True,
     renderer: dict | None = None,
+    log_dir: Path | None = None,
 ) -> Runners:
     """The RunGroup for these slots: verifiers v1's client for v1 slots, the classic token client (train) or
-    plain chat client (`eval`/`synthesize`) for classic ones; each made only when a slot needs it."""
+    plain chat client (`eval`/`synthesize`) for classic ones; each made only when a slot needs it. `log_dir`:
+    the logs of env servers started for slots that set `server`."""
     classic = [s for s in slots if not is_v1_env(s.env)]
-    v1 = v1_run_group(client, base_model, model, train, renderer) if len(classic) < len(slots) else None
+    v1 = v1_run_group(client, base_model, model, train, renderer, log_dir) if len(classic) < len(slots) else None
     classic_client = make_vf_client(client, TOKEN_CLIENT if train else PLAIN_CLIENT) if classic else None
     return Runners(verifiers_run_group(model, classic_client, v1), classic_client, v1)

@@ -388,7 +388,8 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
         if run_group is None:
             name = config.model.name if config.bench else (lambda: orchestrator.served_model)
             slots = mixture.slots + (eval_mixture.slots if eval_mixture else [])
-            runners = runners_for(slots, config.client, config.model.name, name, renderer=config.renderer)
+            logs = RunLayout.for_config(config).logs
+            runners = runners_for(slots, config.client, config.model.name, name, renderer=config.renderer, log_dir=logs)
             run_group = runners.run_group
         if config.bench:
             await run_bench(config, mixture, run_group)

@@ -22,12 +22,14 @@ import asyncio
 import importlib
 import itertools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
 from asyncrl.config.orchestrator import ClientConfig
 from asyncrl.core.errors import UserError
+from asyncrl.orchestrator.served import ServedEnv
 
 HARNESS_ID = "asyncrl-chat"  # verifiers' chat loop in this process (package asyncrl_chat; see v1_harness.py)
 AGENT_DEFAULTS = {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}}
@@ -61,14 +63,25 @@ def is_v1_module(module: str) -> bool:
 
 
 def load_v1_env(module: str, env_id: str, args: dict[str, Any], eval_split: bool = False) -> Any:
-    """The v1 Env for taskset `module`: the taskset's own Env class when it exports one (several agents,
-    each a role of its config), else the single-agent one. `args`: a role's name overrides that agent
+    """The v1 Env for taskset `module` with `args` (see `v1_env_config`); user-facing errors."""
+    from verifiers.v1.utils.loaders import load_environment
+
+    config = v1_env_config(module, env_id, args, eval_split)
+    try:
+        return load_environment(config)
+    except (OSError, ValueError, TypeError) as e:  # e.g. taskset system_prompt, a file path, given as text
+        raise UserError(f"environment '{env_id}' (verifiers v1) failed to load with args {args}: {e}") from None
+
+
+def v1_env_config(module: str, env_id: str, args: dict[str, Any], eval_split: bool = False) -> Any:
+    """The v1 env config for taskset `module`: the taskset's own Env config when it exports one (several
+    agents, each a role of its config), else the single-agent one. `args`: a role's name overrides that agent
     (each defaults to `AGENT_DEFAULTS`), another field of the env config sets it, the rest are the taskset
     config's fields. `eval_split`: a taskset with a `split` field gets split = "eval" unless args set it
     (the held-out convention of the environments asyncrl ships)."""
     from pydantic import ValidationError
     from verifiers.v1.configs.agent import AgentConfig
-    from verifiers.v1.utils.loaders import env_config_type, load_environment, taskset_config_type
+    from verifiers.v1.utils.loaders import env_config_type, taskset_config_type
 
     config_type = env_config_type(module)
     roles = [n for n, f in config_type.model_fields.items() if isinstance(f.default, AgentConfig)]
@@ -83,13 +96,9 @@ def load_v1_env(module: str, env_id: str, args: dict[str, Any], eval_split: bool
     if eval_split and "split" not in raw["taskset"] and "split" in taskset_config_type(module).model_fields:
         raw["taskset"]["split"] = "eval"
     try:
-        config = config_type.model_validate(raw)
+        return config_type.model_validate(raw)
     except ValidationError as e:
         raise UserError(f"environment '{env_id}' (verifiers v1) rejects args {args}: {first_error(e)}") from None
-    try:
-        return load_environment(config)
-    except (OSError, ValueError, TypeError) as e:  # e.g. taskset system_prompt, a file path, given as text
-        raise UserError(f"environment '{env_id}' (verifiers v1) failed to load with args {args}: {e}") from None
 
 
 def first_error(e: Any) -> str:
@@ -123,12 +132,14 @@ def v1_run_group(
     model: str | Callable[[], str],
     train: bool = True,
     renderer: dict | None = None,
+    log_dir: Path | None = None,
 ) -> V1Runner:
     """A RunGroup for v1 slots: the group's episodes run concurrently; each becomes one rollout output.
 
     `train`: verifiers' training client (token ids and logprobs, our server or vLLM); else its eval client
     (chat completions, any OpenAI-compatible server: `eval` and `synthesize`). `renderer`: the `renderers`
-    config the training client renders prompts and parses replies with (None: chosen from the model name)."""
+    config the training client renders prompts and parses replies with (None: chosen from the model name).
+    `log_dir`: where env servers started for slots with `server` set write their logs."""
     import verifiers.v1 as vf
     from pydantic import ValidationError
 
@@ -140,32 +151,48 @@ def v1_run_group(
             raise UserError(f"orchestrator.renderer {renderer} is not a renderers config: {first_error(e)}") from None
     else:
         chosen = vf.EvalClientConfig(**endpoint)
-    return V1Runner(chosen, model)
+    return V1Runner(chosen, model, log_dir)
 
 
 class V1Runner:
-    """Runs groups of v1 episodes; holds each environment's serving resources (its taskset's shared tool
-    servers, one interception server) from its first group until `close()`, as verifiers' own eval does:
-    started once, not per episode."""
+    """Runs groups of v1 episodes: in this process, holding each environment's serving resources (its
+    taskset's shared tool servers, one interception server) from its first group until `close()`, as
+    verifiers' own eval does; or, for a slot whose config sets `server`, in that env server (`served.py`)."""
 
-    def __init__(self, client: Any, model: str | Callable[[], str]):
-        self.client, self.model = client, model
-        self.served: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}
+    def __init__(self, client: Any, model: str | Callable[[], str], log_dir: Path | None = None):
+        self.client, self.model, self.log_dir = client, model, log_dir
+        self.holders: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}
+        self.servers: dict[str, ServedEnv] = {}
         self.lock = asyncio.Lock()
 
     async def __call__(self, slot, tasks: list[Any], args: dict) -> list[dict]:
         import verifiers.v1 as vf
 
-        await self.serve(slot.env)
         name = self.model() if callable(self.model) else self.model
-        ctx = vf.ModelContext(model=name, client=self.client, sampling=sampling_config(args))
-        episodes = await asyncio.gather(*(slot.env.run_episode(task, ctx) for task in tasks), return_exceptions=True)
+        sampling = sampling_config(args)
+        server = self.server_of(slot)
+        if server is not None:
+            runs = [server.run(task, self.client, name, sampling) for task in tasks]
+        else:
+            await self.serve(slot.env)
+            ctx = vf.ModelContext(model=name, client=self.client, sampling=sampling)
+            runs = [slot.env.run_episode(task, ctx) for task in tasks]
+        episodes = await asyncio.gather(*runs, return_exceptions=True)
         return [out for task, episode in zip(tasks, episodes) for out in episode_outputs(task, episode)]
+
+    def server_of(self, slot) -> ServedEnv | None:
+        """The slot's env server (made on its first group), or None when its episodes run here."""
+        cfg = getattr(slot, "config", None)
+        if cfg is None or cfg.server is None:
+            return None
+        if slot.name not in self.servers:
+            self.servers[slot.name] = ServedEnv(slot.name, cfg, self.log_dir)
+        return self.servers[slot.name]
 
     async def serve(self, env: Any) -> None:
         """Enter `env.serving()` once, in a task of its own that holds it open until `close()`."""
         async with self.lock:
-            if id(env) in self.served:
+            if id(env) in self.holders:
                 return
             ready, done = asyncio.Event(), asyncio.Event()
 
@@ -180,13 +207,16 @@ class V1Runner:
             waiter.cancel()
             if holder.done():  # serving failed to start: its error is every episode's, named once
                 raise UserError(f"environment could not start its tool servers: {error_line(holder.exception())}")
-            self.served[id(env)] = (holder, done)
+            self.holders[id(env)] = (holder, done)
 
     async def close(self) -> None:
-        for holder, done in self.served.values():
+        for holder, done in self.holders.values():
             done.set()
             await asyncio.gather(holder, return_exceptions=True)
-        self.served.clear()
+        self.holders.clear()
+        for server in self.servers.values():
+            await server.close()
+        self.servers.clear()
 
 
 def episode_outputs(task: Any, episode: Any) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -40,3 +41,17 @@ def setup_rank_logger(component: str, layout: RunLayout, level: str = "info", to
     rank = int(os.environ.get("RANK", "0"))
     name = component if rank == 0 else f"{component}_rank{rank}"
     return setup_logger(name, layout, level, to_file, console=rank == 0)
+
+
+class _ToLoguru(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        level = record.levelname if record.levelname in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL") else "INFO"
+        logger.opt(exception=record.exc_info).log(level, f"[{record.name}] {record.getMessage()}")
+
+
+def forward_stdlib(name: str, level: int = logging.INFO) -> None:
+    """Send a library's standard-library log records (e.g. verifiers') to loguru's console and file."""
+    lib = logging.getLogger(name)
+    lib.setLevel(level)
+    lib.addHandler(_ToLoguru())
+    lib.propagate = False

@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from asyncrl.config import cli, loader
+from asyncrl.config.env_server import EnvServerConfig
 from asyncrl.config.eval import EvalConfig
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.orchestrator import OrchestratorConfig
@@ -44,6 +45,7 @@ ENTRIES: dict[str, tuple[type[BaseModel], dict]] = {
     "sft": (SFTConfig, {}),
     "eval": (EvalConfig, {}),
     "synthesize": (SynthesizeConfig, {}),
+    "env-server": (EnvServerConfig, {}),
 }
 BASE_ENV = {"eval": {"PRIME_ENVIRONMENT_IDS": "reverse-text"}, "synthesize": {"PRIME_ENVIRONMENT_IDS": "reverse-text"}}
 

@@ -129,7 +129,7 @@ def fake_synth(monkeypatch):
         return None
 
     monkeypatch.setattr(synth, "check_server", no_server)
-    monkeypatch.setattr(synth, "make_runners", lambda client, model, slots: Runners(fake))
+    monkeypatch.setattr(synth, "make_runners", lambda client, model, slots, log_dir=None: Runners(fake))
     return fake
 
 

@@ -1,0 +1,89 @@
+"""The `env-server` process: one verifiers v1 environment served over ZMQ with verifiers' own `serve_env`.
+
+An orchestrator (or `eval`/`synthesize`) sends it one task per episode and gets the episode back
+(`verifiers.v1.EnvClient`; see `served.py`); the episode's model calls go from here to the inference
+server the request names. The environment is configured exactly as in the orchestrator's own process
+(`v1.v1_env_config`: agents on harness `asyncrl-chat`, the env's args), so an episode is the same
+wherever it runs.
+
+Invariants: a bad environment or args fail here, before anything binds, with one line; with
+`parent_pid` set the server ends when that process is gone (even after its SIGKILL), so a server an
+orchestrator started never outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from loguru import logger
+
+from asyncrl.config.env_server import EnvServerConfig
+from asyncrl.core.errors import UserError
+from asyncrl.orchestrator.envs import installed_module
+from asyncrl.orchestrator.v1 import is_v1_module, load_v1_env, v1_env_config
+from asyncrl.utils.logging import forward_stdlib
+
+PARENT_POLL_S = 1.0
+
+
+class _SayAddress:
+    """`serve_env`'s address queue: the bound address (a port-0 bind's real port) goes to the log."""
+
+    def __init__(self, env_id: str):
+        self.env_id = env_id
+
+    def put(self, address: str) -> None:
+        logger.success(f"env server for '{self.env_id}' listening on {address}")
+
+
+def serve(config: EnvServerConfig) -> None:
+    """Validate the environment, then serve it until SIGTERM/SIGINT (or the parent process is gone)."""
+    from verifiers.v1.serve import serve_env
+
+    env = config.env
+    module = installed_module(env.id)
+    if not is_v1_module(module):
+        raise UserError(f"env-server serves verifiers v1 environments; '{env.id}' is a classic one (run it in-process)")
+    env_config = v1_env_config(module, env.id, env.args)
+    load_v1_env(module, env.id, env.args)  # fails here, in one line, rather than in each worker
+    forward_stdlib("verifiers")
+    if config.parent_pid is not None:
+        watch_parent(config.parent_pid)
+    logger.info(f"serving '{env.id}' with {config.workers} worker(s) on {config.address}")
+    serve_env(
+        max_workers=config.workers,
+        address=config.address,
+        address_queue=_SayAddress(env.id),
+        config=env_config,
+        max_concurrent=config.max_concurrent,
+    )
+
+
+def watch_parent(pid: int) -> None:
+    """SIGTERM this process once `pid` is gone: our parent, once we are reparented; another process, once
+    it no longer exists."""
+    child = os.getppid() == pid
+
+    def gone() -> bool:
+        return os.getppid() != pid if child else not _alive(pid)
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(PARENT_POLL_S)
+        logger.warning(f"parent process {pid} is gone: stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
