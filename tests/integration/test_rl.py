@@ -188,8 +188,10 @@ def test_a_hung_trainer_is_named_and_the_run_stopped(tiny_model_dir, tmp_path):
 
 
 def test_rl_ctrl_c_stops_cleanly(tiny_model_dir, tmp_path):
+    """With the episodes in an env server the orchestrator started: Ctrl-C stops that too."""
     out = tmp_path / "run"
-    proc = start_rl_until(rl_args(tiny_model_dir, out, 50, free_port()), out / "rollouts")
+    served = ["--orchestrator.env", '[{"id": "reverse-text", "server": {}}]']
+    proc = start_rl_until(rl_args(tiny_model_dir, out, 50, free_port()) + served, out / "rollouts")
     try:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
@@ -199,6 +201,8 @@ def test_rl_ctrl_c_stops_cleanly(tiny_model_dir, tmp_path):
     assert proc.returncode == 130
     assert_no_processes_left(str(out))
     assert states(out)["rl"] == "interrupted"
+    log = (out / "logs" / "env-server-reverse-text.log").read_text()
+    assert "listening on tcp://127.0.0.1:" in log and "EnvServer down" in log
 
 
 def test_rl_without_server_says_how_to_start_one(tiny_model_dir, tmp_path):

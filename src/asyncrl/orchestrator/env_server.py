@@ -13,6 +13,7 @@ orchestrator started never outlives it.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -49,7 +50,9 @@ def serve(config: EnvServerConfig) -> None:
         raise UserError(f"env-server serves verifiers v1 environments; '{env.id}' is a classic one (run it in-process)")
     env_config = v1_env_config(module, env.id, env.args)
     load_v1_env(module, env.id, env.args)  # fails here, in one line, rather than in each worker
-    forward_stdlib("verifiers")
+    quiet = config.log.level != "debug"  # a line per rollout at INFO: only with debug
+    forward_stdlib("verifiers", logging.WARNING if quiet else logging.DEBUG)
+    logging.getLogger("verifiers.v1.serve").setLevel(logging.INFO)  # the server's up/down lines
     if config.parent_pid is not None:
         watch_parent(config.parent_pid)
     logger.info(f"serving '{env.id}' with {config.workers} worker(s) on {config.address}")

@@ -103,6 +103,8 @@ class ServedEnv:
         cmd += ["--env.args", json.dumps(self.cfg.args), "--address", address, "--workers", str(self.serving.workers)]
         if self.serving.max_concurrent is not None:
             cmd += ["--max-concurrent", str(self.serving.max_concurrent)]
+        if self.log is not None:  # the run's directory (its logs/ holds ours): the server is findable by it
+            cmd += ["--output-dir", str(self.log.parent.parent)]
         return cmd + ["--parent-pid", str(os.getpid()), "--log.file", "false"]
 
     async def wait_healthy(self, client: Any) -> None:
