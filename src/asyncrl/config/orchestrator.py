@@ -67,11 +67,40 @@ def zmq_address(address: str) -> str:
     return address
 
 
+class PoolConfig(BaseConfig):
+    threshold: float = Field(
+        description="a task whose latest mean group reward is <= this (and above the pools below) is here"
+    )
+    weight: float = Field(ge=0, description="its sampling weight (a task not yet seen: 1; 0: never drawn)")
+
+
+def _default_pools() -> dict[str, PoolConfig]:
+    return {
+        "hard": PoolConfig(threshold=0.25, weight=0.2),
+        "normal": PoolConfig(threshold=0.75, weight=1.0),
+        "easy": PoolConfig(threshold=1.0, weight=0.2),
+    }
+
+
+class CurriculumConfig(BaseConfig):
+    """Draw an environment's tasks by how the policy did on them lately (orchestrator/curriculum.py)."""
+
+    type: Literal["difficulty_pools"] = Field("difficulty_pools", description="the one kind: difficulty pools")
+    pools: dict[str, PoolConfig] = Field(
+        default_factory=_default_pools,
+        min_length=1,
+        description="pools by inclusive threshold on a task's latest mean group reward, each with a weight",
+    )
+
+
 class EnvConfig(BaseConfig):
     id: str = Field("reverse-text", description="installed verifiers environment id (load_environment(id, **args))")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword args for load_environment")
     name: str | None = Field(None, description="name for metrics (default: id)")
     ratio: float | None = Field(None, gt=0, description="sampling weight among several envs (default: equal)")
+    curriculum: CurriculumConfig | None = Field(
+        None, description="sample tasks by recent group reward (`curriculum = {}`: the default pools); default: uniform"
+    )
     server: EnvServingConfig | None = Field(
         None,
         description="run the episodes in a standalone env server (`server = {}`: one started here; "

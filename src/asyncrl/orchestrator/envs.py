@@ -11,9 +11,10 @@ imported only when a classic environment is loaded.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from loguru import logger
 
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
 from asyncrl.core.errors import UserError
-from asyncrl.orchestrator.v1 import is_v1_env, is_v1_module, load_v1_env, task_id, v1_run_group, v1_tasks
+from asyncrl.orchestrator.curriculum import DifficultyPools
+from asyncrl.orchestrator.v1 import is_v1_env, is_v1_module, load_tasks, load_v1_env, task_id, v1_run_group
 
 # (env slot, group inputs, sampling args) -> verifiers rollout outputs; the boundary tests replace.
 RunGroup = Callable[["EnvSlot", list[dict], dict], Awaitable[list[dict]]]
@@ -124,11 +126,18 @@ class EnvSlot:
     ratio: float
     rows: list[dict] = field(default_factory=list)
     config: EnvConfig | None = None  # what it was loaded from (its `server`: where its episodes run)
+    curriculum: DifficultyPools | None = None  # draws by recent reward instead of shuffled epochs
+    stream: Callable[[], Iterator[Any]] | None = None  # a taskset with more tasks than rows: taken in order
+    source: Iterator[Any] | None = None  # the stream's iterator, `cursor` tasks in
     epoch: int = 0
     cursor: int = 0
     order: list[int] = field(default_factory=list)
 
     def next_row(self, seed: int) -> dict:
+        if self.curriculum is not None:
+            return self.rows[self.curriculum.next_index(seed)]
+        if self.stream is not None:
+            return self.next_streamed()
         if not self.order or self.cursor >= len(self.order):
             if self.order:
                 self.epoch += 1
@@ -137,6 +146,17 @@ class EnvSlot:
         row = self.rows[self.order[self.cursor]]
         self.cursor += 1
         return row
+
+    def next_streamed(self) -> Any:
+        """The stream's next task (past the end of a stream that does end: from its start again)."""
+        if self.source is None:
+            self.source = itertools.islice(self.stream(), self.cursor, None)  # resumed: skip what was taken
+        task = next(self.source, None)
+        if task is None:
+            self.epoch, self.cursor, self.source = self.epoch + 1, 0, self.stream()
+            task = next(self.source)
+        self.cursor += 1
+        return task
 
 
 def shuffled(n: int, seed: str) -> list[int]:
@@ -170,15 +190,27 @@ class EnvMixture:
                     f"environment '{cfg.id}' is a classic one: only verifiers v1 environments run in an "
                     "env server; drop its `server`"
                 )
+            endless = False
             if is_v1_env(env):  # its tasks are its prompts; a held-out split is its `split` arg (or own args)
-                rows = v1_tasks(env, cfg.id)
+                rows, endless = load_tasks(env, cfg.id)
             else:
                 if seq_len is not None and hasattr(env, "set_max_seq_len"):
                     env.set_max_seq_len(seq_len)
                 rows = (env.get_eval_dataset() if eval_split else env.get_dataset()).to_list()
             if not rows:
                 raise UserError(f"environment '{cfg.id}' has an empty {'eval ' if eval_split else ''}dataset")
-            slots.append(EnvSlot(name=cfg.name or cfg.id, env=env, ratio=cfg.ratio or 1.0, rows=rows, config=cfg))
+            name = cfg.name or cfg.id
+            slots.append(EnvSlot(name=name, env=env, ratio=cfg.ratio or 1.0, rows=rows, config=cfg))
+            if endless and not eval_split:
+                slots[-1].stream = (lambda taskset: lambda: iter(taskset))(env.taskset)
+            if cfg.curriculum is not None and not eval_split:
+                if endless:
+                    raise UserError(
+                        f"environment '{cfg.id}' generates tasks without end: a curriculum needs a "
+                        "finite taskset; drop `curriculum`"
+                    )
+                ids = [example_id(row, i) for i, row in enumerate(rows)]
+                slots[-1].curriculum = DifficultyPools(name, cfg.curriculum, ids)
             logger.info(f"loaded environment {slots[-1].name} ({type(env).__name__}, {len(rows)} prompts)")
         return cls(slots, seed)
 
@@ -189,11 +221,21 @@ class EnvMixture:
         slot = rng.choices(self.slots, weights=[s.ratio for s in self.slots])[0]
         return slot, slot.next_row(self.seed)
 
+    def observe(self, env: str, task: int, mean_reward: float) -> None:
+        """A finished group's mean reward on task `task` of environment `env` (for its curriculum, if any)."""
+        slot = self.by_name.get(env)
+        if slot is not None and slot.curriculum is not None:
+            slot.curriculum.observe(task, mean_reward)
+
+    def metrics(self) -> dict[str, float]:
+        return {k: v for s in self.slots if s.curriculum is not None for k, v in s.curriculum.metrics().items()}
+
     def state(self) -> dict:
-        return {
-            "problems": self.problems,
-            "envs": {s.name: {"epoch": s.epoch, "cursor": s.cursor, "size": len(s.rows)} for s in self.slots},
-        }
+        envs = {s.name: {"epoch": s.epoch, "cursor": s.cursor, "size": len(s.rows)} for s in self.slots}
+        for s in self.slots:
+            if s.curriculum is not None:
+                envs[s.name]["curriculum"] = s.curriculum.state()
+        return {"problems": self.problems, "envs": envs}
 
     def load_state(self, state: dict) -> None:
         self.problems = int(state.get("problems", 0))
@@ -205,7 +247,9 @@ class EnvMixture:
             if st.get("size") != len(slot.rows):
                 logger.warning(f"environment {name!r} changed size since the checkpoint; restarting its order")
                 continue
-            slot.epoch, slot.cursor = int(st["epoch"]), int(st["cursor"])
+            slot.epoch, slot.cursor, slot.source = int(st["epoch"]), int(st["cursor"]), None
+            if slot.curriculum is not None:
+                slot.curriculum.load_state(st.get("curriculum") or {})
             slot.order = shuffled(len(slot.rows), f"{self.seed}:{slot.name}:{slot.epoch}")
 
 

@@ -211,6 +211,7 @@ class Orchestrator:
             "kind": "train",
             "step": step,
             **rollout_metrics(used),
+            **self.mixture.metrics(),
             **group_metrics(
                 got.groups, got.finished, self.config.buffer.easy_threshold, self.config.buffer.hard_threshold
             ),

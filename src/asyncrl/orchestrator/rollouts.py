@@ -80,6 +80,9 @@ class GroupCollector:
                 Rollout(env=slot.name, example_id=group.example_id, reward=0.0, error=error) for _ in range(self.n)
             ]
         judge_group(group, self.buffer_config, self.advantage)
+        if group.verdict != "failed":
+            rewards = [r.reward for r in group.valid]
+            self.mixture.observe(slot.name, group.example_id, sum(rewards) / len(rewards))
         return group
 
     def _note(self, group: Group) -> None:

@@ -108,14 +108,19 @@ def first_error(e: Any) -> str:
 
 
 def v1_tasks(env: Any, env_id: str) -> list[Any]:
-    """The taskset's tasks; of one that keeps generating them (an infinite taskset), the first MAX_TASKS."""
+    """The taskset's tasks; of one with more than MAX_TASKS (one that generates them), the first MAX_TASKS."""
+    return load_tasks(env, env_id)[0]
+
+
+def load_tasks(env: Any, env_id: str) -> tuple[list[Any], bool]:
+    """The taskset's tasks (at most MAX_TASKS) and whether it has more: a taskset that generates tasks, which
+    training then takes in its own order, each once (`EnvSlot.stream`)."""
     tasks = list(itertools.islice(iter(env.taskset), MAX_TASKS + 1))
     if not tasks:
         raise UserError(f"environment '{env_id}' (verifiers v1) has no tasks")
     if len(tasks) > MAX_TASKS:
-        logger.info(f"environment '{env_id}' generates tasks without end: sampling from its first {MAX_TASKS}")
-        tasks = tasks[:MAX_TASKS]
-    return tasks
+        logger.info(f"environment '{env_id}' has more than {MAX_TASKS} tasks: training takes them in order, each once")
+    return tasks[:MAX_TASKS], len(tasks) > MAX_TASKS
 
 
 def sampling_config(args: dict) -> Any:

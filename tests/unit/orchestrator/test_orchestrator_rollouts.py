@@ -1,10 +1,15 @@
 import asyncio
+import json
 from collections import Counter
 
 import pytest
 from orch_fakes import FakeRunner, fake_mixture
+from pydantic import ValidationError
 
-from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig
+from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig, CurriculumConfig
+from asyncrl.core.errors import UserError
+from asyncrl.orchestrator.curriculum import DifficultyPools
+from asyncrl.orchestrator.envs import EnvMixture
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure
 from asyncrl.orchestrator.samples import TrajectoryConverter
 
@@ -102,3 +107,82 @@ def test_each_env_walks_its_prompts_without_repeats_per_epoch():
     ids = [mixture.draw()[1]["example_id"] for _ in range(20)]
     assert sorted(ids[:10]) == list(range(10)) and sorted(ids[10:]) == list(range(10))
     assert ids[:10] != ids[10:]  # reshuffled per epoch
+
+
+# ---------------------------------------------------------------- curriculum (difficulty pools)
+
+
+def curriculum_mixture(n_rows: int = 40, **cfg) -> EnvMixture:
+    mixture = fake_mixture(n_rows=n_rows)
+    slot = mixture.slots[0]
+    slot.curriculum = DifficultyPools("a", CurriculumConfig(**cfg), [r["example_id"] for r in slot.rows])
+    return mixture
+
+
+def test_curriculum_draws_tasks_by_their_pool():
+    """Tasks 0-9 always solved, 10-19 never, 20-39 half the time: once seen, each half-solved one (normal,
+    weight 1) is drawn five times as often as each of the others (easy/hard, weight 0.2)."""
+    runner = FakeRunner(
+        reward_fn=lambda slot, row, i: (
+            1.0 if row["example_id"] < 10 else 0.0 if row["example_id"] < 20 else float(i % 2)
+        )
+    )
+    mixture = curriculum_mixture()
+    c = collector(runner, mixture)
+    for step in range(40):
+        collect(c, problems=4, in_flight=4, step=step, policy=step)
+    metrics = mixture.metrics()
+    assert metrics["curriculum/a/unseen"] == 0.0
+    assert metrics == pytest.approx(
+        {"curriculum/a/hard": 0.25, "curriculum/a/normal": 0.5, "curriculum/a/easy": 0.25, "curriculum/a/unseen": 0.0}
+    )
+    drawn = Counter(mixture.draw()[1]["example_id"] for _ in range(3000))
+    normal = sum(drawn[i] for i in range(20, 40)) / 3000
+    assert 0.80 < normal < 0.87  # 20 x 1.0 / (20 x 1.0 + 20 x 0.2) = 0.83; uniform draws would give 0.5
+    assert drawn[0] > 0 and drawn[10] > 0  # easy and hard still drawn, less often
+
+
+def test_curriculum_resumes_its_draws_and_observations():
+    mixture = curriculum_mixture()
+    for task in range(0, 40, 3):
+        mixture.observe("a", task, 1.0 if task % 2 else 0.5)
+    [mixture.draw() for _ in range(7)]
+    state = json.loads(json.dumps(mixture.state()))  # what the checkpoint stores
+    nxt = [r["example_id"] for _, r in (mixture.draw() for _ in range(50))]
+    again = curriculum_mixture()
+    again.load_state(state)
+    assert [r["example_id"] for _, r in (again.draw() for _ in range(50))] == nxt
+    assert again.metrics() == mixture.metrics()
+
+
+def test_curriculum_pools_and_their_errors():
+    pools = DifficultyPools("a", CurriculumConfig(), [0, 1, 2])
+    assert [pools.pool(m)[0] for m in (0.0, 0.25, 0.26, 0.75, 0.9, 1.0, 1.5)] == [
+        "hard",
+        "hard",
+        "normal",
+        "normal",
+        "easy",
+        "easy",
+        "easy",
+    ]
+    only_normal = DifficultyPools("a", CurriculumConfig(pools={"all": {"threshold": 1.0, "weight": 0.0}}), [0, 1])
+    only_normal.observe(0, 1.0)
+    assert only_normal.next_index(0) == 1  # the unseen one (weight 1); task 0's pool has weight 0
+    only_normal.observe(1, 0.0)
+    with pytest.raises(UserError, match="every task is in a curriculum pool of weight 0"):
+        only_normal.next_index(0)
+    with pytest.raises(UserError, match="distinct ids"):
+        DifficultyPools("a", CurriculumConfig(), [3, 3])
+    with pytest.raises(ValidationError):
+        CurriculumConfig(pools={})
+    with pytest.raises(ValidationError):
+        CurriculumConfig(pools={"x": {"threshold": 1.0, "weight": -1}})
+
+
+def test_failed_groups_are_not_observations():
+    mixture = curriculum_mixture(n_rows=4)
+    c = collector(FakeRunner(error_fn=lambda *a: "boom"), mixture, fail_limit=100)
+    with pytest.raises(RolloutFailure):
+        collect(c, problems=2, in_flight=2)
+    assert mixture.metrics()["curriculum/a/unseen"] == 1.0

@@ -3,6 +3,7 @@ training tokens (the prompt before the first sampled token, `sampled_mask` as th
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.envs import EnvMixture, example_id, group_inputs, load_env
 from asyncrl.orchestrator.samples import TrajectoryConverter
 from asyncrl.orchestrator.v1 import (
+    MAX_TASKS,
     branch_turn,
     episode_outputs,
     error_line,
@@ -139,3 +141,23 @@ def test_a_seat_that_never_acted_is_left_out_and_an_episode_without_any_call_is_
     assert [o["reward"] for o in outs] == [-1.0]
     (out,) = episode_outputs(task, SimpleNamespace(traces=[idle], errors=[]))
     assert out["error"] == "no agent of the episode made a model call"
+
+
+def test_a_taskset_without_end_is_taken_in_order_each_task_once_and_resumes():
+    mixture = EnvMixture.load([EnvConfig(id="counting-v1")], seq_len=None, seed=3)
+    slot = mixture.slots[0]
+    assert len(slot.rows) == MAX_TASKS and slot.stream is not None
+    drawn = [example_id(mixture.draw()[1]) for _ in range(MAX_TASKS + 5)]
+    assert drawn == list(range(MAX_TASKS + 5))  # past the first MAX_TASKS: new tasks, not a second epoch
+    again = EnvMixture.load([EnvConfig(id="counting-v1")], seq_len=None, seed=3)
+    again.load_state(json.loads(json.dumps(mixture.state())))
+    assert [example_id(again.draw()[1]) for _ in range(3)] == [MAX_TASKS + 5, MAX_TASKS + 6, MAX_TASKS + 7]
+    evals = EnvMixture.load([EnvConfig(id="counting-v1")], seq_len=None, eval_split=True).slots[0]
+    assert evals.stream is None and len(evals.rows) == MAX_TASKS  # held-out evals take the first tasks
+
+
+def test_a_curriculum_needs_a_finite_taskset():
+    with pytest.raises(UserError, match="generates tasks without end: a curriculum needs a finite taskset"):
+        EnvMixture.load([EnvConfig(id="counting-v1", curriculum={})], seq_len=None)
+    slot = EnvMixture.load([EnvConfig(id="reverse-v1", curriculum={})], seq_len=None).slots[0]
+    assert slot.curriculum is not None and slot.curriculum.ids == list(range(8))
