@@ -56,10 +56,12 @@ def judge_group(group: Group, buffer: BufferConfig, advantage: AdvantageConfig) 
     if not valid:
         group.verdict = "failed"
         return group.verdict
-    rewards, lengths = [r.reward for r in valid], [r.completion_len for r in valid]
-    advantages = compute_advantages(rewards, advantage.type, lengths, advantage.length_penalty)
-    for r, a in zip(valid, advantages):
-        r.advantage = a
-    verdict = difficulty(rewards, buffer)
+    for agent in dict.fromkeys(r.agent for r in valid):  # each agent (role) of a multi-agent episode: own baseline
+        mine = [r for r in valid if r.agent == agent]
+        lengths = [r.completion_len for r in mine]
+        advantages = compute_advantages([r.reward for r in mine], advantage.type, lengths, advantage.length_penalty)
+        for r, a in zip(mine, advantages):
+            r.advantage = a
+    verdict = difficulty([r.reward for r in valid], buffer)
     group.verdict = verdict if buffer.online_difficulty_filtering else "accept"
     return group.verdict

@@ -52,6 +52,7 @@ class Rollout:
     advantage: float = 0.0
     text: str = ""  # the completion's messages as text (for W&B sample tables and the report), clipped
     prompt_text: str = ""  # the prompt's messages as text, clipped
+    agent: str = ""  # the v1 agent (role) whose trace this is: its group's advantage baseline is per agent
 
     @property
     def ok(self) -> bool:
@@ -71,7 +72,9 @@ class TrajectoryConverter:
 
     def convert(self, output: Mapping[str, Any], env: str) -> Rollout:
         """A `Rollout` for one verifiers output; errors become `Rollout.error`, never exceptions."""
-        rollout = Rollout(env=env, example_id=int(output.get("example_id", -1)), reward=0.0)
+        rollout = Rollout(
+            env=env, example_id=int(output.get("example_id", -1)), reward=0.0, agent=output.get("agent", "")
+        )
         error = _output_error(output)
         if error is not None:
             rollout.error = error

@@ -183,7 +183,8 @@ class V1Runner:
             ctx = vf.ModelContext(model=name, client=self.client, sampling=sampling)
             runs = [slot.env.run_episode(task, ctx) for task in tasks]
         episodes = await asyncio.gather(*runs, return_exceptions=True)
-        return [out for task, episode in zip(tasks, episodes) for out in episode_outputs(task, episode)]
+        train = isinstance(self.client, vf.TrainClientConfig)
+        return [out for task, episode in zip(tasks, episodes) for out in episode_outputs(task, episode, train)]
 
     def server_of(self, slot) -> ServedEnv | None:
         """The slot's env server (made on its first group), or None when its episodes run here."""
@@ -224,9 +225,10 @@ class V1Runner:
         self.servers.clear()
 
 
-def episode_outputs(task: Any, episode: Any) -> list[dict]:
-    """One episode as rollout outputs for `samples.TrajectoryConverter`: one per trace (an agent's run; a
-    multi-agent episode has several), its `trajectory` a turn per branch."""
+def episode_outputs(task: Any, episode: Any, train: bool = True) -> list[dict]:
+    """One episode as rollout outputs for `samples.TrajectoryConverter`: one per trace of a trainable agent
+    (a multi-agent episode has several; a simulated user or a judge is `trainable=False`), its `trajectory`
+    a turn per branch. `train=False` (`eval`, `synthesize`): every agent's trace when none is trainable."""
     example_id = task_id(task)
     if isinstance(episode, BaseException):
         return [{"example_id": example_id, "error": error_line(episode)}]
@@ -235,9 +237,12 @@ def episode_outputs(task: Any, episode: Any) -> list[dict]:
         return [{"example_id": example_id, "error": errors}]
     # a seat that never got to act (a hand decided before its turn) has nothing to train on: left out
     played = [t for t in episode.traces if t.branches or t.has_error]
-    if not played:
-        return [{"example_id": example_id, "error": "no agent of the episode made a model call"}]
-    return [trace_output(example_id, task, trace, episode.errors) for trace in played]
+    trainable = [t for t in played if t.agent.trainable]
+    chosen = trainable if train else trainable or played
+    if not chosen:
+        why = "no agent of the episode made a model call" if not played else "no agent of the episode is trainable"
+        return [{"example_id": example_id, "error": why}]
+    return [trace_output(example_id, task, trace, episode.errors) for trace in chosen]
 
 
 def trace_output(example_id: int, task: Any, trace: Any, episode_errors: list) -> dict:
@@ -246,6 +251,7 @@ def trace_output(example_id: int, task: Any, trace: Any, episode_errors: list) -
     rewards = {name: r.score for name, r in (trace.rewards or {}).items() if r is not None}
     return {
         "example_id": example_id,
+        "agent": trace.agent.name,
         "reward": trace.reward,
         # every named reward, metric and the turn count, as a classic environment reports them
         "metrics": {

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncrl.config.orchestrator import EnvConfig
+from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig, EnvConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.envs import EnvMixture, example_id, group_inputs, load_env
+from asyncrl.orchestrator.filtering import Group, judge_group
 from asyncrl.orchestrator.samples import TrajectoryConverter
 from asyncrl.orchestrator.v1 import (
     MAX_TASKS,
@@ -77,6 +78,9 @@ def test_sampling_flattens_extra_body_and_drops_n():
     assert cfg.model_dump(exclude_none=True) == {"temperature": 0.7, "max_tokens": 9, "top_k": -1, "min_p": 0.0}
 
 
+AGENT = SimpleNamespace(name="agent", trainable=True)
+
+
 def node(role: str, content: str) -> SimpleNamespace:
     return SimpleNamespace(message=SimpleNamespace(role=role, content=content))
 
@@ -98,7 +102,7 @@ def test_a_branch_is_one_turn_with_env_tokens_masked_and_the_engines_logprobs():
     }
     trace = SimpleNamespace(
         branches=[branch], reward=0.5, rewards={"exact": SimpleNamespace(score=0.5)}, metrics={"length": 4.0},
-        num_turns=2, is_truncated=False, has_error=False, last_error=None, assistant_messages=[],
+        num_turns=2, is_truncated=False, has_error=False, last_error=None, assistant_messages=[], agent=AGENT,
     )  # fmt: skip
     task = SimpleNamespace(data=SimpleNamespace(idx=3, prompt="reverse: abcd", system_prompt=None))
     (out,) = episode_outputs(task, SimpleNamespace(traces=[trace], errors=[]))
@@ -134,13 +138,52 @@ def test_a_seat_that_never_acted_is_left_out_and_an_episode_without_any_call_is_
     branch = SimpleNamespace(token_ids=[1, 2], sampled_mask=[False, True], logprobs=[0.0, -0.5], nodes=[], tools=[])
     played = SimpleNamespace(
         branches=[branch], reward=-1.0, rewards={}, metrics={}, num_turns=1, is_truncated=False, has_error=False,
-        last_error=None, assistant_messages=[],
+        last_error=None, assistant_messages=[], agent=AGENT,
     )  # fmt: skip
-    idle = SimpleNamespace(branches=[], reward=1.0, has_error=False)
+    idle = SimpleNamespace(branches=[], reward=1.0, has_error=False, agent=AGENT)
     outs = episode_outputs(task, SimpleNamespace(traces=[idle, played], errors=[]))
     assert [o["reward"] for o in outs] == [-1.0]
     (out,) = episode_outputs(task, SimpleNamespace(traces=[idle], errors=[]))
     assert out["error"] == "no agent of the episode made a model call"
+
+
+def _trace(agent: str, reward: float, trainable: bool = True) -> SimpleNamespace:
+    branch = SimpleNamespace(token_ids=[1, 2], sampled_mask=[False, True], logprobs=[0.0, -0.5], nodes=[], tools=[])
+    return SimpleNamespace(
+        branches=[branch], reward=reward, rewards={}, metrics={}, num_turns=1, is_truncated=False, has_error=False,
+        last_error=None, assistant_messages=[], agent=SimpleNamespace(name=agent, trainable=trainable),
+    )  # fmt: skip
+
+
+def test_untrainable_agents_are_not_trained_on():
+    """verifiers marks a simulated user or a judge `trainable=False`: training leaves its trace out; eval
+    scores the trainable agents, or every agent when none is trainable (verifiers' own rule)."""
+    task = SimpleNamespace(data=SimpleNamespace(idx=2, prompt="p", system_prompt=None))
+    episode = SimpleNamespace(traces=[_trace("user", 0.0, trainable=False), _trace("solver", 1.0)], errors=[])
+    assert [(o["agent"], o["reward"]) for o in episode_outputs(task, episode)] == [("solver", 1.0)]
+    assert [o["agent"] for o in episode_outputs(task, episode, train=False)] == ["solver"]
+    users = SimpleNamespace(traces=[_trace("user", 0.0, trainable=False)], errors=[])
+    (out,) = episode_outputs(task, users)
+    assert out["error"] == "no agent of the episode is trainable"
+    assert [o["agent"] for o in episode_outputs(task, users, train=False)] == ["user"]
+
+
+def test_each_agent_of_a_group_has_its_own_baseline():
+    """Two seats of one game: each trace's advantage is against the same seat's mean over the group."""
+    converter = TrajectoryConverter()
+    task = SimpleNamespace(data=SimpleNamespace(idx=0, prompt="p", system_prompt=None))
+    outs = [
+        o
+        for first, second in [(1.0, -1.0), (0.0, 0.0), (1.0, -1.0), (-1.0, 1.0)]
+        for o in episode_outputs(
+            task, SimpleNamespace(traces=[_trace("first", first), _trace("second", second)], errors=[])
+        )
+    ]
+    group = Group(env="game", example_id=0, policy_step=0, rollouts=[converter.convert(o, "game") for o in outs])
+    judge_group(group, BufferConfig(), AdvantageConfig())
+    by_seat = {a: [r.advantage for r in group.rollouts if r.agent == a] for a in ("first", "second")}
+    assert by_seat["first"] == pytest.approx([0.75, -0.25, 0.75, -1.25])  # first's mean: 0.25
+    assert by_seat["second"] == pytest.approx([-0.75, 0.25, -0.75, 1.25])  # second's mean: -0.25
 
 
 def test_a_taskset_without_end_is_taken_in_order_each_task_once_and_resumes():
