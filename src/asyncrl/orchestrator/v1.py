@@ -30,6 +30,7 @@ from loguru import logger
 from asyncrl.config.orchestrator import ClientConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.served import ServedEnv
+from asyncrl.orchestrator.v1_http import close_shared_http
 
 HARNESS_ID = "asyncrl-chat"  # verifiers' chat loop in this process (package asyncrl_chat; see v1_harness.py)
 AGENT_DEFAULTS = {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}}
@@ -223,6 +224,7 @@ class V1Runner:
         for server in self.servers.values():
             await server.close()
         self.servers.clear()
+        await close_shared_http()
 
 
 def episode_outputs(task: Any, episode: Any, train: bool = True) -> list[dict]:

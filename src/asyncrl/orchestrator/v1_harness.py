@@ -14,17 +14,16 @@ the way a failed program would, so verifiers records it on the trace and the rol
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 from contextlib import AsyncExitStack
 
-import httpx
 from verifiers.v1.configs.harness import HarnessConfig
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.harness import Harness
 from verifiers.v1.runtimes import ProgramResult
 
 from asyncrl.orchestrator.v1 import HARNESS_ID
+from asyncrl.orchestrator.v1_http import shared_http
 
 
 class InProcessHarnessConfig(HarnessConfig):
@@ -89,23 +88,6 @@ async def chat(
         compactor = program["Compactor"](client, model, tools, False, None)
         compactor.note_good(messages)
         await program["run_chat_loop"](args, compactor, messages, dispatch, connected, shared_http())
-
-
-_HTTP: dict[int, httpx.AsyncClient] = {}
-# every connection kept alive: with httpx's default of 20 idle ones, a step's hundreds of episodes would open
-# (and close) a TCP connection per model call
-KEEP_ALL = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-
-
-def shared_http() -> httpx.AsyncClient:
-    """This event loop's HTTP pool for the chat loops (model calls to the local interception server, tool
-    gating); made on first use, kept for the loop's life."""
-    loop = id(asyncio.get_running_loop())
-    if loop not in _HTTP:
-        _HTTP[loop] = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None)
-        )
-    return _HTTP[loop]
 
 
 __all__ = ["InProcessHarness"]
