@@ -31,6 +31,7 @@ from asyncrl.config.orchestrator import ClientConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.served import ServedEnv
 from asyncrl.orchestrator.v1_http import close_shared_http
+from asyncrl.orchestrator.v1_tuning import tune_for_episodes
 
 HARNESS_ID = "asyncrl-chat"  # verifiers' chat loop in this process (package asyncrl_chat; see v1_harness.py)
 AGENT_DEFAULTS = {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}}
@@ -157,6 +158,7 @@ def v1_run_group(
             raise UserError(f"orchestrator.renderer {renderer} is not a renderers config: {first_error(e)}") from None
     else:
         chosen = vf.EvalClientConfig(**endpoint)
+    tune_for_episodes()
     return V1Runner(chosen, model, log_dir)
 
 

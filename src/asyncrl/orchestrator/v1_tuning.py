@@ -1,0 +1,85 @@
+"""This process, set up to run many verifiers v1 episodes at a small CPU cost each (`tune_for_episodes`).
+
+An episode runs through verifiers' own v1 machinery (Env.run_episode, the interception server, the
+training client); three costs of it sit in the libraries under that machinery, and are cut here by what
+this process sets, not by a change to any library's code:
+
+- the training client's engine calls go through `v1_http.AioHttpTransport` (aiohttp's pool) instead of
+  httpcore's, which probes every idle connection on each request it starts or ends (one connection per
+  episode in flight: that scan cost more CPU than the rest of the model call);
+- pydantic answers "does this default factory take the validated data?" by parsing the factory's
+  signature on every `model_construct` (verifiers builds each trace's message nodes with it, and their
+  factories are builtins such as `list`, whose signature is parsed from text): the answer is kept per
+  factory;
+- the GC's youngest generation holds 10,000 objects instead of 700: an episode's objects live across
+  many collections of 700, so they were promoted and then freed by full collections, which scan every
+  object of the process (the models, tokenizers and tasks loaded) each time.
+
+Invariants: nothing an episode sends, receives or records changes (the same requests, the same token
+ids and logprobs, the same traces); `tune_for_episodes` is idempotent; a GC threshold already above
+ours (set by the user) is kept.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+from loguru import logger
+
+from asyncrl.orchestrator.v1_http import AioHttpTransport
+
+GC_YOUNG_THRESHOLD = 10_000  # objects allocated (net) between collections of the youngest generation
+
+
+def tune_for_episodes() -> None:
+    """Apply the three settings above to this process (a second call changes nothing)."""
+    pool_train_client()
+    cache_factory_check()
+    young, *older = gc.get_threshold()
+    if young < GC_YOUNG_THRESHOLD:
+        gc.set_threshold(GC_YOUNG_THRESHOLD, *older)
+        logger.debug(f"GC: youngest generation collected every {GC_YOUNG_THRESHOLD} objects (was {young})")
+
+
+def pool_train_client() -> None:
+    """verifiers' TrainClient builds its OpenAI client with `build_async_openai` (a name of its module);
+    wrap that so the client it gets sends over an `AioHttpTransport`, all else as verifiers built it."""
+    from verifiers.v1.clients import train
+
+    build = train.build_async_openai
+    if getattr(build, "asyncrl_pooled", False):
+        return
+
+    def build_pooled(config: Any) -> Any:
+        client = build(config)
+        # the SDK's httpx client; its own transport is unused until the first request, so nothing to close
+        client._client._transport = AioHttpTransport()
+        return client
+
+    build_pooled.asyncrl_pooled = True
+    train.build_async_openai = build_pooled
+
+
+def cache_factory_check() -> None:
+    """pydantic's `takes_validated_data_argument` (a pure function of the factory), answered once per
+    factory; an unhashable factory is checked every time, as before."""
+    from pydantic._internal import _fields
+
+    check = _fields.takes_validated_data_argument
+    if getattr(check, "asyncrl_cached", False):
+        return
+    answers: dict[Callable, bool] = {}
+
+    def cached(factory: Callable) -> bool:
+        try:
+            return answers[factory]
+        except KeyError:
+            answers[factory] = answer = check(factory)
+            return answer
+        except TypeError:  # unhashable
+            return check(factory)
+
+    cached.asyncrl_cached = True
+    _fields.takes_validated_data_argument = cached

@@ -1,0 +1,64 @@
+"""`tune_for_episodes` changes what an episode costs, never what it does.
+
+Each setting is checked for its effect (the training client's transport, the cached pydantic check, the
+GC threshold) and for keeping behaviour: the same answers, a user's higher threshold kept, idempotence.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from pydantic import BaseModel, Field
+
+from asyncrl.orchestrator.v1_http import AioHttpTransport
+from asyncrl.orchestrator.v1_tuning import GC_YOUNG_THRESHOLD, tune_for_episodes
+
+
+@pytest.fixture(autouse=True)
+def thresholds():
+    """Each test leaves the GC as it found it."""
+    saved = gc.get_threshold()
+    yield
+    gc.set_threshold(*saved)
+
+
+def test_the_training_client_sends_over_the_aiohttp_transport(monkeypatch):
+    import verifiers.v1 as vf
+    from verifiers.v1.clients import train
+
+    monkeypatch.setenv("ASYNCRL_TUNING_KEY", "k")
+    tune_for_episodes()
+    config = vf.TrainClientConfig(base_url="http://127.0.0.1:1/v1", api_key_var="ASYNCRL_TUNING_KEY")
+    client = train.build_async_openai(config)
+    assert isinstance(client._client._transport, AioHttpTransport)
+    assert client.api_key == "k" and str(client.base_url) == "http://127.0.0.1:1/v1/" and client.max_retries == 0
+    build = train.build_async_openai
+    tune_for_episodes()
+    assert train.build_async_openai is build  # wrapped once
+
+
+def test_default_factories_give_the_same_values_with_the_check_cached():
+    def with_data(data: dict) -> list:
+        return [data["a"]]
+
+    class Node(BaseModel):
+        a: int = 0
+        ids: list[int] = Field(default_factory=list)
+        echo: list[int] = Field(default_factory=with_data)
+
+    tune_for_episodes()
+    for _ in range(2):  # the second time from the cache
+        node = Node.model_construct(a=3)
+        assert node.ids == [] and node.echo == [3]
+        assert Node(a=4).echo == [4]
+    assert Node.model_construct(a=1).ids is not Node.model_construct(a=1).ids  # still a fresh list each time
+
+
+def test_the_young_generation_threshold_is_raised_and_a_higher_one_kept():
+    gc.set_threshold(700, 10, 10)
+    tune_for_episodes()
+    assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, 10, 10)
+    gc.set_threshold(50_000, 5, 5)
+    tune_for_episodes()
+    assert gc.get_threshold() == (50_000, 5, 5)
