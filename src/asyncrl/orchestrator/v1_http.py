@@ -21,6 +21,8 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
+import ssl
 import weakref
 from collections.abc import AsyncIterator
 
@@ -41,7 +43,7 @@ class AioHttpTransport(httpx.AsyncBaseTransport):
         if self._session is None:
             # httpx's TLS settings (certifi), its content decoding (auto_decompress off) and its cookies
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, ssl=httpx.create_ssl_context()),
+                connector=aiohttp.TCPConnector(limit=0, ssl=tls_context()),
                 auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
             )
@@ -95,8 +97,15 @@ class AioHttpStream(httpx.AsyncByteStream):
         self.reply.release()
 
 
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """httpx's default TLS context (certifi's CA bundle), loaded once for every session."""
+    return httpx.create_ssl_context()
+
+
 def client_timeout(request: httpx.Request) -> aiohttp.ClientTimeout:
-    """httpx's per-request timeouts (connect, read, pool) as aiohttp's."""
+    """httpx's per-request connect and read timeouts as aiohttp's (no pool limit to wait for; aiohttp has
+    no write timeout)."""
     t = request.extensions.get("timeout") or {}
     return aiohttp.ClientTimeout(total=None, sock_connect=t.get("connect"), sock_read=t.get("read"))
 
