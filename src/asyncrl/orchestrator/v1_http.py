@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import ssl
 import weakref
@@ -123,20 +124,36 @@ def as_httpx_error(error: Exception, request: httpx.Request) -> httpx.TransportE
     return httpx.NetworkError(str(error), request=request)
 
 
-_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[httpx.AsyncClient, AsyncIterator[None]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def shared_http() -> httpx.AsyncClient:
     """This event loop's HTTP client for the in-process chat loops (model calls to the local interception
-    server, tool gating): made on first use, every connection kept alive until `close_shared_http()`."""
+    server, tool gating): made on first use, every connection kept alive until `close_shared_http()` or
+    the loop's end, whichever comes first (a process that never closes its runner, e.g. an env server's
+    worker, still closes it: `asyncio.run` finalizes the loop's live async generators, `closer` among them)."""
     loop = asyncio.get_running_loop()
     if loop not in _SHARED:
-        _SHARED[loop] = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), transport=AioHttpTransport())
-    return _SHARED[loop]
+        client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), transport=AioHttpTransport())
+        guard = closer(client)
+        with contextlib.suppress(StopIteration):  # run it to its `yield`: the loop now tracks it
+            guard.__anext__().send(None)
+        _SHARED[loop] = (client, guard)
+    return _SHARED[loop][0]
+
+
+async def closer(client: httpx.AsyncClient) -> AsyncIterator[None]:
+    """Closes `client` when finalized (`aclose()`, by `close_shared_http` or by the loop's shutdown)."""
+    try:
+        yield
+    finally:
+        await client.aclose()
 
 
 async def close_shared_http() -> None:
     """Close this event loop's shared client (its runner is done); a later episode opens a new one."""
-    client = _SHARED.pop(asyncio.get_running_loop(), None)
-    if client is not None:
-        await client.aclose()
+    entry = _SHARED.pop(asyncio.get_running_loop(), None)
+    if entry is not None:
+        await entry[1].aclose()

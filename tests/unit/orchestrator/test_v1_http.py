@@ -124,3 +124,17 @@ def test_the_shared_client_is_one_per_event_loop_until_closed():
         await close_shared_http()
 
     asyncio.run(main())
+
+
+def test_the_shared_client_closes_at_its_loops_end_without_close_shared_http():
+    seen: list = []
+
+    async def main():
+        runner, url = await serve(seen)
+        http = shared_http()
+        await http.post(f"{url}/echo", json={})  # an idle keep-alive connection left open
+        await runner.cleanup()
+        return http
+
+    http = asyncio.run(main())  # asyncio.run finalizes the loop's async generators: the client's closer
+    assert http.is_closed and http._transport._session is None
