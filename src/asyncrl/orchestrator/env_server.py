@@ -25,6 +25,7 @@ from asyncrl.config.env_server import EnvServerConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.envs import installed_module
 from asyncrl.orchestrator.v1 import is_v1_module, load_v1_env, v1_env_config
+from asyncrl.orchestrator.v1_tuning import tune_for_episodes
 from asyncrl.utils.logging import forward_stdlib
 
 PARENT_POLL_S = 1.0
@@ -53,6 +54,7 @@ def serve(config: EnvServerConfig) -> None:
     quiet = config.log.level != "debug"  # a line per rollout at INFO: only with debug
     forward_stdlib("verifiers", logging.WARNING if quiet else logging.DEBUG)
     logging.getLogger("verifiers.v1.serve").setLevel(logging.INFO)  # the server's up/down lines
+    tune_for_episodes()  # pool workers (spawned) run episodes untuned: their own processes
     if config.parent_pid is not None:
         watch_parent(config.parent_pid)
     logger.info(f"serving '{env.id}' with {config.workers} worker(s) on {config.address}")

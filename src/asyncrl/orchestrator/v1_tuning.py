@@ -48,8 +48,8 @@ def pool_train_client() -> None:
     wrap that so the client it gets sends over an `AioHttpTransport`, all else as verifiers built it."""
     from verifiers.v1.clients import train
 
-    build = train.build_async_openai
-    if getattr(build, "asyncrl_pooled", False):
+    build = getattr(train, "build_async_openai", None)
+    if build is None or getattr(build, "asyncrl_pooled", False):  # None: a verifiers that builds it elsewhere
         return
 
     def build_pooled(config: Any) -> Any:
@@ -67,8 +67,8 @@ def cache_factory_check() -> None:
     factory; an unhashable factory is checked every time, as before."""
     from pydantic._internal import _fields
 
-    check = _fields.takes_validated_data_argument
-    if getattr(check, "asyncrl_cached", False):
+    check = getattr(_fields, "takes_validated_data_argument", None)
+    if check is None or getattr(check, "asyncrl_cached", False):  # None: a pydantic without that check
         return
     answers: dict[Callable, bool] = {}
 
