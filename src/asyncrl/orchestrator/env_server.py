@@ -27,6 +27,7 @@ from asyncrl.orchestrator.envs import installed_module
 from asyncrl.orchestrator.v1 import is_v1_module, load_v1_env, v1_env_config
 from asyncrl.orchestrator.v1_tuning import tune_for_episodes
 from asyncrl.utils.logging import forward_stdlib
+from asyncrl.utils.process import pid_alive
 
 PARENT_POLL_S = 1.0
 
@@ -73,7 +74,7 @@ def watch_parent(pid: int) -> None:
     child = os.getppid() == pid
 
     def gone() -> bool:
-        return os.getppid() != pid if child else not _alive(pid)
+        return os.getppid() != pid if child else not pid_alive(pid)
 
     def watch() -> None:
         while not gone():
@@ -82,13 +83,3 @@ def watch_parent(pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

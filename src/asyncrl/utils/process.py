@@ -31,6 +31,17 @@ class ChildExited(RuntimeError):
         super().__init__(f"{_name(proc)} exited with code {proc.returncode}{_log_note(log)}")
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout
+from asyncrl.utils.process import pid_alive
 
 _record: Path | None = None  # this process's record, once registered
 STOPPED = 143  # 128 + SIGTERM: what a process stopped on purpose (e.g. rl's server at the end) exits with
@@ -60,14 +61,4 @@ def state(info: dict) -> str:
         return EXITS.get(info["exit"], f"failed (exit {info['exit']})")
     if info.get("host") != socket.gethostname():
         return f"started on {info.get('host')} (cannot check from here)"
-    return f"running (pid {info['pid']})" if _alive(info["pid"]) else "killed (no exit recorded)"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return f"running (pid {info['pid']})" if pid_alive(info["pid"]) else "killed (no exit recorded)"
