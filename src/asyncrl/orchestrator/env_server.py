@@ -3,7 +3,7 @@
 An orchestrator (or `eval`/`synthesize`) sends it one task per episode and gets the episode back
 (`verifiers.v1.EnvClient`; see `served.py`); the episode's model calls go from here to the inference
 server the request names. The environment is configured exactly as in the orchestrator's own process
-(`v1.v1_env_config`: agents on harness `asyncrl-chat`, the env's args), so an episode is the same
+(`v1.load_v1_env`: agents on harness `asyncrl-chat`, the env's args), so an episode is the same
 wherever it runs.
 
 Invariants: a bad environment or args fail here, before anything binds, with one line; with
@@ -24,7 +24,7 @@ from loguru import logger
 from asyncrl.config.env_server import EnvServerConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.envs import installed_module
-from asyncrl.orchestrator.v1 import is_v1_module, load_v1_env, v1_env_config
+from asyncrl.orchestrator.v1 import is_v1_module, load_v1_env
 from asyncrl.orchestrator.v1_tuning import tune_for_episodes
 from asyncrl.utils.logging import forward_stdlib
 from asyncrl.utils.process import pid_alive
@@ -50,8 +50,7 @@ def serve(config: EnvServerConfig) -> None:
     module = installed_module(env.id)
     if not is_v1_module(module):
         raise UserError(f"env-server serves verifiers v1 environments; '{env.id}' is a classic one (run it in-process)")
-    env_config = v1_env_config(module, env.id, env.args)
-    load_v1_env(module, env.id, env.args)  # fails here, in one line, rather than in each worker
+    env_config = load_v1_env(module, env.id, env.args).config  # a bad env fails here, in one line, not per worker
     quiet = config.log.level != "debug"  # a line per rollout at INFO: only with debug
     forward_stdlib("verifiers", logging.WARNING if quiet else logging.DEBUG)
     logging.getLogger("verifiers.v1.serve").setLevel(logging.INFO)  # the server's up/down lines

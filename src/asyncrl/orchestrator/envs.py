@@ -202,7 +202,7 @@ class EnvMixture:
             name = cfg.name or cfg.id
             slots.append(EnvSlot(name=name, env=env, ratio=cfg.ratio or 1.0, rows=rows, config=cfg))
             if endless and not eval_split:
-                slots[-1].stream = (lambda taskset: lambda: iter(taskset))(env.taskset)
+                slots[-1].stream = env.taskset.__iter__  # a fresh pass over the taskset per call
             if cfg.curriculum is not None and not eval_split:
                 if endless:
                     raise UserError(
