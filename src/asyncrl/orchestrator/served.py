@@ -28,7 +28,7 @@ from loguru import logger
 
 from asyncrl.config.orchestrator import EnvConfig
 from asyncrl.core.errors import UserError
-from asyncrl.utils.process import free_port, spawn, stop_child, telling_tail
+from asyncrl.utils.process import free_port, spawn, stop_group, telling_tail
 
 POLL_S = 0.5  # how often a started server's process is checked
 HEALTH_EVERY_S, HEALTH_TIMEOUT_S, HEALTH_MISSES = 5.0, 10.0, 3  # a server at an address: lost after 3 misses
@@ -87,7 +87,7 @@ class ServedEnv:
         address = self.serving.address
         if address is None:
             address = f"tcp://127.0.0.1:{free_port()}"
-            self.proc = spawn(self.command(address), self.log, session=False)  # our group: stopped with us
+            self.proc = spawn(self.command(address), self.log)
         client = EnvClient(address)
         try:
             await self.wait_healthy(client)
@@ -137,7 +137,7 @@ class ServedEnv:
         lost.set_result(reason)
         self.client = None
         self.retired.append(client)
-        self.stop_process()  # reap it (a pool's workers watch it and end with it)
+        self.stop_process()  # what the dead server left of its process group (a pool's workers)
         if self.proc is None:
             logger.error(f"{reason}: its episodes in flight failed; reconnecting for the next ones")
         elif self.restarts_left > 0:
@@ -162,7 +162,7 @@ class ServedEnv:
 
     def stop_process(self) -> None:
         if self.proc is not None:
-            stop_child(self.proc, grace=10.0)
+            stop_group(self.proc, grace=10.0)
 
     async def close(self) -> None:
         if self.watcher is not None:

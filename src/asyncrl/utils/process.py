@@ -52,21 +52,15 @@ def free_port() -> int:
 PIPED = Path("|")  # `spawn`'s log: stdout + stderr to a pipe (`proc.stdout`), e.g. for `copy_lines`
 
 
-def spawn(
-    cmd: Sequence[str], log: Path | None, env: dict[str, str] | None = None, session: bool = True
-) -> subprocess.Popen:
-    """Start `cmd` in a new session; stdout + stderr are appended to `log` (None: inherited; PIPED: a pipe).
-    `session=False`: in this process's group instead, so whatever signals the group (the launcher stopping
-    us) reaches it too; stop it with `stop_child`, not `stop_group`."""
+def spawn(cmd: Sequence[str], log: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `cmd` in a new session; stdout + stderr are appended to `log` (None: inherited; PIPED: a pipe)."""
     if log is None or log is PIPED:
         out, err = (None, None) if log is None else (subprocess.PIPE, subprocess.STDOUT)
-        return subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=session
-        )
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as sink:  # the child holds its own copy of the descriptor
         return subprocess.Popen(
-            cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=session
+            cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
 
 
@@ -102,15 +96,6 @@ def stop_groups(procs: Sequence[subprocess.Popen], grace: float = 10.0) -> list[
 def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
     """`stop_groups` for one child."""
     stop_groups([proc], grace)
-
-
-def stop_child(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM one child spawned with `session=False`, SIGKILL it after `grace` seconds; wait for it."""
-    if proc.poll() is None:
-        proc.terminate()
-        if not _exits_by(proc, time.monotonic() + grace):
-            proc.kill()
-    proc.wait()
 
 
 def answers(url: str, timeout: float = 2.0) -> bool:

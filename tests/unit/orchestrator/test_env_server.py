@@ -117,7 +117,7 @@ def _kill_mid_episode(tasks: list[Any]):
 
     async def between(i: int, runner) -> None:
         if i == 0:
-            kill = lambda: os.kill(runner.servers["tool-calc"].proc.pid, signal.SIGKILL)  # noqa: E731
+            kill = lambda: os.killpg(runner.servers["tool-calc"].proc.pid, signal.SIGKILL)  # noqa: E731
             asyncio.get_running_loop().create_task(_when(arrived, kill))
 
     return reply, between
