@@ -139,7 +139,9 @@ def in_process_group(config: TrainConfig, body: Callable[[DistContext], Any]) ->
     """`body(ctx)` in a joined process group; a rank that went away is one clear line, not a traceback."""
     ctx = init_distributed(config.device)
     try:
-        return body(ctx)
+        result = body(ctx)
+        ctx.barrier()  # no rank tears its sockets down while another still reads its last collective
+        return result
     except Exception as e:
         if (lost := peer_lost(e)) is None:
             raise
