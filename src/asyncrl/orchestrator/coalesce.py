@@ -13,8 +13,10 @@ Invariants:
 - Only POSTs to `.../chat/completions` or `.../chat/completions/tokens` whose JSON body asks for one
   non-streamed choice without a seed merge (k seeded requests would give k equal samples, one seeded
   n = k request k different ones); anything else passes through untouched.
-- A request waits `MERGE_WINDOW_S` for identical ones (a group's rollouts reach the transport within
-  well under a millisecond of each other), then goes out with the at most `max_merge` that came.
+- A request waits for identical ones until `MERGE_WINDOW_S` passes with none joining (a group's rollouts
+  reach the transport within well under a millisecond of each other on an idle machine; under load they
+  spread out, so each arrival extends the wait, at most `MAX_WINDOWS` windows), then goes out with the at
+  most `max_merge` that came.
 - A merged request that fails in any way (an HTTP error, a malformed or short answer) is sent again one
   request at a time, so every requester sees exactly what it would have seen alone.
 - Cancelling a requester cancels the merged request once every requester of it has gone.
@@ -30,6 +32,7 @@ import httpx2
 
 MERGEABLE_PATHS = ("/chat/completions", "/chat/completions/tokens")
 MERGE_WINDOW_S = 0.002  # how long a new request waits for identical ones (the other rollouts of its group)
+MAX_WINDOWS = 10  # windows a merge waits at most while identical requests keep arriving
 _DROPPED_HEADERS = {b"content-length", b"content-encoding", b"transfer-encoding"}
 
 
@@ -76,7 +79,7 @@ class MergingTransport(httpx2.AsyncBaseTransport):
         await self.inner.aclose()
 
     async def _send(self, key: tuple, merge: _Merge) -> None:
-        await asyncio.sleep(MERGE_WINDOW_S)
+        await self._quiet(merge)
         if self._open.get(key) is merge:
             del self._open[key]
         live = [(r, w) for r, w in zip(merge.requests, merge.waiters) if not w.done()]
@@ -97,6 +100,14 @@ class MergingTransport(httpx2.AsyncBaseTransport):
                 waiter.set_exception(result)
             else:
                 waiter.set_result(result)
+
+    async def _quiet(self, merge: _Merge) -> None:
+        """Wait until a whole window passes with no new joiner (a loaded machine spreads a group's arrivals)."""
+        for _ in range(MAX_WINDOWS):
+            seen = len(merge.requests)
+            await asyncio.sleep(MERGE_WINDOW_S)
+            if len(merge.requests) == seen or len(merge.requests) >= self.max_merge:
+                return
 
     async def _answers(self, requests: list[httpx2.Request]) -> list[httpx2.Response | BaseException]:
         if len(requests) > 1:
