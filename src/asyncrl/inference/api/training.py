@@ -4,16 +4,19 @@
 Mounted on the embedded app and on vLLM's app alike, against the app's `TrainingEngine`. Changes are
 serialized on the app's weights lock, and each route answers once the change is live. Everything a
 client can get wrong that needs no engine (missing fields, an adapter named like the served model,
-an adapter path that is no directory) is refused here, so both engines answer it identically. With
-`allowed_weights_root` set, a dir outside it (symlinks and `..` resolved) is refused with 403.
+an adapter path that is no directory or holds a malformed adapter, one adapter more than
+`max_lora_adapters`) is refused here, so both engines answer it identically. With `allowed_weights_root`
+set, a dir outside it (symlinks and `..` resolved) is refused with 403.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from fastapi import APIRouter
 
+from asyncrl.inference.api.adapter_dir import check_adapter_dir
 from asyncrl.inference.api.deps import Config, Engine, WeightsLock
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.api.schemas import LoadLoraRequest, UpdateWeightsRequest
@@ -44,7 +47,9 @@ async def load_lora_adapter(body: LoadLoraRequest, engine: Engine, lock: Weights
         raise InvalidRequest("lora_name must differ from the served model's name", param="lora_name")
     if not is_dir(body.lora_path):
         raise InvalidRequest(f"lora_path '{body.lora_path}' is not a directory", param="lora_path")
+    await asyncio.to_thread(check_adapter_dir, body.lora_path)
     async with lock:
+        check_room(engine.lora_names(), body.lora_name, config.max_lora_adapters)
         await engine.load_lora_adapter(body.lora_name, body.lora_path)
     return {"status": "ok", "lora_name": body.lora_name}
 
@@ -56,4 +61,15 @@ def check_allowed(path: str, root: Path | None, param: str) -> None:
             "--allowed-weights-root)",
             param=param,
             status=403,
+        )
+
+
+def check_room(loaded: list[str], name: str, limit: int) -> None:
+    """A new adapter name fits under `limit` loaded adapters (replacing a loaded one always does)."""
+    if name not in loaded and len(loaded) >= limit:
+        raise InvalidRequest(
+            f"{len(loaded)} LoRA adapters are loaded, the server's limit: load a new step under a loaded "
+            "name (it replaces that adapter) or restart the server with a higher --max-lora-adapters",
+            param="lora_name",
+            status=409,
         )
