@@ -8,7 +8,6 @@ roles, content and tools checked) so a bad value is a 400, never an engine error
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -305,25 +304,11 @@ class UpdateWeightsRequest(_Body):
     _path = field_validator("weight_dir")(_no_nul)
 
 
-ADAPTER_NAME = re.compile(r"^(?!\.)(?!.*\.\.)[A-Za-z0-9._-]{1,128}$")
-
-
-def _adapter_name(name: str) -> str:
-    """An adapter name is a model name in every request and log line: short, printable, no path."""
-    if not ADAPTER_NAME.match(name):
-        raise ValueError(
-            f"{name[:40]!r}{'...' if len(name) > 40 else ''} is not an adapter name: use 1-128 characters of "
-            "A-Z a-z 0-9 . _ -, not starting with '.' and without '..'"
-        )
-    return name
-
-
 class LoadLoraRequest(_Body):
     lora_name: str = Field(..., min_length=1)
     lora_path: str = Field(..., min_length=1)
 
     _path = field_validator("lora_path")(_no_nul)
-    _name = field_validator("lora_name")(_adapter_name)
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
