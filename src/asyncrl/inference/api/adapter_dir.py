@@ -2,7 +2,7 @@
 
 Shared by both engines, checked before the engine sees the dir: `adapter_config.json` (a JSON object whose
 `r`, `lora_alpha`, `alpha_pattern`, `rank_pattern` and `target_modules` have the types and ranges PEFT
-gives them) and the header of `adapter_model.safetensors` (every tensor a floating point matrix). Both
+gives them) and `adapter_model.safetensors` (every tensor a finite floating point matrix). Both
 files must lie inside the dir (403 otherwise, as for weight dirs). Each problem is one `InvalidRequest`
 (400, param `lora_path`) naming the field and what is wrong with it.
 """
@@ -34,6 +34,7 @@ def check_adapter_dir(path: str | Path) -> None:
     weights = file_inside(path, WEIGHTS, "lora_path")
     if weights.is_file():  # vLLM also reads .bin adapters; the engine says when none is there
         check_adapter_header(weights)
+        check_adapter_values(weights)
 
 
 def read_config(cfg_file: Path) -> dict:
@@ -91,6 +92,13 @@ def _compile(pattern: object, field: str, where: Path) -> None:
         re.compile(str(pattern))
     except re.error as e:
         raise _fail(f"{where}: {field} has an invalid regex {str(pattern)[:60]!r} ({e})") from e
+
+
+def check_adapter_values(weights: Path) -> None:
+    """No NaN or inf in the adapter (read whole: adapters are small; torch is imported here only)."""
+    from asyncrl.inference.api.tensor_values import check_values, read_file
+
+    check_values(read_file(weights, "lora_path"), f"adapter '{weights.parent}'", "lora_path")
 
 
 def check_adapter_header(weights: Path) -> None:

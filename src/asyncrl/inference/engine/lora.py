@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from asyncrl.inference.api.errors import InvalidRequest
+from asyncrl.inference.api.tensor_values import check_values
 from asyncrl.inference.api.weight_dir import file_inside
-from asyncrl.inference.engine.weight_loading import check_values, read_state_dict
+from asyncrl.inference.engine.weight_loading import read_state_dict
 
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")

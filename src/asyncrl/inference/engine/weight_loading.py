@@ -4,21 +4,20 @@ Everything that can be wrong with a weight dir (missing, empty, other architectu
 tensors, NaN or inf values) is found before the copy and raised as `InvalidRequest`, so the model keeps
 serving its current weights. Tied parameters count as present when any of their aliases is.
 
-Files are read with plain reads into memory, never memory-mapped: a file another process truncates or
-rewrites while we read it is then a short or torn read (an error, 409 when we saw it change), not a SIGBUS
+Files are read with plain reads into memory, never memory-mapped (api/tensor_values.py): a file another
+process truncates or rewrites while we read it is then an error (409 when we saw it change), not a SIGBUS
 that kills the server.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load
 
 from asyncrl.inference.api.errors import InvalidRequest
-from asyncrl.inference.api.weight_dir import one_line, safetensors_files
+from asyncrl.inference.api.tensor_values import check_values, read_file
+from asyncrl.inference.api.weight_dir import safetensors_files
 
 
 def read_state_dict(files: list[Path], param: str = "weight_dir") -> dict[str, torch.Tensor]:
@@ -26,36 +25,6 @@ def read_state_dict(files: list[Path], param: str = "weight_dir") -> dict[str, t
     for f in files:
         tensors.update(read_file(f, param))
     return tensors
-
-
-def read_file(f: Path, param: str) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file, read into memory (no mmap); a file that changed meanwhile: 409."""
-    try:
-        before = os.stat(f)
-        data = f.read_bytes()
-        after = os.stat(f)
-    except OSError as e:
-        raise InvalidRequest(f"cannot read {f}: {one_line(e)}", param=param) from e
-    if len(data) != after.st_size or (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
-        raise InvalidRequest(
-            f"{f} changed while it was being read (another process is writing it): send the request again "
-            "once the file is complete",
-            param=param,
-            status=409,
-        )
-    try:
-        return load(data)
-    except Exception as e:  # corrupt / truncated file: the user's problem, not a server error
-        raise InvalidRequest(f"cannot read {f}: not a complete safetensors file ({one_line(e)})", param=param) from e
-
-
-def check_values(tensors: dict[str, torch.Tensor], where: str, param: str) -> None:
-    """Every tensor is floating point and finite (no NaN or inf); else 400 naming the first bad one."""
-    for name, t in tensors.items():
-        if not t.is_floating_point():
-            raise InvalidRequest(f"{where}: tensor '{name}' is {t.dtype}, not floating point", param=param)
-        if not bool(torch.isfinite(t).all()):
-            raise InvalidRequest(f"{where}: tensor '{name}' holds NaN or inf values", param=param)
 
 
 def load_matching_weights(path: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
