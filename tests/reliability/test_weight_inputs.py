@@ -1,7 +1,8 @@
 """Hostile weight dirs and LoRA adapters sent to the inference server (embedded engine, real files, real HTTP).
 
-One server for the module, serving the tiny model with `--allowed-weights-root` = ROOT (a dir of this
-session's temp dir) and `--max-lora-adapters` 3. Each case sends a dir a hostile or careless client could
+One server for the module, serving the tiny model from a dir laid out like a HF cache snapshot (every file a
+symlink into a blobs dir) with `--allowed-weights-root` = a dir of this session's temp dir and
+`--max-lora-adapters` 3. Each case sends a dir a hostile or careless client could
 write: a file rewritten while the server reads it, index shards and symlinks that point out of the root,
 malformed index and adapter configs, weights that are not weights (NaN, int32, scalars), adapter names
 that are not names, one adapter too many. Every answer must be a one-line 4xx naming what is wrong, and
@@ -45,8 +46,19 @@ def outside(tmp_path_factory, served_model_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(served_model_dir, root):
-    srv = start_server("embedded", served_model_dir, allowed_weights_root=root, max_lora_adapters=MAX_ADAPTERS)
+def linked_model_dir(tmp_path_factory, served_model_dir) -> Path:
+    """The served model as a HF cache snapshot: snapshot/<file> -> ../blobs/<file>."""
+    cache = tmp_path_factory.mktemp("hf_cache")
+    shutil.copytree(served_model_dir, cache / "blobs")
+    (cache / "snapshot").mkdir()
+    for f in (cache / "blobs").iterdir():
+        (cache / "snapshot" / f.name).symlink_to(Path("..") / "blobs" / f.name)
+    return cache / "snapshot"
+
+
+@pytest.fixture(scope="module")
+def server(linked_model_dir, root):
+    srv = start_server("embedded", linked_model_dir, allowed_weights_root=root, max_lora_adapters=MAX_ADAPTERS)
     yield srv
     srv.stop()
 
@@ -171,6 +183,12 @@ def test_shards_and_files_outside_the_root_are_refused_alike(http, server, root,
     (adapter / "adapter_model.safetensors").symlink_to(outside / "model.safetensors")
     refused(load_lora(http, "linked", adapter), 403, "lora_path", "not inside")
     assert answer(http, server) == before and http.get("/v1/models").json()["data"][1:] == []
+
+
+def test_the_servers_own_linked_checkpoint_still_reloads(http, server, before):
+    """Shards are confined to the dirs clients name, not to the server's own checkpoint (HF cache links)."""
+    assert http.post("/reload_weights", json={}).status_code == 200
+    assert answer(http, server) == before
 
 
 # ---- 5: malformed index files and adapter configs --------------------------------------------------------------

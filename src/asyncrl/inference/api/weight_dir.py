@@ -52,18 +52,22 @@ def file_inside(directory: str | Path, name: str, param: str) -> Path:
     return path
 
 
-def safetensors_files(path: str | Path, param: str = "weight_dir") -> list[Path]:
-    """The safetensors files of a HF weight dir (the shards of its index if it has one), each inside it."""
+def safetensors_files(path: str | Path, param: str = "weight_dir", confine: bool = True) -> list[Path]:
+    """The safetensors files of a HF weight dir (the shards of its index if it has one), each inside it.
+
+    `confine=False` only for the server's own checkpoint (a HF cache snapshot's files link to its blobs).
+    """
     root = Path(path)
     if not is_dir(root):
         raise InvalidRequest(f"{param} '{path}' does not exist or is not a directory", param=param)
     index = root / "model.safetensors.index.json"
+    named = (lambda n: file_inside(path, n, param)) if confine else (lambda n: root / n)
     if index.is_file():
-        return _indexed_shards(path, index, param)
+        return _indexed_shards(path, index, param, named)
     names = sorted(p.name for p in root.glob("*.safetensors") if not p.name.startswith("adapter_"))
     if not names:
         raise InvalidRequest(f"{param} '{path}' contains no *.safetensors files", param=param)
-    return [file_inside(path, n, param) for n in names]
+    return [named(n) for n in names]
 
 
 def index_shards(index: Path, param: str) -> list[str]:
@@ -88,9 +92,9 @@ def index_shards(index: Path, param: str) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def _indexed_shards(path: str | Path, index: Path, param: str) -> list[Path]:
-    file_inside(path, index.name, param)
-    files = [file_inside(path, s, param) for s in index_shards(index, param)]
+def _indexed_shards(path: str | Path, index: Path, param: str, named) -> list[Path]:
+    named(index.name)
+    files = [named(s) for s in index_shards(index, param)]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise InvalidRequest(f"{param} '{path}' lacks shards listed in its index: {missing[:3]}", param=param)
@@ -112,17 +116,12 @@ def read_header(f: Path, param: str) -> Header:
     return header
 
 
-def checkpoint_header(path: str | Path, param: str = "weight_dir") -> Header:
+def checkpoint_header(path: str | Path, param: str = "weight_dir", confine: bool = True) -> Header:
     """Tensor name -> (dtype, shape) of a HF safetensors dir, read from the file headers."""
     header: Header = {}
-    for f in safetensors_files(path, param=param):
+    for f in safetensors_files(path, param=param, confine=confine):
         header.update(read_header(f, param))
     return header
-
-
-def checkpoint_shapes(path: str | Path, param: str = "weight_dir") -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of a HF safetensors dir, read from the file headers (no tensor data)."""
-    return {k: shape for k, (_, shape) in checkpoint_header(path, param).items()}
 
 
 def check_weight_dir(weight_dir: str | Path, expected: Header | None) -> None:

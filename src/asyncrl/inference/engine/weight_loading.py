@@ -27,12 +27,14 @@ def read_state_dict(files: list[Path], param: str = "weight_dir") -> dict[str, t
     return tensors
 
 
-def load_matching_weights(path: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def load_matching_weights(path: str | Path, model: torch.nn.Module, confine: bool = True) -> dict[str, torch.Tensor]:
     """Tensors of `path` keyed like `model.state_dict()`, checked complete and shape-compatible.
+
+    `confine=False` only for the server's own checkpoint (a HF cache snapshot's files link to its blobs).
 
     Tied parameters (e.g. lm_head sharing the embedding) count as present when any alias is.
     """
-    tensors = read_state_dict(safetensors_files(path))
+    tensors = read_state_dict(safetensors_files(path, confine=confine))
     state = model.state_dict()
     unknown = sorted(set(tensors) - set(state))
     if unknown:

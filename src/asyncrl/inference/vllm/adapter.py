@@ -63,7 +63,7 @@ class VLLMEngine:
 def _base_header(model_name: str) -> Header | None:
     """Tensor dtypes and shapes of the base checkpoint, which weight dirs must match (None: not on local disk)."""
     base_dir = local_checkpoint_dir(model_name)
-    expected = checkpoint_header(base_dir, param="model.name") if base_dir else None
+    expected = checkpoint_header(base_dir, param="model.name", confine=False) if base_dir else None
     if expected is None:
         logger.warning(f"base checkpoint of {model_name} not found locally: weight dirs are not shape-checked")
     return expected
