@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.inference.api.errors import InvalidRequest
@@ -92,7 +93,7 @@ def index_shards(index: Path, param: str) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def _indexed_shards(path: str | Path, index: Path, param: str, named) -> list[Path]:
+def _indexed_shards(path: str | Path, index: Path, param: str, named: Callable[[str], Path]) -> list[Path]:
     named(index.name)
     files = [named(s) for s in index_shards(index, param)]
     missing = [str(f) for f in files if not f.is_file()]
