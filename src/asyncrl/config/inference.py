@@ -52,6 +52,9 @@ class InferenceConfig(BaseConfig):
     allowed_weights_root: Path | None = Field(
         None, description="/update_weights and /load_lora_adapter load only dirs under this one (rl: its output_dir)"
     )
+    max_lora_adapters: int = Field(
+        64, ge=1, description="LoRA adapters loaded at once (/load_lora_adapter of one more name is refused: 409)"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="embedded engine device")
     max_batch_size: int = Field(64, ge=1, description="embedded engine: sequences decoded together")
     num_threads: int | None = Field(

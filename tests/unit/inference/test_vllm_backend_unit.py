@@ -64,7 +64,7 @@ def test_argv_leaves_unset_options_to_vllm():
 
 @pytest.fixture
 def expected():
-    return {"embed.weight": (10, 4), "layer.weight": (4, 4)}
+    return {"embed.weight": ("F32", (10, 4)), "layer.weight": ("F32", (4, 4))}  # the base's header
 
 
 def write(path, tensors: dict[str, tuple[int, ...]], name: str = "model.safetensors"):
@@ -74,7 +74,7 @@ def write(path, tensors: dict[str, tuple[int, ...]], name: str = "model.safetens
 
 
 def test_weight_dir_matching_names_and_shapes_passes(tmp_path, expected):
-    check_weight_dir(write(tmp_path / "ok", expected), expected)  # dtype may differ from the base's
+    check_weight_dir(write(tmp_path / "ok", {"embed.weight": (10, 4), "layer.weight": (4, 4)}), expected)  # bf16 ok
     check_weight_dir(write(tmp_path / "unchecked", {"other": (1,)}), None)  # no local base: readable is enough
 
 

@@ -72,6 +72,9 @@ class TrainingEngine(Protocol):
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         """Register (or replace) a PEFT adapter; requests with model=lora_name then use it."""
 
+    def lora_names(self) -> list[str]:
+        """Names of the loaded adapters."""
+
 
 class Backend(ABC):
     """An engine the whole API can serve (a `TrainingEngine` that also generates)."""

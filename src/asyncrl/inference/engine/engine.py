@@ -254,7 +254,7 @@ class EmbeddedEngine(Backend):
 
     async def reload_weights(self) -> None:
         base = await asyncio.to_thread(_model_dir, self.model_name)
-        tensors = await asyncio.to_thread(load_matching_weights, base, self.model)
+        tensors = await asyncio.to_thread(load_matching_weights, base, self.model, False)
         await self._run_op(lambda: copy_into(self.model, tensors))
         logger.info(f"reloaded base weights from {base}")
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from asyncrl.inference.api.errors import InvalidRequest
+from asyncrl.inference.api.tensor_values import check_values
+from asyncrl.inference.api.weight_dir import file_inside
 from asyncrl.inference.engine.weight_loading import read_state_dict
 
 _PREFIX = "base_model.model."
@@ -36,7 +38,7 @@ def _fail(msg: str) -> InvalidRequest:
 def read_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
     """Load and validate a PEFT LoRA adapter dir for `model` (tensors on the model's device/dtype)."""
     root = Path(path)
-    cfg_file = root / "adapter_config.json"
+    cfg_file = file_inside(root, "adapter_config.json", "lora_path")
     if not cfg_file.is_file():
         raise _fail(f"lora_path '{path}' has no adapter_config.json (expected a PEFT adapter dir)")
     try:
@@ -52,10 +54,11 @@ def read_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
             raise _fail(f"LoRA adapters with {flag}=true are not supported by the embedded engine")
     if cfg.get("bias", "none") != "none":
         raise _fail("LoRA adapters with trained biases are not supported (bias must be 'none')")
-    weight_file = root / "adapter_model.safetensors"
+    weight_file = file_inside(root, "adapter_model.safetensors", "lora_path")
     if not weight_file.is_file():
         raise _fail(f"lora_path '{path}' has no adapter_model.safetensors")
     tensors = read_state_dict([weight_file], param="lora_path")
+    check_values(tensors, f"adapter '{path}'", "lora_path")
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():

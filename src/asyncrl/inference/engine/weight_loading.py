@@ -1,8 +1,12 @@
 """Load a HF safetensors weight dir into the embedded engine's live model, validated before anything is swapped.
 
-Everything that can be wrong with a weight dir (missing, empty, other architecture, other shapes) is
-found before the copy and raised as `InvalidRequest`, so the model keeps serving its current weights.
-Tied parameters count as present when any of their aliases is.
+Everything that can be wrong with a weight dir (missing, empty, other architecture, other shapes, integer
+tensors, NaN or inf values) is found before the copy and raised as `InvalidRequest`, so the model keeps
+serving its current weights. Tied parameters count as present when any of their aliases is.
+
+Files are read with plain reads into memory, never memory-mapped (api/tensor_values.py): a file another
+process truncates or rewrites while we read it is then an error (409 when we saw it change), not a SIGBUS
+that kills the server.
 """
 
 from __future__ import annotations
@@ -10,30 +14,27 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from asyncrl.inference.api.errors import InvalidRequest
+from asyncrl.inference.api.tensor_values import check_values, read_file
 from asyncrl.inference.api.weight_dir import safetensors_files
 
 
 def read_state_dict(files: list[Path], param: str = "weight_dir") -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as fh:
-                for key in fh.keys():
-                    tensors[key] = fh.get_tensor(key)
-        except Exception as e:  # corrupt / truncated file: the user's problem, not a server error
-            raise InvalidRequest(f"cannot read {f}: {e}", param=param) from e
+        tensors.update(read_file(f, param))
     return tensors
 
 
-def load_matching_weights(path: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def load_matching_weights(path: str | Path, model: torch.nn.Module, confine: bool = True) -> dict[str, torch.Tensor]:
     """Tensors of `path` keyed like `model.state_dict()`, checked complete and shape-compatible.
+
+    `confine=False` only for the server's own checkpoint (a HF cache snapshot's files link to its blobs).
 
     Tied parameters (e.g. lm_head sharing the embedding) count as present when any alias is.
     """
-    tensors = read_state_dict(safetensors_files(path))
+    tensors = read_state_dict(safetensors_files(path, confine=confine))
     state = model.state_dict()
     unknown = sorted(set(tensors) - set(state))
     if unknown:
@@ -57,6 +58,9 @@ def load_matching_weights(path: str | Path, model: torch.nn.Module) -> dict[str,
         raise InvalidRequest(
             f"weights in '{path}' do not match the served model: shape mismatch {bad[:3]}", param="weight_dir"
         )
+    check_values(
+        {k: v for k, v in tensors.items() if state[k].is_floating_point()}, f"weights in '{path}'", "weight_dir"
+    )
     return tensors
 
 

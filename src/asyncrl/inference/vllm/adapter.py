@@ -21,7 +21,7 @@ from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
 from asyncrl.inference.api.errors import InvalidRequest
-from asyncrl.inference.api.weight_dir import check_weight_dir, checkpoint_shapes
+from asyncrl.inference.api.weight_dir import Header, check_weight_dir, checkpoint_header
 
 
 class VLLMEngine:
@@ -31,7 +31,7 @@ class VLLMEngine:
         self.engine = app_state.engine_client
         self.models = app_state.openai_serving_models
         self.model_name = model_name
-        self.expected = _base_shapes(model_name)
+        self.expected = _base_header(model_name)
 
     async def update_weights(self, weight_dir: str) -> None:
         await asyncio.to_thread(check_weight_dir, weight_dir, self.expected)
@@ -45,6 +45,9 @@ class VLLMEngine:
         await self.engine.reset_prefix_cache(reset_running_requests=True)
         logger.info(f"serving weights from {path}")
 
+    def lora_names(self) -> list[str]:
+        return list(self.models.lora_requests)
+
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         if self.engine.vllm_config.lora_config is None:
             raise InvalidRequest("LoRA is off: start the server with the vLLM flag --enable-lora")
@@ -57,10 +60,10 @@ class VLLMEngine:
             await self.engine.reset_prefix_cache(reset_running_requests=True)
 
 
-def _base_shapes(model_name: str) -> dict[str, tuple[int, ...]] | None:
-    """Tensor shapes of the base checkpoint, which weight dirs must match (None: not on local disk)."""
+def _base_header(model_name: str) -> Header | None:
+    """Tensor dtypes and shapes of the base checkpoint, which weight dirs must match (None: not on local disk)."""
     base_dir = local_checkpoint_dir(model_name)
-    expected = checkpoint_shapes(base_dir, param="model.name") if base_dir else None
+    expected = checkpoint_header(base_dir, param="model.name", confine=False) if base_dir else None
     if expected is None:
         logger.warning(f"base checkpoint of {model_name} not found locally: weight dirs are not shape-checked")
     return expected
