@@ -91,7 +91,7 @@ class RLLoop(Loop):
             shape = cfg.data.fake or BenchDataConfig()
             self.source = FakeSource(shape, s.vocab_size, s.ctx.rank, s.ctx.world_size, cfg.seed)
         else:
-            self.source = RolloutSource(s.layout, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout)
+            self.source = RolloutSource(s.layout, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout, s.vocab_size)
             if s.ctx.is_main:  # an orchestrator without num_train_workers packs for this many ranks
                 write_text_atomic(s.layout.trainer_world, json.dumps({"world_size": s.ctx.world_size}))
         if cfg.loss.ref_kl is not None:
@@ -247,6 +247,9 @@ class RLLoop(Loop):
             f"rollouts/step_{step})"
         )
 
+    def batch_name(self, step: int) -> str:
+        return f"the rollout batch {self.session.layout.batch_dir(step)}"
+
     # ---- outputs -----------------------------------------------------------------------------------
 
     def end_step(self, step: int, final: bool) -> dict[str, float]:
@@ -280,6 +283,8 @@ class RLLoop(Loop):
             self._publish(step, keep_weights=False)
 
     def log_line(self, step: int, m: dict) -> str:
+        if m.get("empty_step"):
+            return f"step {step} | no loss tokens: not trained, weights unchanged | wait {m['wait_s']:.2f}s"
         return (
             f"step {step} | loss {m['loss']:.4f} | entropy {m['entropy']:.3f} | mismatch_kl {m['mismatch_kl']:.2e} | "
             f"masked {m.get('masked_frac', 0):.1%} | clipped {m.get('clipped_frac', 0):.1%} | "
