@@ -89,7 +89,14 @@ class Orchestrator:
         if step == 0:
             return None
         self.progress, self.collector.buffer = ckpt.load(self.layout, step)
-        self.mixture.load_state(self.progress.sampler)
+        try:
+            self.mixture.load_state(self.progress.sampler)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            path = self.layout.checkpoint_dir(step, ckpt.COMPONENT) / ckpt.PROGRESS
+            raise UserError(
+                f"orchestrator checkpoint {path} is corrupted: its sampler state is unreadable "
+                f"({type(e).__name__}: {e}); resume from another step"
+            ) from None
         logger.info(
             f"resuming at step {step} ({self.progress.total_samples} samples so far, "
             f"{len(self.collector.buffer)} buffered groups)"
