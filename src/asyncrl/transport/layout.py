@@ -227,10 +227,13 @@ def resolve_resume_step(layout: RunLayout, requested: int, max_steps: int | None
 
 def _find_resume_step(layout: RunLayout, requested: int) -> int:
     root, complete, all_dirs = layout.checkpoints, layout.resumable_steps(), layout.checkpoints_of(TRAINER)
+    trainer_only = [s for s in layout.complete_checkpoints(TRAINER) if s not in complete]  # no orchestrator part
     if requested == -1:
         if not complete:
+            lacking = f"; trainer checkpoints {trainer_only} lack the orchestrator's part" if trainer_only else ""
             raise UserError(
-                f"ckpt.resume_step = -1 but no checkpoint under {root} is complete (trainer and orchestrator)"
+                f"ckpt.resume_step = -1 but no checkpoint under {root} is complete (the trainer's and, on a run with "
+                f"an orchestrator, the orchestrator's of the same step){lacking}"
             )
         partial = [s for s in all_dirs if s > complete[-1]]
         if partial:
@@ -238,6 +241,12 @@ def _find_resume_step(layout: RunLayout, requested: int) -> int:
         return complete[-1]
     if requested in complete:
         return requested
+    if requested in trainer_only:
+        raise UserError(
+            f"no orchestrator checkpoint at {layout.checkpoint_dir(requested, ORCHESTRATOR)} (the trainer's "
+            f"step_{requested} is complete; the orchestrator's save of that step did not happen or was deleted); "
+            f"resume from one of {complete or 'none'}"
+        )
     if requested in all_dirs:
         raise UserError(
             f"checkpoint {all_dirs[requested]} is partial or corrupted (no {STABLE} marker: its save did not "
