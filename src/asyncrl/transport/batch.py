@@ -190,7 +190,10 @@ def _value_problem(mb: MicroBatch, vocab_size: int | None) -> str | None:
         return f"inference_logprobs[{bad}] = {value} (the sampler's logprob of a token it sampled must be finite)"
     temps = mb["temperatures"]
     if (bad := _first(~(temps.isfinite() & (temps > 0)))) is not None:
-        return f"temperatures[{bad}] = {float(temps[bad])} (sampling temperatures are finite and > 0)"
+        return (
+            f"temperatures[{bad}] = {float(temps[bad])} (RL needs finite sampling temperatures > 0: a greedy sample "
+            "has no distribution to correct for; give the orchestrator sampling.temperature > 0)"
+        )
     try:
         check_shared(pos, mb["loss_mask"])
     except ValueError as e:
