@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -246,7 +247,9 @@ class TrainSession:
                 "have no completion tokens (check the orchestrator's filters and sampling.max_tokens)"
             )
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        with warnings.catch_warnings():  # torch's warning about a schedule stepped before any optimizer step
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            self.scheduler.step()
         self._advance(step, batch)
         losses = {"loss": 0.0, "empty_step": 1.0}  # no entropy or KL: a 0 there would read as a collapse
         return self._step_metrics(batch, losses, 0.0, lr, time.perf_counter() - start)
