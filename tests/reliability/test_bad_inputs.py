@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator import ckpt
 from asyncrl.trainer.rl.data import RolloutSource
-from asyncrl.transport.layout import RunLayout, resolve_resume_step
+from asyncrl.transport.layout import RunLayout, resolve_resume_step, trainer_world_size
 
 pytestmark = pytest.mark.reliability
 
@@ -241,3 +241,17 @@ def test_a_missing_orchestrator_checkpoint_is_named_not_the_complete_trainer_one
         match=r"-1 but no checkpoint under .* is complete .*checkpoints \[2, 4\] lack the orchestrator's part",
     ):
         resolve_resume_step(layout, -1)
+
+
+# ---- beyond files the trainer reads: the run dir's trainer_world.json, read by the orchestrator every step ---------
+
+
+@pytest.mark.parametrize("content", ['{"world_size": "2"}', '{"world_size": 0}', "{}", "[2]", "{not json", ""])
+def test_a_malformed_trainer_world_file_is_named(tmp_path, content):
+    layout = RunLayout(tmp_path)
+    assert trainer_world_size(layout) is None  # not written yet: the orchestrator packs for 1 rank meanwhile
+    layout.trainer_world.write_text(content)
+    with pytest.raises(UserError, match=rf"{layout.trainer_world} is malformed .* delete it .*num_train_workers"):
+        trainer_world_size(layout)
+    layout.trainer_world.write_text('{"world_size": 2}')
+    assert trainer_world_size(layout) == 2

@@ -11,7 +11,6 @@ while the trainer trains on step n, so generation and training overlap within th
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
@@ -36,7 +35,7 @@ from asyncrl.orchestrator.packing import PackItem, PackStats, pack
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts
 from asyncrl.orchestrator.samples import TrajectoryConverter
 from asyncrl.transport.batch import MicroBatch, write_batch
-from asyncrl.transport.layout import ADAPTER, RunLayout
+from asyncrl.transport.layout import ADAPTER, RunLayout, trainer_world_size
 from asyncrl.utils.monitor import MetricsSink, drop_rows_from
 
 
@@ -172,10 +171,10 @@ class Orchestrator:
         if self.config.num_train_workers is not None:
             self._trainer_ranks = self.config.num_train_workers
             return
-        path = self.layout.trainer_world
-        ranks = json.loads(path.read_text())["world_size"] if path.exists() else 1
+        path, written = self.layout.trainer_world, trainer_world_size(self.layout)
+        ranks = written or 1
         if ranks != self._trainer_ranks:
-            said = f"from {path}" if path.exists() else f"until the trainer writes {path.name}"
+            said = f"from {path}" if written else f"until the trainer writes {path.name}"
             logger.info(f"packing batches for {ranks} trainer rank(s) ({said})")
         self._trainer_ranks = ranks
 

@@ -15,6 +15,8 @@ On disk (under `output_dir`)::
     logs/<component>.pid                        the process's pid, host, start; exit code and error at its end
     metrics/<component>.jsonl                   one JSON row per step
     configs/<component>.toml                    the resolved config the launcher gave each process
+    trainer_world.json                          {"world_size": N}, trainer rank 0 at start: the orchestrator packs
+                                                for N ranks (`trainer_world_size`)
     run_{name}/                                 multi-run: one LoRA run, itself a run dir of this layout, plus
     run_{name}/run.toml, STOP, run_status.json    its trainer settings (appearing: the run starts), a request
                                                 to end it, the trainer's word on how it ended
@@ -32,6 +34,7 @@ every rank's checkpoint shards are written) and read only by `is_stable`; a dir 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shutil
 from collections.abc import Callable, Iterable
@@ -207,6 +210,27 @@ class RunLayout:
                 f"{sorted(str(p.relative_to(self.root)) for p in stale)}"
             )
         return stale
+
+
+def trainer_world_size(layout: RunLayout) -> int | None:
+    """The rank count trainer rank 0 wrote to `trainer_world.json` (None while there is none); a UserError naming
+    the file when it is not {"world_size": N >= 1} (the trainer writes it atomically: only a hand-made one is)."""
+    path = layout.trainer_world
+    if not path.exists():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        problem = f"{type(e).__name__}: {e}"
+    else:
+        ranks = raw.get("world_size") if isinstance(raw, dict) else None
+        if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1:
+            return ranks
+        problem = f"world_size is {ranks!r}" if isinstance(raw, dict) else f"it holds a {type(raw).__name__}"
+    raise UserError(
+        f'{path} is malformed ({problem}), expected {{"world_size": N}} with N >= 1: delete it (trainer rank 0 '
+        "writes it again at start) or set the orchestrator's num_train_workers"
+    )
 
 
 def _remove_steps(root: Path, doomed: Callable[[int], bool]) -> list[Path]:
