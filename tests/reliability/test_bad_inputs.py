@@ -24,6 +24,7 @@ from asyncrl.core.errors import UserError
 from asyncrl.orchestrator import ckpt
 from asyncrl.trainer.rl.data import RolloutSource
 from asyncrl.transport.layout import RunLayout, resolve_resume_step, trainer_world_size
+from asyncrl.transport.weights import weights_problem
 
 pytestmark = pytest.mark.reliability
 
@@ -255,3 +256,40 @@ def test_a_malformed_trainer_world_file_is_named(tmp_path, content):
         trainer_world_size(layout)
     layout.trainer_world.write_text('{"world_size": 2}')
     assert trainer_world_size(layout) == 2
+
+
+# ---- published weights cut short: found from the safetensors headers, healed by the trainer at resume -------------
+
+
+def test_cut_weights_are_found_from_their_headers(tiny_model_dir, tmp_path):
+    weights = tmp_path / "step_1"
+    shutil.copytree(tiny_model_dir, weights)
+    assert weights_problem(weights) is None
+    shard = weights / "model.safetensors"
+    whole = shard.read_bytes()
+    for cut, words in [(len(whole) - 1, f"of {len(whole)} bytes"), (100, "header of"), (3, "not even a header")]:
+        shard.write_bytes(whole[:cut])
+        assert weights_problem(weights).startswith(f"{shard} is truncated"), weights_problem(weights)
+        assert words in weights_problem(weights)
+
+
+def test_a_resumed_trainer_publishes_damaged_broadcast_weights_again(tiny_model_dir, tmp_path, caplog_loguru):
+    from asyncrl.config.trainer import TrainerConfig
+    from asyncrl.trainer.rl import train
+
+    def config(**over) -> TrainerConfig:
+        args = {"model": {"name": str(tiny_model_dir)}, "output_dir": str(tmp_path), "recv_timeout": 30}
+        return TrainerConfig.model_validate(args | over)
+
+    write_raw_batch(tmp_path, [{"step": 0, "micro_batches": [good_row()]}])
+    train(config(max_steps=1, ckpt={"interval": 1}))
+    shard = RunLayout(tmp_path).broadcast_dir(1) / "model.safetensors"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])
+    batch = {"step": 1, "micro_batches": [good_row()]}
+    RunLayout(tmp_path).batch_dir(1).mkdir(parents=True)
+    torch.save(batch, RunLayout(tmp_path).batch_dir(1) / "rank_0.pt")
+    (RunLayout(tmp_path).batch_dir(1) / "meta.json").write_text('{"step": 1, "num_ranks": 1}')
+    train(config(max_steps=2, ckpt={"interval": 1, "resume_step": 1}))
+    assert any("broadcast weights of step 1 are damaged" in m and str(shard) in m for m in caplog_loguru)
+    assert weights_problem(shard.parent) is None and shard.read_bytes() == whole

@@ -36,6 +36,7 @@ from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRo
 from asyncrl.orchestrator.samples import TrajectoryConverter
 from asyncrl.transport.batch import MicroBatch, write_batch
 from asyncrl.transport.layout import ADAPTER, RunLayout, trainer_world_size
+from asyncrl.transport.weights import weights_problem
 from asyncrl.utils.monitor import MetricsSink, drop_rows_from
 
 
@@ -108,6 +109,11 @@ class Orchestrator:
             return 0.0
         start = time.perf_counter()
         lora = self.config.lora_name
+        if policy.path is not None and (problem := weights_problem(policy.path)) is not None:
+            raise UserError(
+                f"the weights of policy step {policy.step} are damaged: {problem}; delete {policy.path} and resume "
+                "(the trainer publishes a step's weights again from its checkpoint), or resume from an earlier step"
+            )
         if policy.is_base:
             if lora is None:  # an adapter run never changes the base weights (others may be serving them)
                 await self.server.reload_weights()
