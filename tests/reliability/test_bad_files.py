@@ -26,6 +26,7 @@ pytestmark = pytest.mark.reliability
 def test_a_torn_rollout_batch_is_named(tmp_path):
     mb = {k: torch.zeros(8, dtype=torch.bool if k == "loss_mask" else torch.float32) for k in FIELDS}
     mb["input_ids"] = mb["position_ids"] = torch.arange(8)
+    mb["temperatures"] = torch.ones(8)  # a temperature of 0 is refused when read
     write_batch(RunLayout(tmp_path), 3, [[mb]])
     assert len(read_batch(RunLayout(tmp_path), 3, 0)) == 1
     path = RunLayout(tmp_path).batch_dir(3) / "rank_0.pt"

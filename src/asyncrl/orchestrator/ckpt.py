@@ -6,13 +6,14 @@ Contents of `checkpoints/step_{N}/orchestrator` (`transport.layout` places it an
     buffer.json     finished groups not yet used in a batch
 
 Checkpoint step_N is the state after N steps (batches 0..N-1 written); a run resumes at step N.
-The dir is written under a temporary name and renamed into place.
+The dir is written under a temporary name and renamed into place. `load` checks what it reads (JSON, the
+fields' types): a damaged file is a UserError naming it, never a traceback later in the run.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from loguru import logger
@@ -61,15 +62,28 @@ def _group_from_dict(d: dict) -> Group:
     )
 
 
+def _progress(raw: object) -> Progress:
+    """progress.json's content as a Progress; TypeError naming the file and field where a type is wrong."""
+    if not isinstance(raw, dict):
+        raise TypeError(f"{PROGRESS} holds a {type(raw).__name__}, not an object")
+    progress = Progress(**raw)  # an unknown field: TypeError
+    for f in fields(Progress):
+        value, kind = getattr(progress, f.name), dict if f.name == "sampler" else int
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            wanted = "an object" if kind is dict else "an integer >= 0"
+            raise TypeError(f"{PROGRESS}: {f.name} is {value!r}, expected {wanted}")
+    return progress
+
+
 def load(layout: RunLayout, step: int) -> tuple[Progress, list[Group]]:
     path = layout.checkpoint_dir(step, COMPONENT)
     if not _complete(path):
         raise UserError(f"no orchestrator checkpoint at {path}; check --ckpt.resume-step and the output dir")
     buffer_file = path / "buffer.json"
     try:
-        progress = Progress(**json.loads((path / PROGRESS).read_text()))
+        progress = _progress(json.loads((path / PROGRESS).read_text()))
         buffer = [_group_from_dict(d) for d in json.loads(buffer_file.read_text())] if buffer_file.exists() else []
-    except (ValueError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise UserError(
             f"orchestrator checkpoint {path} is corrupted ({type(e).__name__}: {e}); resume from another step"
         ) from None

@@ -11,7 +11,6 @@ while the trainer trains on step n, so generation and training overlap within th
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
@@ -36,7 +35,8 @@ from asyncrl.orchestrator.packing import PackItem, PackStats, pack
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts
 from asyncrl.orchestrator.samples import TrajectoryConverter
 from asyncrl.transport.batch import MicroBatch, write_batch
-from asyncrl.transport.layout import ADAPTER, RunLayout
+from asyncrl.transport.layout import ADAPTER, RunLayout, trainer_world_size
+from asyncrl.transport.weights import weights_problem
 from asyncrl.utils.monitor import MetricsSink, drop_rows_from
 
 
@@ -89,7 +89,14 @@ class Orchestrator:
         if step == 0:
             return None
         self.progress, self.collector.buffer = ckpt.load(self.layout, step)
-        self.mixture.load_state(self.progress.sampler)
+        try:
+            self.mixture.load_state(self.progress.sampler)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            path = self.layout.checkpoint_dir(step, ckpt.COMPONENT) / ckpt.PROGRESS
+            raise UserError(
+                f"orchestrator checkpoint {path} is corrupted: its sampler state is unreadable "
+                f"({type(e).__name__}: {e}); resume from another step"
+            ) from None
         logger.info(
             f"resuming at step {step} ({self.progress.total_samples} samples so far, "
             f"{len(self.collector.buffer)} buffered groups)"
@@ -102,6 +109,11 @@ class Orchestrator:
             return 0.0
         start = time.perf_counter()
         lora = self.config.lora_name
+        if policy.path is not None and (problem := weights_problem(policy.path)) is not None:
+            raise UserError(
+                f"the weights of policy step {policy.step} are damaged: {problem}; delete {policy.path} and resume "
+                "(the trainer publishes a step's weights again from its checkpoint), or resume from an earlier step"
+            )
         if policy.is_base:
             if lora is None:  # an adapter run never changes the base weights (others may be serving them)
                 await self.server.reload_weights()
@@ -165,10 +177,10 @@ class Orchestrator:
         if self.config.num_train_workers is not None:
             self._trainer_ranks = self.config.num_train_workers
             return
-        path = self.layout.trainer_world
-        ranks = json.loads(path.read_text())["world_size"] if path.exists() else 1
+        path, written = self.layout.trainer_world, trainer_world_size(self.layout)
+        ranks = written or 1
         if ranks != self._trainer_ranks:
-            said = f"from {path}" if path.exists() else f"until the trainer writes {path.name}"
+            said = f"from {path}" if written else f"until the trainer writes {path.name}"
             logger.info(f"packing batches for {ranks} trainer rank(s) ({said})")
         self._trainer_ranks = ranks
 

@@ -39,6 +39,7 @@ class LoadedModel:
 
 
 def _load_hf(name: str, attn: str, trust_remote_code: bool):
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
@@ -56,6 +57,11 @@ def _load_hf(name: str, attn: str, trust_remote_code: bool):
         model = AutoModelForCausalLM.from_pretrained(
             name, dtype=torch.float32, attn_implementation=attn, trust_remote_code=trust_remote_code
         )
+    except SafetensorError as e:  # a truncated or corrupt weight file (e.g. a run's weights/step_N cut short)
+        raise UserError(
+            f"the weights of model '{name}' are truncated or corrupted ({str(e).splitlines()[0]}): copy them again, "
+            "or, for a run's weights/step_N, use another step or the trainer checkpoint it was saved with"
+        ) from None
     except (OSError, ValueError, ImportError) as e:
         raise UserError(
             f"cannot load model '{name}' with attn_implementation='{attn}': {str(e).splitlines()[0]}"

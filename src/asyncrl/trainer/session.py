@@ -15,12 +15,18 @@ Invariants:
   scheduler, world size; resuming from it continues exactly. Every step reseeds torch from (seed,
   step, rank), so dropout replays identically after a resume.
 - A non-finite loss or gradient norm stops the run before the optimizer step: no weights for it.
+- A step with no loss tokens on any rank (every loss mask False) is a no-op, with a warning naming the step
+  and its batch: no forward/backward and no optimizer step (weights and optimizer state unchanged), but it
+  counts: progress and the schedule advance and its outputs (weights `step_{n+1}`, checkpoints) are written,
+  so step numbers and the orchestrator's wait for weights stay as always. Every rank decides alike: the
+  count is summed over ranks.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,6 +117,10 @@ class Loop:
     def bad_loss_hint(self, step: int) -> str:
         """Appended to the error of a non-finite loss at `step`."""
         raise NotImplementedError
+
+    def batch_name(self, step: int) -> str:
+        """Where step `step`'s data came from, for warnings about it."""
+        return f"step {step}'s batch"
 
     def step_summary(self) -> dict[str, float]:
         """Metrics of the step just run that are not token sums (quantiles, maxima); called after backward."""
@@ -214,6 +224,8 @@ class TrainSession:
             return None
         reset_peak_memory(self.ctx.device)
         start = time.perf_counter()
+        if batch.loss_tokens == 0:  # the same on every rank: summed over ranks
+            return self._empty_step(step, batch, start)
         losses = self._forward_backward(batch)
         if not math.isfinite(losses["loss"]):
             raise UserError(
@@ -224,6 +236,23 @@ class TrainSession:
         seconds = time.perf_counter() - start
         self._advance(step, batch)
         return self._step_metrics(batch, losses, grad_norm, lr, seconds)
+
+    def _empty_step(self, step: int, batch: StepBatch, start: float) -> dict:
+        """A step without loss tokens on any rank: warned about, then counted without training (see the module
+        docstring). Its loss and grad_norm are 0, `empty_step` is 1, and the loop's token metrics are absent."""
+        if self.ctx.is_main:
+            logger.warning(
+                f"step {step}: {self.loop.batch_name(step)} has no loss tokens on any rank (every loss_mask is "
+                f"False): skipped as a no-op, weights step_{step + 1} = step_{step}'s; if this repeats, the samples "
+                "have no completion tokens (check the orchestrator's filters and sampling.max_tokens)"
+            )
+        lr = self.scheduler.get_last_lr()[0]
+        with warnings.catch_warnings():  # torch's warning about a schedule stepped before any optimizer step
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            self.scheduler.step()
+        self._advance(step, batch)
+        losses = {"loss": 0.0, "empty_step": 1.0}  # no entropy or KL: a 0 there would read as a collapse
+        return self._step_metrics(batch, losses, 0.0, lr, time.perf_counter() - start)
 
     def _forward_backward(self, batch: StepBatch) -> dict[str, float]:
         """Token sums of every micro-batch, summed over ranks, per loss-mask token of the step."""

@@ -22,6 +22,12 @@ mask from position_ids alone; a row without continuations is a plain packed row.
 Every rank gets the same number of micro-batches (padding with all-masked dummies), or FSDP hangs.
 The step dir is written under a temporary name and renamed into place, so a reader never sees a
 partial batch: its existence means it is complete.
+
+The reader checks what it loads before anything uses it (`read_batch`, `read_meta`): a file that is not
+this format (wrong types, shapes or dtypes, the wrong step, no micro-batches, token ids outside the model's
+vocabulary, non-finite sampler logprobs, temperatures that are not positive, an invalid shared prefix) is a
+UserError naming the file and the first thing wrong in it, never a traceback from deep inside the trainer.
+The checks are a few reductions per field: cheap next to one forward pass.
 """
 
 from __future__ import annotations
@@ -37,9 +43,12 @@ from asyncrl.core import failpoint
 from asyncrl.core.errors import UserError
 from asyncrl.transport.files import publish_dir, wait_for
 from asyncrl.transport.layout import RunLayout
+from asyncrl.transport.prefix import check_shared
 
 MicroBatch = dict[str, torch.Tensor]
 FIELDS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")
+INTEGER_FIELDS = ("input_ids", "position_ids")
+FLOAT_FIELDS = ("advantages", "inference_logprobs", "temperatures")
 
 
 def check_micro_batch(mb: MicroBatch) -> None:
@@ -84,8 +93,9 @@ def wait_for_batch(
     return path
 
 
-def read_batch(layout: RunLayout, step: int, rank: int) -> list[MicroBatch]:
-    """Rank `rank`'s micro-batches of step `step` (the batch must exist: see `wait_for_batch`)."""
+def read_batch(layout: RunLayout, step: int, rank: int, vocab_size: int | None = None) -> list[MicroBatch]:
+    """Rank `rank`'s micro-batches of step `step` (the batch must exist: see `wait_for_batch`), checked
+    (`batch_problem`; token ids against `vocab_size` when given): a UserError naming the file otherwise."""
     path = layout.batch_dir(step) / f"rank_{rank}.pt"
     try:
         data = torch.load(path, weights_only=True)
@@ -94,10 +104,103 @@ def read_batch(layout: RunLayout, step: int, rank: int) -> list[MicroBatch]:
             f"rollout batch {path} is unreadable ({type(e).__name__}: {e}); delete {path.parent} and restart "
             "the orchestrator from its last checkpoint so it writes the step again"
         ) from None
-    if data.get("step") != step:
-        raise ValueError(f"batch file for step {step} says step {data.get('step')}")
+    if (problem := batch_problem(data, step, vocab_size)) is not None:
+        raise UserError(f"rollout batch {path} is malformed: {problem}; {_rewrite_hint(path.parent)}")
     return data["micro_batches"]
 
 
+def _rewrite_hint(step_dir: Path) -> str:
+    return (
+        f"was it written by this run's orchestrator for the same model (--model.name, output_dir)? Delete "
+        f"{step_dir} and restart the orchestrator from its last checkpoint so it writes the step again"
+    )
+
+
 def read_meta(layout: RunLayout, step: int) -> dict:
-    return json.loads((layout.batch_dir(step) / "meta.json").read_text())
+    """Step `step`'s meta.json (a dict whose num_ranks, if any, is a positive int); a UserError naming it otherwise."""
+    path = layout.batch_dir(step) / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"rollout batch meta {path} is unreadable ({type(e).__name__}: {e}); {_rewrite_hint(path.parent)}"
+        ) from None
+    ranks = meta.get("num_ranks", 1) if isinstance(meta, dict) else None
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        what = f"num_ranks is {ranks!r}" if isinstance(meta, dict) else f"holds a {type(meta).__name__}"
+        raise UserError(
+            f"rollout batch meta {path} is malformed: {what}, expected a dict with num_ranks >= 1; "
+            + _rewrite_hint(path.parent)
+        )
+    return meta
+
+
+def batch_problem(data: object, step: int, vocab_size: int | None = None) -> str | None:
+    """What is wrong with a loaded `rank_{r}.pt` of step `step`, or None: a dict of this step with a
+    non-empty list of micro-batches, each passing `micro_batch_problem`."""
+    if not isinstance(data, dict):
+        return f"it holds a {type(data).__name__}, not a dict of step and micro_batches"
+    if data.get("step") != step:
+        return f"it says step {data.get('step')!r}, but it is step {step}'s file"
+    mbs = data.get("micro_batches")
+    if not isinstance(mbs, list):
+        return f"micro_batches is a {type(mbs).__name__}, not a list"
+    if not mbs:
+        return "it holds no micro-batches (every rank needs at least one, all-masked if need be)"
+    for i, mb in enumerate(mbs):
+        if (problem := micro_batch_problem(mb, vocab_size)) is not None:
+            return f"micro-batch {i}: {problem}"
+    return None
+
+
+def micro_batch_problem(mb: object, vocab_size: int | None = None) -> str | None:
+    """What is wrong with one packed row, or None (the format in this module's docstring)."""
+    if not isinstance(mb, dict):
+        return f"a {type(mb).__name__}, not a dict of tensors"
+    missing = [k for k in FIELDS if k not in mb]
+    if missing:
+        return f"lacks the fields {missing}"
+    not_tensors = [k for k in FIELDS if not isinstance(mb[k], torch.Tensor)]
+    if not_tensors:
+        return f"{not_tensors} are not tensors"
+    shapes = {k: tuple(mb[k].shape) for k in FIELDS}
+    if len(set(shapes.values())) != 1 or mb["input_ids"].dim() != 1 or mb["input_ids"].numel() == 0:
+        return f"the fields must be non-empty 1-D tensors of one length, got shapes {shapes}"
+    return _dtype_problem(mb) or _value_problem(mb, vocab_size)
+
+
+def _dtype_problem(mb: MicroBatch) -> str | None:
+    wrong = [k for k in INTEGER_FIELDS if mb[k].is_floating_point() or mb[k].is_complex() or mb[k].dtype == torch.bool]
+    wrong += [k for k in FLOAT_FIELDS if not mb[k].is_floating_point()]
+    wrong += ["loss_mask"] if mb["loss_mask"].dtype != torch.bool else []
+    if wrong:
+        dtypes = {k: str(mb[k].dtype).removeprefix("torch.") for k in wrong}
+        return f"wrong dtypes {dtypes} (input_ids, position_ids: integer; loss_mask: bool; the rest: float)"
+    return None
+
+
+def _value_problem(mb: MicroBatch, vocab_size: int | None) -> str | None:
+    ids, pos = mb["input_ids"], mb["position_ids"]
+    if vocab_size is not None and (bad := _first(~((ids >= 0) & (ids < vocab_size)))) is not None:
+        return f"input_ids[{bad}] = {int(ids[bad])} is outside the model's vocabulary (0..{vocab_size - 1})"
+    if (bad := _first(pos < 0)) is not None:
+        return f"position_ids[{bad}] = {int(pos[bad])} is negative"
+    if (bad := _first(~mb["inference_logprobs"].isfinite())) is not None:
+        value = float(mb["inference_logprobs"][bad])
+        return f"inference_logprobs[{bad}] = {value} (the sampler's logprob of a token it sampled must be finite)"
+    temps = mb["temperatures"]
+    if (bad := _first(~(temps.isfinite() & (temps > 0)))) is not None:
+        return (
+            f"temperatures[{bad}] = {float(temps[bad])} (RL needs finite sampling temperatures > 0: a greedy sample "
+            "has no distribution to correct for; give the orchestrator sampling.temperature > 0)"
+        )
+    try:
+        check_shared(pos, mb["loss_mask"])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _first(bad: torch.Tensor) -> int | None:
+    """The index of the first True in a 1-D bool tensor, or None."""
+    return int(bad.nonzero()[0, 0]) if bool(bad.any()) else None

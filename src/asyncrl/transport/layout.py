@@ -15,6 +15,8 @@ On disk (under `output_dir`)::
     logs/<component>.pid                        the process's pid, host, start; exit code and error at its end
     metrics/<component>.jsonl                   one JSON row per step
     configs/<component>.toml                    the resolved config the launcher gave each process
+    trainer_world.json                          {"world_size": N}, trainer rank 0 at start: the orchestrator packs
+                                                for N ranks (`trainer_world_size`)
     run_{name}/                                 multi-run: one LoRA run, itself a run dir of this layout, plus
     run_{name}/run.toml, STOP, run_status.json    its trainer settings (appearing: the run starts), a request
                                                 to end it, the trainer's word on how it ended
@@ -32,6 +34,7 @@ every rank's checkpoint shards are written) and read only by `is_stable`; a dir 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shutil
 from collections.abc import Callable, Iterable
@@ -209,6 +212,27 @@ class RunLayout:
         return stale
 
 
+def trainer_world_size(layout: RunLayout) -> int | None:
+    """The rank count trainer rank 0 wrote to `trainer_world.json` (None while there is none); a UserError naming
+    the file when it is not {"world_size": N >= 1} (the trainer writes it atomically: only a hand-made one is)."""
+    path = layout.trainer_world
+    if not path.exists():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        problem = f"{type(e).__name__}: {e}"
+    else:
+        ranks = raw.get("world_size") if isinstance(raw, dict) else None
+        if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks >= 1:
+            return ranks
+        problem = f"world_size is {ranks!r}" if isinstance(raw, dict) else f"it holds a {type(raw).__name__}"
+    raise UserError(
+        f'{path} is malformed ({problem}), expected {{"world_size": N}} with N >= 1: delete it (trainer rank 0 '
+        "writes it again at start) or set the orchestrator's num_train_workers"
+    )
+
+
 def _remove_steps(root: Path, doomed: Callable[[int], bool]) -> list[Path]:
     removed = [path for step, path in step_dirs(root).items() if doomed(step)]
     for path in removed:
@@ -227,10 +251,13 @@ def resolve_resume_step(layout: RunLayout, requested: int, max_steps: int | None
 
 def _find_resume_step(layout: RunLayout, requested: int) -> int:
     root, complete, all_dirs = layout.checkpoints, layout.resumable_steps(), layout.checkpoints_of(TRAINER)
+    trainer_only = [s for s in layout.complete_checkpoints(TRAINER) if s not in complete]  # no orchestrator part
     if requested == -1:
         if not complete:
+            lacking = f"; trainer checkpoints {trainer_only} lack the orchestrator's part" if trainer_only else ""
             raise UserError(
-                f"ckpt.resume_step = -1 but no checkpoint under {root} is complete (trainer and orchestrator)"
+                f"ckpt.resume_step = -1 but no checkpoint under {root} is complete (the trainer's and, on a run with "
+                f"an orchestrator, the orchestrator's of the same step){lacking}"
             )
         partial = [s for s in all_dirs if s > complete[-1]]
         if partial:
@@ -238,6 +265,12 @@ def _find_resume_step(layout: RunLayout, requested: int) -> int:
         return complete[-1]
     if requested in complete:
         return requested
+    if requested in trainer_only:
+        raise UserError(
+            f"no orchestrator checkpoint at {layout.checkpoint_dir(requested, ORCHESTRATOR)} (the trainer's "
+            f"step_{requested} is complete; the orchestrator's save of that step did not happen or was deleted); "
+            f"resume from one of {complete or 'none'}"
+        )
     if requested in all_dirs:
         raise UserError(
             f"checkpoint {all_dirs[requested]} is partial or corrupted (no {STABLE} marker: its save did not "

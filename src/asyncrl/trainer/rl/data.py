@@ -216,10 +216,14 @@ def check_seq_len(rows: list[MicroBatch], seq_len: int | None, step: int) -> lis
 
 
 class RolloutSource:
-    """Step n's micro-batches for this rank, from the run's `rollouts/step_n` (blocks until written)."""
+    """Step n's micro-batches for this rank, from the run's `rollouts/step_n` (blocks until written); each
+    file checked as it is read (`transport.batch.read_batch`, token ids against `vocab_size` when given)."""
 
-    def __init__(self, layout: RunLayout, rank: int, world_size: int, timeout: float | None) -> None:
+    def __init__(
+        self, layout: RunLayout, rank: int, world_size: int, timeout: float | None, vocab_size: int | None = None
+    ) -> None:
         self.layout, self.rank, self.world_size, self.timeout = layout, rank, world_size, timeout
+        self.vocab_size = vocab_size
         self._told = False
 
     def get(self, step: int) -> list[MicroBatch]:
@@ -229,7 +233,7 @@ class RolloutSource:
             raise UserError(f"{e}; is the orchestrator running with the same output_dir?") from e
         packed_for = read_meta(self.layout, step).get("num_ranks", 1)
         if packed_for == self.world_size:
-            return read_batch(self.layout, step, self.rank)
+            return read_batch(self.layout, step, self.rank, self.vocab_size)
         if not self._told:
             self._told = True
             logger.info(
@@ -237,7 +241,7 @@ class RolloutSource:
                 f"{self.world_size}: dealing its rows out again (the orchestrator learns the world size from "
                 "trainer_world.json, or set its num_train_workers)"
             )
-        rows = [mb for r in range(packed_for) for mb in read_batch(self.layout, step, r)]
+        rows = [mb for r in range(packed_for) for mb in read_batch(self.layout, step, r, self.vocab_size)]
         return deal_rows(rows, self.world_size, self.rank)
 
 

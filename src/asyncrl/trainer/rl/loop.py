@@ -15,9 +15,9 @@ checkpoints) and consumed batches.
 
 At start rank 0 writes `trainer_world.json` ({"world_size": N}): an orchestrator not told the trainer's
 rank count (`num_train_workers`, as on a multi-node run started by hand) packs for N ranks.
-A resumed run re-publishes the weights of its first step when they were pruned: the orchestrator
-resuming at that step waits for them. Runs in one plain process (a 1-rank group is made on the fly)
-or under torchrun.
+A resumed run re-publishes the weights of its first step when they were pruned or are damaged (a file cut
+short: `transport.weights`): the orchestrator resuming at that step waits for them. Runs in one plain
+process (a 1-rank group is made on the fly) or under torchrun.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from asyncrl.transport.batch import MicroBatch
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import is_stable
 from asyncrl.transport.prefix import expand, segments
+from asyncrl.transport.weights import weights_problem
 
 MASKED_ATTENTION = ("sdpa", "eager")  # take an explicit 4D mask, so shared prefixes stay in one row
 # a forward pass's fixed cost, as the FLOPs of this many tokens (CPU, tiny model: ~64; the plan is not sensitive)
@@ -91,7 +92,7 @@ class RLLoop(Loop):
             shape = cfg.data.fake or BenchDataConfig()
             self.source = FakeSource(shape, s.vocab_size, s.ctx.rank, s.ctx.world_size, cfg.seed)
         else:
-            self.source = RolloutSource(s.layout, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout)
+            self.source = RolloutSource(s.layout, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout, s.vocab_size)
             if s.ctx.is_main:  # an orchestrator without num_train_workers packs for this many ranks
                 write_text_atomic(s.layout.trainer_world, json.dumps({"world_size": s.ctx.world_size}))
         if cfg.loss.ref_kl is not None:
@@ -247,6 +248,9 @@ class RLLoop(Loop):
             f"rollouts/step_{step})"
         )
 
+    def batch_name(self, step: int) -> str:
+        return f"the rollout batch {self.session.layout.batch_dir(step)}"
+
     # ---- outputs -----------------------------------------------------------------------------------
 
     def end_step(self, step: int, final: bool) -> dict[str, float]:
@@ -275,11 +279,21 @@ class RLLoop(Loop):
         if extra.get("world_size") != s.ctx.world_size:
             logger.warning(f"checkpoint was written by {extra.get('world_size')} ranks, resuming on {s.ctx.world_size}")
         logger.info(f"resumed from checkpoint step_{step} ({s.progress['tokens']:,} tokens so far)")
-        # the orchestrator resuming at this step waits for these weights; re-publish them if pruned
-        if not is_stable(s.layout.broadcast_dir(step)):
+        # the orchestrator resuming at this step waits for these weights; re-publish them if pruned or damaged
+        why = s.ctx.broadcast(self._republish_reason(step) if s.ctx.is_main else None)  # collective: ranks agree
+        if why is not None:
+            if why != "pruned":
+                logger.warning(f"broadcast weights of step {step} are damaged ({why}): publishing them again")
             self._publish(step, keep_weights=False)
 
+    def _republish_reason(self, step: int) -> str | None:
+        """Why `broadcast/step_{step}` must be published again at resume ("pruned" or what is damaged), or None."""
+        path = self.session.layout.broadcast_dir(step)
+        return "pruned" if not is_stable(path) else weights_problem(path)
+
     def log_line(self, step: int, m: dict) -> str:
+        if m.get("empty_step"):
+            return f"step {step} | no loss tokens: not trained, weights unchanged | wait {m['wait_s']:.2f}s"
         return (
             f"step {step} | loss {m['loss']:.4f} | entropy {m['entropy']:.3f} | mismatch_kl {m['mismatch_kl']:.2e} | "
             f"masked {m.get('masked_frac', 0):.1%} | clipped {m.get('clipped_frac', 0):.1%} | "
