@@ -7,8 +7,9 @@ server the request names. The environment is configured exactly as in the orches
 wherever it runs.
 
 Invariants: a bad environment or args fail here, before anything binds, with one line; with
-`parent_pid` set the server ends when that process is gone (even after its SIGKILL), so a server an
-orchestrator started never outlives it.
+`parent_pid` set the server ends when that process is gone (even after its SIGKILL; at once when it is
+the server's parent, by PR_SET_PDEATHSIG, else within a second), so a server an orchestrator started never
+outlives it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from asyncrl.orchestrator.envs import installed_module
 from asyncrl.orchestrator.v1 import is_v1_module, load_v1_env
 from asyncrl.orchestrator.v1_tuning import tune_for_episodes
 from asyncrl.utils.logging import forward_stdlib
-from asyncrl.utils.process import pid_alive
+from asyncrl.utils.process import die_with_parent, pid_alive
 
 PARENT_POLL_S = 1.0
 
@@ -71,6 +72,8 @@ def watch_parent(pid: int) -> None:
     """SIGTERM this process once `pid` is gone: our parent, once we are reparented; another process, once
     it no longer exists."""
     child = os.getppid() == pid
+    if child:  # at once, by the kernel, however the parent ends (the watch below covers a non-parent pid)
+        die_with_parent(pid)
 
     def gone() -> bool:
         return os.getppid() != pid if child else not pid_alive(pid)
