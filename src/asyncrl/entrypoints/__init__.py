@@ -5,7 +5,9 @@
 set up logging (and the run record `asyncrl status` reads) under it, run the component guarded (a user
 error is one `error: ...` line and exit 2, Ctrl-C exit 130), and, where asked, write the run's report.
 
-Invariants: the report comes after `run_guarded`, so the run record has its exit by then; a torchrun'd
+Invariants: a `locked` entrypoint (rl) takes its run dir's lock (`utils.runlock`) before it writes anything
+there, and one that cannot is refused in one line; the report comes after `run_guarded`, so the run record
+has its exit by then; a torchrun'd
 (`ranked`) entrypoint logs to one file per rank and reports on rank 0 only. It lives here, not in a
 sibling module, because the entrypoint modules never import one another (.importlinter).
 """
@@ -19,10 +21,12 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from asyncrl.config.base import LogConfig
-from asyncrl.config.cli import parse_or_exit, run_guarded
+from asyncrl.config.cli import fail, parse_or_exit, run_guarded
+from asyncrl.core.errors import UserError
 from asyncrl.transport.layout import RunLayout
-from asyncrl.utils import runstate
+from asyncrl.utils import runlock, runstate
 from asyncrl.utils.logging import setup_logger, setup_rank_logger
+from asyncrl.utils.process import die_with_parent
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -40,16 +44,24 @@ def entry(
     log_of: Callable[[T], LogConfig] = lambda config: config.log,
     ranked: bool = False,
     reports: Callable[[T, RunLayout], list[RunLayout]] | None = None,
+    locked: bool = False,
 ) -> None:
     """An entrypoint's main(): `run(config)` for the `model` config that argv (+ env) gives.
 
     `resolve`, `passthrough`: as `parse_or_exit` takes them. `run_of(config)`: the config whose `output_dir`
     and `ckpt` are this process's run (rl: its trainer's); `log_of(config)`: its log settings. `ranked`: a
     torchrun'd component. `reports(config, layout)`: the runs to write a report of at the end, whatever the
-    outcome (none if empty).
+    outcome (none if empty). `locked`: hold the run dir's lock for this process and its children.
     """
     config = parse_or_exit(model, prog, summary, argv, resolve=resolve, passthrough=passthrough)
     layout = RunLayout.for_config(run_of(config))
+    if locked:
+        try:
+            runlock.hold(layout.root)
+        except UserError as e:
+            fail(str(e))
+    if ranked and "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: it dies with torchrun, however that ends
+        die_with_parent(os.getppid())
     log = log_of(config)
     (setup_rank_logger if ranked else setup_logger)(prog, layout, log.level, log.file)
     try:

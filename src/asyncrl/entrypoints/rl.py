@@ -42,7 +42,9 @@ def reports(config: RLConfig, layout: RunLayout) -> list[RunLayout]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    entry(RLConfig, run, "rl", SUMMARY, argv, resolve=resolve_rl, run_of=trainer, log_of=log, reports=reports)
+    entry(
+        RLConfig, run, "rl", SUMMARY, argv, resolve=resolve_rl, run_of=trainer, log_of=log, reports=reports, locked=True
+    )
 
 
 if __name__ == "__main__":

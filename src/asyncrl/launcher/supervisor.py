@@ -7,7 +7,13 @@ the launcher prints one line per step from the orchestrator's metrics (`tailer`)
 progress bar under them (then the trainer's console goes through a pipe, so nothing draws over it). Which GPUs
 or threads each child gets is `placement`'s; where files go is `transport.layout`'s. Before any child
 starts, batches and weights an earlier attempt left past the start step are removed. If any child dies,
-the others are stopped and the launcher names the dead one with the end of its log.
+the others are stopped and the launcher names the dead one with what it logged in this attempt (its logs
+are appended to across attempts: what an earlier one wrote is not this one's error).
+
+Invariants: nothing rl started outlives it. SIGTERM, SIGHUP (a closed terminal) and Ctrl-C stop the run the
+same way (exit 130); each child dies with rl however rl ends, SIGKILL included (`process.spawn`), and rl
+adopts what its children leave behind (`reap_orphans`, e.g. an env server whose orchestrator was stopped),
+so it stops those too before it exits.
 """
 
 from __future__ import annotations
@@ -44,8 +50,10 @@ from asyncrl.utils.process import (
     copy_lines,
     free_port,
     process_tree,
+    reap_orphans,
     resume_stopped,
     spawn,
+    stop_descendants,
     stop_groups,
     tail,
     telling_tail,
@@ -66,6 +74,16 @@ class Child:
     log_path: Path
     layout: RunLayout  # the run dir its files are under
     run: str | None = None  # multi-run: the run this orchestrator serves
+    since: dict[Path, int] | None = None  # where this attempt's lines start in its logs (by byte)
+
+    def logged(self) -> list[str]:
+        """`path:\n    lines` of each log this child wrote to in this attempt: its errors and its last lines."""
+        out = []
+        for path in (self.log_path, self.stdout_path):
+            start = (self.since or {}).get(path, 0)
+            if path.exists() and path.stat().st_size > start:
+                out.append(f"{path}:\n{telling_tail(path, prefix='    ', start=start)}")
+        return out
 
 
 class Launcher:
@@ -164,7 +182,8 @@ class Launcher:
         stdout_path, log_path = layout.log_file(component, ".stdout"), layout.log_file(component)
         logger.info(f"starting {name}: {' '.join(cmd)}")
         out = (PIPED if self.bar.enabled else None) if stream else stdout_path
-        child = Child(name, spawn(cmd, out, env), stdout_path, log_path, layout, run)
+        since = {p: p.stat().st_size if p.exists() else 0 for p in (stdout_path, log_path)}
+        child = Child(name, spawn(cmd, out, env), stdout_path, log_path, layout, run, since)
         if out is PIPED:
             threading.Thread(target=copy_lines, args=(child.proc.stdout,), daemon=True).start()
         cores = self.placement.affinity(name)
@@ -270,11 +289,9 @@ class Launcher:
     def _died(self, child: Child) -> None:
         code = child.proc.returncode
         self.stop()
-        written = [p for p in (child.log_path, child.stdout_path) if p.exists() and p.stat().st_size]
-        logs = [f"{p}:\n{telling_tail(p, prefix='    ')}" for p in written]
         raise UserError(
             f"{child.name} died (exit code {code}){self._disk_note()}; last lines of "
-            + ("\n".join(logs) or "its logs: (none)")
+            + ("\n".join(child.logged()) or "its logs: (none in this attempt)")
         )
 
     def _disk_note(self) -> str:
@@ -352,7 +369,7 @@ class Launcher:
         write_text_atomic(child.layout.run_stop, why + "\n")
         logger.warning(
             f"run {child.run}: {why}; the run stops, the others go on. "
-            f"Last lines of {child.log_path}:\n{telling_tail(child.log_path, prefix='    ')}"
+            "Last lines of " + ("\n".join(child.logged()) or "its logs: (none in this attempt)")
         )
 
     def _stop_ended_runs(self, finished: set[str]) -> None:
@@ -381,6 +398,8 @@ class Launcher:
             logger.warning(f"{next(c.name for c in self.children if c.proc is proc)} ignored SIGTERM; killed it")
         for child in running:  # their run records say rl stopped them (one that died keeps no exit: killed)
             runstate.close(child.layout.pid_file("orchestrator" if child.run else child.name), runstate.STOPPED)
+        if orphans := stop_descendants(STOP_GRACE_S):  # what the children left (adopted: reap_orphans)
+            logger.info(f"stopped {len(orphans)} process(es) the children left behind: pids {orphans}")
 
     def summary(self, elapsed: float) -> str:
         if not self.runs:
@@ -403,7 +422,8 @@ def launch(config: RLConfig) -> None:
     def on_signal(signum, _frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    reap_orphans()
     try:
         with launcher.bar:
             launcher.start()
@@ -417,7 +437,8 @@ def launch(config: RLConfig) -> None:
             raise UserError(f"{len(bad)} of {len(launcher.runs)} runs did not finish: {said}; the others did")
     finally:
         launcher.stop()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts

@@ -7,8 +7,9 @@ server the request names. The environment is configured exactly as in the orches
 wherever it runs.
 
 Invariants: a bad environment or args fail here, before anything binds, with one line; with
-`parent_pid` set the server ends when that process is gone (even after its SIGKILL), so a server an
-orchestrator started never outlives it.
+`parent_pid` set the server ends when that process is gone (even after its SIGKILL; at once when it is
+the server's parent, by PR_SET_PDEATHSIG, else within a second), so a server an orchestrator started never
+outlives it (one whose shutdown hangs or loses its SIGTERM is killed 3 s later).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from asyncrl.orchestrator.envs import installed_module
 from asyncrl.orchestrator.v1 import is_v1_module, load_v1_env
 from asyncrl.orchestrator.v1_tuning import tune_for_episodes
 from asyncrl.utils.logging import forward_stdlib
-from asyncrl.utils.process import pid_alive
+from asyncrl.utils.process import die_with_parent, pid_alive
 
 PARENT_POLL_S = 1.0
+PARENT_GRACE_S = 3.0  # after SIGTERM, for a server whose parent is gone: then SIGKILL
 
 
 class _SayAddress:
@@ -68,17 +70,22 @@ def serve(config: EnvServerConfig) -> None:
 
 
 def watch_parent(pid: int) -> None:
-    """SIGTERM this process once `pid` is gone: our parent, once we are reparented; another process, once
-    it no longer exists."""
+    """SIGTERM this process once `pid` is gone (our parent, once we are reparented; another process, once
+    it no longer exists), and SIGKILL it if it is still running `PARENT_GRACE_S` later."""
     child = os.getppid() == pid
+    if child:  # at once, by the kernel, however the parent ends (the watch below covers a non-parent pid)
+        die_with_parent(pid)
 
     def gone() -> bool:
         return os.getppid() != pid if child else not pid_alive(pid)
 
-    def watch() -> None:
+    def watch() -> None:  # says why on fd 2 (our log), not through the logger: a lock there must not stop it
         while not gone():
             time.sleep(PARENT_POLL_S)
-        logger.warning(f"parent process {pid} is gone: stopping")
+        os.write(2, f"env-server: parent process {pid} is gone: stopping\n".encode())
         os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(PARENT_GRACE_S)  # verifiers takes the first SIGTERM only, and its shutdown can hang
+        os.write(2, f"env-server: still running {PARENT_GRACE_S:g} s later: killing myself\n".encode())
+        os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()

@@ -2,14 +2,19 @@
 
 Every child is spawned in its own session, so it leads its own process group: stopping the group
 reaches whatever the child started (torchrun workers, vLLM engine cores) even after the child itself
-has exited. A child's stdout and stderr are appended to its log file (or inherited when it has none, or
-sent through a pipe that `copy_lines` copies), and its stdin is closed. Waiting for a server fails early,
-with the end of its log, when the process dies, and names the URL it waited for when it times out; `serve`
-does both and never leaves a server that did not come up running.
+has exited. Every child also dies with its parent, however the parent ends (SIGKILL included): the
+kernel sends it SIGTERM when the thread that spawned it exits (PR_SET_PDEATHSIG; so spawn only from a
+thread that lives as long as the child should), and one whose parent was gone before that was set ends at
+once. A process that holds its run dir's lock (`runlock`) hands it to every child it spawns. A child's
+stdout and stderr are appended to its log file (or inherited when it has none, or sent through a pipe
+that `copy_lines` copies), and its stdin is closed. Waiting for a server fails early, with the end
+of its log, when the process dies, and names the URL it waited for when it times out; `serve` does both
+and never leaves a server that did not come up running.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -50,18 +55,64 @@ def free_port() -> int:
 
 
 PIPED = Path("|")  # `spawn`'s log: stdout + stderr to a pipe (`proc.stdout`), e.g. for `copy_lines`
+INHERITED_FD = "ASYNCRL_INHERITED_FD"  # `fd:path` of a descriptor every spawned child gets too (`runlock`'s)
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send `sig` to this process when its parent's thread exits; if the parent (pid
+    `parent`) is gone already, send it now. A no-op where prctl is missing (not Linux)."""
+    prctl = getattr(_libc, "prctl", None)
+    if prctl is None:
+        return
+    prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
+def reap_orphans() -> bool:
+    """Make this process the one that orphaned descendants are reparented to (not init), so it can find and
+    stop them (`stop_descendants`). False where that is not possible."""
+    prctl = getattr(_libc, "prctl", None)
+    return prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def spawn(cmd: Sequence[str], log: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `cmd` in a new session; stdout + stderr are appended to `log` (None: inherited; PIPED: a pipe)."""
+    """Start `cmd` in a new session, to die with this process; stdout + stderr are appended to `log`
+    (None: inherited; PIPED: a pipe)."""
     if log is None or log is PIPED:
         out, err = (None, None) if log is None else (subprocess.PIPE, subprocess.STDOUT)
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+        return _popen(cmd, env, out, err)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as sink:  # the child holds its own copy of the descriptor
-        return subprocess.Popen(
-            cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
+        return _popen(cmd, env, sink, subprocess.STDOUT)
+
+
+def _popen(cmd: Sequence[str], env: dict[str, str] | None, out, err) -> subprocess.Popen:
+    parent, fds = os.getpid(), _inherited_fd()
+    if fds and env is not None:
+        env = {**env, INHERITED_FD: os.environ[INHERITED_FD]}
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=out,
+        stderr=err,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        pass_fds=fds,
+        preexec_fn=lambda: die_with_parent(parent),  # in the child, between fork and exec
+    )
+
+
+def _inherited_fd() -> tuple[int, ...]:
+    """The descriptor INHERITED_FD names, if this process has it open still (and on that file)."""
+    fd, _, path = os.environ.get(INHERITED_FD, "").partition(":")
+    try:
+        mine, named = os.fstat(int(fd)), os.stat(path)
+    except (ValueError, OSError):
+        return ()
+    return (int(fd),) if (mine.st_dev, mine.st_ino) == (named.st_dev, named.st_ino) else ()
 
 
 def copy_lines(stream: IO[bytes]) -> None:
@@ -173,6 +224,35 @@ def process_tree(pid: int) -> list[tuple[int, str]]:
     return tree
 
 
+def stop_descendants(grace: float = 10.0) -> list[int]:
+    """SIGTERM every process below this one (orphans reparented to it by `reap_orphans` included), SIGKILL
+    those left after `grace` s, and reap those that are its children now. Returns the ones that were running."""
+    me = os.getpid()
+    running = [p for p, state in process_tree(me) if p != me and state != "Z"]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in running:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 5.0)
+        while (left := [p for p, s in process_tree(me) if p != me and s != "Z"]) and time.monotonic() < deadline:
+            _reap(p for p, _ in process_tree(me))
+            time.sleep(0.05)
+        if not left:
+            break
+    _reap(p for p, _ in process_tree(me) if p != me)
+    return running
+
+
+def _reap(pids) -> None:
+    for p in pids:
+        try:
+            os.waitpid(p, os.WNOHANG)
+        except ChildProcessError:  # not our child (a grandchild its own parent reaps)
+            pass
+
+
 def resume_stopped(pid: int) -> None:
     """SIGCONT every stopped process in `pid`'s tree, so that a stop signal sent next is acted on."""
     for p, state in process_tree(pid):
@@ -186,12 +266,15 @@ def resume_stopped(pid: int) -> None:
 TELLING = (" ERROR ", " CRITICAL ", " WARNING ", "error:", "Error:", "Traceback", "Killed")
 
 
-def telling_tail(path: Path, lines: int = 12, prefix: str = "") -> str:
+def telling_tail(path: Path, lines: int = 12, prefix: str = "", start: int = 0) -> str:
     """The end of a log for a death report: its last error and warning lines first (a progress bar or a
-    flood of INFO can hide them), then the last `lines` lines."""
+    flood of INFO can hide them), then the last `lines` lines; of what comes after byte `start` only (what
+    this attempt wrote to a log that earlier ones appended to; all of it if the file is shorter now)."""
     if not path.exists():
         return tail(path, lines, prefix)
-    text = path.read_text(errors="replace").rstrip().splitlines()
+    with open(path, "rb") as f:
+        f.seek(start if start <= path.stat().st_size else 0)
+        text = f.read().decode(errors="replace").rstrip().splitlines()
     last = text[-lines:]
     telling = [line for line in text[:-lines] if any(t in line for t in TELLING)][-5:]
     shown = [*telling, "..."] if telling else []

@@ -1,5 +1,8 @@
 """Child processes: spawn with a log, wait for HTTP (up, died, timed out), stop a whole process group."""
 
+import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -93,3 +96,62 @@ def test_a_death_report_shows_the_errors_a_long_log_buried(tmp_path):
                      "progress 37%", "progress 38%", "progress 39%"]  # fmt: skip
     log.write_text("a\nb\n")
     assert telling_tail(log, lines=3) == "a\nb"
+
+
+def test_a_spawned_child_dies_with_its_parent_whatever_kills_it(tmp_path):
+    """PR_SET_PDEATHSIG: SIGKILL of the parent, and the child (in a session of its own) gets SIGTERM."""
+    pid_file = tmp_path / "child.pid"
+    parent = (
+        "import sys, time; from asyncrl.utils.process import spawn; "
+        f"p = spawn([sys.executable, '-c', 'import time; time.sleep(60)'], None); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    proc = spawn([sys.executable, "-c", parent], tmp_path / "p.log")
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    child, deadline = int(pid_file.read_text()), time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _alive(child)
+
+
+def test_the_run_lock_is_held_by_the_children_and_freed_when_the_last_one_ends(tmp_path):
+    from asyncrl.core.errors import UserError
+    from asyncrl.utils import runlock
+
+    run, pid_file = tmp_path / "run", tmp_path / "child.pid"
+    stubborn = (  # ready (its pid written) once it ignores SIGTERM
+        "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid())); os.rename({str(pid_file)!r} + '.tmp', "
+        f"{str(pid_file)!r}); time.sleep(60)"
+    )
+    holder = (  # takes the lock, hands it to a child that outlives it (it ignores its SIGTERM), ends
+        "import os, sys, time; from asyncrl.utils import runlock; from asyncrl.utils.process import spawn; "
+        f"runlock.hold({str(run)!r}); spawn([sys.executable, '-c', {stubborn!r}], None)\n"
+        f"while not os.path.exists({str(pid_file)!r}): time.sleep(0.02)"
+    )
+    subprocess.run([sys.executable, "-c", holder], check=True, timeout=60)
+    child = int(pid_file.read_text())
+    with pytest.raises(UserError, match=rf"in use: rl \(pid \d+\) is gone, but .* \(pids {child}\)"):
+        runlock.hold(run)
+    os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    fd = runlock.hold(run)  # the kernel dropped it with its last holder
+    os.close(fd)
+    os.environ.pop("ASYNCRL_INHERITED_FD")
+
+
+def test_a_death_report_shows_only_what_this_attempt_wrote(tmp_path):
+    from asyncrl.utils.process import telling_tail
+
+    log = tmp_path / "x.log"
+    log.write_text("old ERROR from an earlier attempt\nold last line\n")
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("new line\n")
+    assert telling_tail(log, start=start) == "new line"
+    assert "old last line" in telling_tail(log, start=10**6)  # shorter than that: a new file, all of it
