@@ -161,7 +161,7 @@ def chat(content: str, **extra) -> dict:
 
 # ---- 2: request-supplied chat templates ------------------------------------------------------------------------
 
-LOOP_TEMPLATE = "{% for i in range(100000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}x"  # 1e8 turns
+LOOP_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"  # 1e10 turns
 MEMORY_TEMPLATE = "{% set x = 'a' * 2000000000 %}{{ x | length }}"
 TEMPLATE_CASES = {
     "tokenize kwargs": ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, "kwargs"),
