@@ -112,8 +112,10 @@ def start_server(backend: str, model_dir: Path, **overrides) -> RunningServer:
         config = InferenceConfig(
             model=model, api_key=API_KEY, max_batch_size=16, num_threads=_torch_threads(), **overrides
         )
+        from asyncrl.inference.api.http_server import uvicorn_options
+
         engine = EmbeddedEngine(config)
-        url, stop = serve_in_thread(create_app(engine, config), 60)
+        url, stop = serve_in_thread(create_app(engine, config), 60, **uvicorn_options(config.server))
         return RunningServer(backend, url, str(model_dir), stop, engine)
     if backend == "vllm":
         flags = [
@@ -145,12 +147,12 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def serve_in_thread(app, timeout: float) -> tuple[str, Callable[[], None]]:
+def serve_in_thread(app, timeout: float, **uvicorn_kwargs) -> tuple[str, Callable[[], None]]:
     """Serve `app` on 127.0.0.1 from a daemon thread; its base URL and a stop function, once it answers."""
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **uvicorn_kwargs))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

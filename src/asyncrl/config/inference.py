@@ -40,6 +40,18 @@ EMBEDDED_TOOL_PARSERS = ("hermes",)
 class ServerConfig(BaseConfig):
     host: str = Field("0.0.0.0", description="address to bind")
     port: int = Field(8000, ge=1, le=65535, description="port to bind")
+    max_body_mib: float = Field(
+        8.0, gt=0, description="largest request body in MiB; a larger one is refused (413) before it is read"
+    )
+    max_messages: int = Field(4096, ge=1, description="most chat messages in one request (more: 400)")
+    max_header_kib: int = Field(64, ge=1, description="largest request line + headers in KiB (more: 431)")
+    head_timeout_s: float = Field(
+        10.0, gt=0, description="a request's line and headers must arrive within this (else 408 and closed)"
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="a request's body must arrive within this after its headers (else 408 and closed)"
+    )
+    keep_alive_timeout_s: float = Field(60.0, gt=0, description="an idle keep-alive connection is closed after this")
 
 
 class InferenceConfig(BaseConfig):
@@ -49,6 +61,11 @@ class InferenceConfig(BaseConfig):
         "auto", description="engine behind the API (auto: vLLM when it is installed and a CUDA GPU is visible)"
     )
     api_key: str | None = Field(None, description="require this bearer key on every endpoint but /health")
+    trust_request_chat_template: bool = Field(
+        False,
+        description="render chat templates sent in requests (chat_template, chat_template_kwargs.chat_template) in a "
+        "sandboxed worker bounded in time and memory; off: such requests are refused (vLLM's flag of the same name)",
+    )
     allowed_weights_root: Path | None = Field(
         None, description="/update_weights and /load_lora_adapter load only dirs under this one (rl: its output_dir)"
     )

@@ -43,6 +43,7 @@ def _serve_embedded(config: InferenceConfig) -> None:
     import uvicorn
 
     from asyncrl.inference.api.app import create_app
+    from asyncrl.inference.api.http_server import uvicorn_options
     from asyncrl.inference.engine import EmbeddedEngine
 
     app = create_app(EmbeddedEngine(config), config)
@@ -54,5 +55,5 @@ def _serve_embedded(config: InferenceConfig) -> None:
         port=config.server.port,
         log_level="debug" if debug else "warning",
         access_log=debug,
-        timeout_keep_alive=60,
+        **uvicorn_options(config.server),  # deadlines, header size (api/http_server.py)
     )

@@ -6,6 +6,10 @@
 - backend.py: what the routes ask of an engine; deps.py: per-app state read through `Depends`
 - errors.py: `InvalidRequest` and the one error body; auth.py: bearer auth
 - schemas.py: request bodies; chat.py: chat templating and output parsing
+- limits.py: body size, valid Unicode and message count, checked before any route; cpu.py: the worker thread
+  that templates, tokenizes and parses big bodies off the event loop
+- http_server.py: uvicorn's h11 protocol with head/body deadlines and 431s, and the uvicorn options both engines use
+- template_sandbox.py: chat templates sent in requests (--trust-request-chat-template), bounded in time and memory
 - weight_dir.py: what a HF weight dir holds and whether it fits the served model (both engines check with it)
 
 Importing this package loads neither torch nor vllm; import its modules directly.

@@ -8,6 +8,7 @@ starts and stops its engine. Never imports torch or vllm.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable
 from contextlib import asynccontextmanager
@@ -16,11 +17,12 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.api import completions, tokens, training
+from asyncrl.inference.api import completions, template_sandbox, tokens, training
 from asyncrl.inference.api.auth import install_auth
 from asyncrl.inference.api.backend import Backend, TrainingEngine
 from asyncrl.inference.api.deps import BackendDep, install_state
 from asyncrl.inference.api.errors import error_response, install_error_handlers
+from asyncrl.inference.api.limits import install_limits
 
 router = APIRouter()
 
@@ -42,9 +44,11 @@ async def models(backend: BackendDep):
 
 
 def install_api(app: FastAPI, engine: TrainingEngine, config: InferenceConfig, routers: Iterable[APIRouter]) -> None:
-    """Serve `routers` on `app` against `engine`, with the one error body and bearer auth."""
+    """Serve `routers` on `app` against `engine`, with the one error body, the request limits (limits.py) and
+    bearer auth (outermost: a request without the key is refused before its body is read)."""
     install_state(app, engine, config)
     install_error_handlers(app)
+    install_limits(app, config.server)
     install_auth(app, config.api_key)
     for r in routers:
         app.include_router(r)
@@ -60,8 +64,13 @@ def create_app(backend: Backend, config: InferenceConfig) -> FastAPI:
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     backend: Backend = app.state.asyncrl_engine
+    trusted = app.state.asyncrl_config.trust_request_chat_template
+    if trusted:
+        await asyncio.to_thread(template_sandbox.sandbox().start)
     await backend.start()
     try:
         yield
     finally:
         await backend.shutdown()
+        if trusted:
+            template_sandbox.sandbox().close()

@@ -21,11 +21,13 @@ from collections import OrderedDict
 from typing import Any
 
 from asyncrl.inference.api.errors import InvalidRequest
+from asyncrl.inference.api.template_sandbox import RequestTemplateError, refuse_untrusted, sandbox
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 _RENDERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {request JSON: ids}, LRU first
 _RENDERED_MAX = 1024  # per tokenizer
+_MAX_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> max_token_chars
 _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)$", re.DOTALL)
 
 
@@ -80,17 +82,25 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    trust_request_template: bool = False,
+    max_model_len: int | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template (cached, see module docstring)."""
+    """Token ids of `messages` rendered with the tokenizer's chat template (cached, see module docstring).
+
+    A template in `chat_template_kwargs` (the request's own) is refused unless `trust_request_template`, and is
+    then rendered by the template sandbox (template_sandbox.py). With `max_model_len`, a rendered text too long
+    for it is refused before it is encoded (`check_fits`). Blocking: routes call it through `cpu.run`."""
+    if (chat_template_kwargs or {}).get("chat_template") is not None and not trust_request_template:
+        refuse_untrusted()
     args = (messages, tools, add_generation_prompt, continue_final_message, chat_template_kwargs)
     try:
         key = json.dumps(args, sort_keys=True, ensure_ascii=False)
         cache = _RENDERED.setdefault(tokenizer, OrderedDict())
     except (TypeError, ValueError):  # not JSON (the template will say what is wrong), or no weakref
-        return _render(tokenizer, *args)
+        return _render(tokenizer, *args, max_model_len)
     ids = cache.get(key)
     if ids is None:
-        ids = cache[key] = _render(tokenizer, *args)
+        ids = cache[key] = _render(tokenizer, *args, max_model_len)
         if len(cache) > _RENDERED_MAX:
             cache.popitem(last=False)
     cache.move_to_end(key)
@@ -104,12 +114,30 @@ def _render(
     add_generation_prompt: bool,
     continue_final_message: bool,
     chat_template_kwargs: dict[str, Any] | None,
+    max_model_len: int | None,
 ) -> list[int]:
+    text = _render_text(tokenizer, messages, tools, add_generation_prompt, continue_final_message, chat_template_kwargs)
+    if max_model_len is not None:
+        check_fits(tokenizer, text, max_model_len, "messages")
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _render_text(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    chat_template_kwargs: dict[str, Any] | None,
+) -> str:
     if not messages:
         raise TemplateError("messages must not be empty")
     if getattr(tokenizer, "chat_template", None) is None:
         raise TemplateError("the served model's tokenizer has no chat template; use /v1/completions")
     kwargs = dict(chat_template_kwargs or {})
+    if kwargs.get("chat_template") is not None:
+        generation = add_generation_prompt and not continue_final_message
+        return _render_request_template(tokenizer, messages, tools, generation, continue_final_message, kwargs)
     try:
         text = tokenizer.apply_chat_template(
             normalize_messages(messages),
@@ -123,7 +151,61 @@ def _render(
         raise
     except Exception as e:  # jinja errors, raise_exception() in templates, bad message shapes
         raise TemplateError(f"cannot apply the chat template to these messages: {e}") from e
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token stands for: its vocabulary's longest token string (per tokenizer, cached)."""
+    n = _MAX_TOKEN_CHARS.get(tokenizer)
+    if n is None:
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        n = _MAX_TOKEN_CHARS[tokenizer] = max((len(t) for t in tokens if t), default=1)
+    return n
+
+
+def check_fits(tokenizer, text: str, max_model_len: int, param: str) -> None:
+    """Refuse `text` that cannot fit the context, before encoding it (megabytes take seconds): it encodes to at
+    least len(text) / `max_token_chars` tokens (a token's string has a character per byte or per character)."""
+    least = len(text) // max_token_chars(tokenizer)
+    if least >= max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt is at least "
+            f"{least} tokens ({len(text)} characters), which leaves no room for the completion. "
+            "Please reduce the length of the input.",
+            param=param,
+        )
+
+
+def _render_request_template(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    kwargs: dict[str, Any],
+) -> str:
+    """The text a request's own template (kwargs["chat_template"]) renders, in the sandbox."""
+    template = kwargs.pop("chat_template")
+    if not isinstance(template, str):
+        raise RequestTemplateError("chat_template must be a string")
+    job = {
+        "messages": normalize_messages(messages),
+        "tools": tools or None,
+        "chat_template": template,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "template_kwargs": {**tokenizer.special_tokens_map, **kwargs},
+    }
+    return sandbox().render(job)
+
+
+def request_template_kwargs(body: Any) -> dict[str, Any] | None:
+    """A chat request's `chat_template_kwargs`, with its top-level `chat_template` (vLLM's field) put in."""
+    kwargs = body.chat_template_kwargs
+    top = (body.model_extra or {}).get("chat_template")
+    if top is None:
+        return kwargs
+    return {**(kwargs or {}), "chat_template": top}
 
 
 def split_reasoning(text: str, parser: str | None) -> tuple[str | None, str]:

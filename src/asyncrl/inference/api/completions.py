@@ -22,8 +22,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from loguru import logger
 
 from asyncrl.config.inference import InferenceConfig
+from asyncrl.inference.api import cpu
 from asyncrl.inference.api.backend import Backend, SamplingParams, SeqDelta
-from asyncrl.inference.api.chat import ChatOutputParser, render_chat
+from asyncrl.inference.api.chat import ChatOutputParser, check_fits, render_chat, request_template_kwargs
 from asyncrl.inference.api.deps import BackendDep, Config
 from asyncrl.inference.api.errors import InvalidRequest, error_body
 from asyncrl.inference.api.schemas import (
@@ -298,13 +299,16 @@ def _completion_logprobs(text: TokenText, r: ChoiceResult, as_ids: bool) -> dict
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, backend: BackendDep, config: Config):
-    prompt_ids = render_chat(
+    prompt_ids = await cpu.run(
+        render_chat,
         backend.tokenizer,
         body.messages,
         body.tools,
         body.add_generation_prompt,
         body.continue_final_message,
-        body.chat_template_kwargs,
+        request_template_kwargs(body),
+        config.trust_request_chat_template,
+        backend.max_model_len,
     )
     return await serve_chat(backend, config, request, body, prompt_ids)
 
@@ -312,7 +316,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, backen
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, backend: BackendDep):
     lora = backend.resolve_model(body.model)
-    prompts = _completion_prompts(backend, body)
+    prompts = await cpu.run(_completion_prompts, backend, body)
     streams = await _start_all(backend, body, prompts, lora)
     run = _CompletionRun(body, prompts, body.model or backend.model_name, TokenText.for_tokenizer(backend.tokenizer))
     if body.stream:
@@ -321,9 +325,12 @@ async def completions(body: CompletionRequest, request: Request, backend: Backen
 
 
 def _completion_prompts(backend: Backend, body: CompletionRequest) -> list[list[int]]:
-    """The token ids of each prompt (text is encoded), checked non-empty and within the vocabulary."""
+    """The token ids of each prompt (text is encoded), checked non-empty and within the vocabulary (blocking:
+    run through `cpu.run`)."""
     prompts = []
     for p in body.prompts():
+        if isinstance(p, str):
+            check_fits(backend.tokenizer, p, backend.max_model_len, "prompt")
         ids = backend.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str) else p
         if not ids:
             raise InvalidRequest("prompt is empty", param="prompt")

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from loguru import logger
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # OpenAI's (and vLLM's) names; any other status gets its HTTP phrase, e.g. 405: MethodNotAllowedError
 _TYPES = {
@@ -57,7 +58,12 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+    """The one error body; text that cannot be UTF-8 (a lone surrogate echoed from a request) is escaped."""
+    return JSONResponse(error_body(status, _utf8(message), param and _utf8(param)), status_code=status)
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -69,6 +75,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, _http)  # FastAPI's subclass, which vLLM registers by name
     if Exception not in app.exception_handlers:
         app.add_exception_handler(Exception, _internal)
+    app.add_middleware(InternalErrors)
 
 
 async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
@@ -86,7 +93,42 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 async def _internal(_: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error in a request")
-    return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
+    return internal_error(exc)
+
+
+def internal_error(exc: BaseException) -> JSONResponse:
+    return error_response(500, " ".join(f"internal server error: {type(exc).__name__}: {exc}".split()))
+
+
+class InternalErrors:
+    """An unhandled exception is answered here (the one 500 body) and not raised further, so the connection
+    stays usable: Starlette's outermost middleware re-raises after answering it, and uvicorn then closes the
+    keep-alive connection (the client's next request on it is reset, a pipelined one never answered).
+    Only a response already half sent is left to that (nothing else can end it)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = {"start": False, "end": False}
+
+        async def tracking_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                sent["start"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["end"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if sent["start"] and not sent["end"]:
+                raise
+            logger.opt(exception=exc).error(f"unhandled error in {scope['method']} {scope['path']}")
+            if not sent["start"]:
+                await internal_error(exc)(scope, receive, send)
 
 
 def validation_message(errors: list) -> tuple[str, str | None]:

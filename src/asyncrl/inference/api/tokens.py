@@ -15,8 +15,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from asyncrl.inference.api import cpu
 from asyncrl.inference.api.backend import Backend
-from asyncrl.inference.api.chat import render_chat
+from asyncrl.inference.api.chat import render_chat, request_template_kwargs
 from asyncrl.inference.api.completions import ChoiceResult, TokenText, chat_logprobs, collect, serve_chat, usage
 from asyncrl.inference.api.deps import BackendDep, Config
 from asyncrl.inference.api.schemas import (
@@ -32,24 +33,30 @@ router = APIRouter()
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, backend: BackendDep):
+async def tokenize(body: TokenizeRequest, backend: BackendDep, config: Config):
     backend.resolve_model(body.model)
+    return await cpu.run(lambda: cpu.json_response(_tokenize(backend, body, config.trust_request_chat_template)))
+
+
+def _tokenize(backend: Backend, body: TokenizeRequest, trust_request_template: bool) -> dict[str, Any]:
+    """/tokenize's answer (blocking: run through `cpu.run`)."""
     tok = backend.tokenizer
-    ids = _chat_ids(tok, body) if body.messages is not None else _prompt_ids(tok, body)
+    ids = _chat_ids(tok, body, trust_request_template) if body.messages is not None else _prompt_ids(tok, body)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": backend.max_model_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = tok.convert_ids_to_tokens(ids)
     return out
 
 
-def _chat_ids(tok, body: TokenizeRequest) -> list[int]:
+def _chat_ids(tok, body: TokenizeRequest, trust_request_template: bool) -> list[int]:
     ids = render_chat(
         tok,
         body.messages,
         body.tools,
         body.add_generation_prompt,
         body.continue_final_message,
-        body.chat_template_kwargs,
+        request_template_kwargs(body),
+        trust_request_template,
     )
     return with_special_tokens(tok, ids) if body.add_special_tokens else ids
 

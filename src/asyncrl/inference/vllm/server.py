@@ -21,6 +21,7 @@ from asyncrl.config.inference import MULTI_NODE_FIELDS, InferenceConfig
 from asyncrl.core.errors import UserError
 from asyncrl.inference.api import training
 from asyncrl.inference.api.app import install_api
+from asyncrl.inference.api.http_server import uvicorn_options
 from asyncrl.inference.vllm.shims import ErrorBodyMiddleware, NullAssistantFieldsMiddleware
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout
@@ -63,6 +64,8 @@ def build_vllm_argv(config: InferenceConfig) -> list[str]:
         argv += ["--reasoning-parser", m.reasoning_parser]
     if config.seed is not None:
         argv += ["--seed", str(config.seed)]
+    if config.trust_request_chat_template:
+        argv.append("--trust-request-chat-template")
     for key in MULTI_NODE_FIELDS:
         value = getattr(config, key)
         if value is True:
@@ -196,6 +199,7 @@ async def _serve(args, config: InferenceConfig) -> None:
                 access_log=not args.disable_uvicorn_access_log,
                 ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile,
+                **uvicorn_options(config.server),  # deadlines, header size (api/http_server.py)
             )
         await shutdown
     finally:
