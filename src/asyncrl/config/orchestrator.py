@@ -192,6 +192,11 @@ class OrchestratorConfig(BaseConfig):
                 f"batch_size ({self.batch_size}) must be divisible by rollouts_per_example "
                 f"({self.rollouts_per_example})"
             )
+        if self.sampling.temperature == 0:
+            raise ValueError(
+                "sampling.temperature = 0: RL learns from sampled rollouts and their logprobs, which greedy "
+                "decoding does not give; use a temperature > 0 (1.0 is exact for the importance ratios)"
+            )
         if self.sampling.max_tokens is not None and self.sampling.max_tokens >= self.seq_len:
             raise ValueError(
                 f"sampling.max_tokens ({self.sampling.max_tokens}) cannot fit in seq_len ({self.seq_len}) "

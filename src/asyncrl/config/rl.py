@@ -137,6 +137,11 @@ class RLConfig(BaseConfig):
             raise ValueError("with [[runs]] each run's adapter is served as the run name: drop orchestrator.lora_name")
         if self.bench:
             raise ValueError("--bench runs the bench job, a single run: drop [[runs]]")
+        if self.inference is not None and len(names) > self.inference.max_lora_adapters:
+            raise ValueError(
+                f"{len(names)} [[runs]] need {len(names)} LoRA adapters on the server, which loads at most "
+                f"{self.inference.max_lora_adapters}: raise --inference.max-lora-adapters"
+            )
 
     def run_orchestrators(self) -> dict[str, OrchestratorConfig]:
         """Each run's orchestrator: [orchestrator] with the run's settings over it, writing to run_NAME/ and

@@ -327,6 +327,7 @@ def test_examples_resolve(example):
         (TrainerConfig, [], {"PRIME_OPTIM__LRR": "1"}, "PRIME_OPTIM__LRR"),
         (OrchestratorConfig, ["--batch-size", "10", "--rollouts-per-example", "3"], {}, "divisible"),
         (OrchestratorConfig, ["--sampling.max-tokens", "4096", "--seq-len", "2048"], {}, "cannot fit in seq_len"),
+        (OrchestratorConfig, ["--sampling.temperature", "0"], {}, "use a temperature > 0"),
         (TrainerConfig, ["@", "/nonexistent/t.toml"], {}, "not found: /nonexistent/t.toml"),
         (TrainerConfig, ["--optim.lr"], {}, "--optim.lr needs a value"),
         (TrainerConfig, ["stray"], {}, "unexpected argument"),

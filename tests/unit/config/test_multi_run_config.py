@@ -55,6 +55,7 @@ def test_trainer_settings_of_a_run_keep_only_what_it_sets():
         ([{"name": "a"}], {"orchestrator": {"lora_name": "x"}}, "drop orchestrator.lora_name"),
         ([{"name": "a", "orchestrator": {"batch_size": 0}}], {}, "[[runs]] 'a'"),
         ([{"name": "a", "orchestrator": {"bogus": 1}}], {}, "bogus"),
+        ([{"name": "a"}, {"name": "b"}], {"inference": {"max_lora_adapters": 1}}, "--inference.max-lora-adapters"),
     ],
 )
 def test_bad_runs_are_one_line_errors(runs, extra, says):
