@@ -322,7 +322,8 @@ def test_default_values(tools, tmp_path):
 
     resolved = dry_run(docs, tmp_path)
     assert resolved["inference"]["api_key"] == "k-test"
-    assert resolved["inference"]["server"] == {"host": "0.0.0.0", "port": 8000}
+    server = resolved["inference"]["server"]
+    assert (server["host"], server["port"]) == ("0.0.0.0", 8000)
     assert resolved["orchestrator"]["client"]["base_url"] == "http://rl-asyncrl-inference:8000/v1"
     assert resolved["orchestrator"]["client"]["api_key_var"] == "INFERENCE_SERVER_API_KEY"
     assert resolved["orchestrator"]["num_train_workers"] == 1

@@ -75,6 +75,9 @@ class TrainingEngine(Protocol):
     def lora_names(self) -> list[str]:
         """Names of the loaded adapters."""
 
+    def lora_off(self) -> str | None:
+        """Why no adapter can be loaded, as the client should hear it (None: adapters can be loaded)."""
+
 
 class Backend(ABC):
     """An engine the whole API can serve (a `TrainingEngine` that also generates)."""
@@ -118,6 +121,9 @@ class Backend(ABC):
     @abstractmethod
     def lora_names(self) -> list[str]:
         """Names of the loaded adapters."""
+
+    def lora_off(self) -> str | None:
+        return None
 
     def is_healthy(self) -> bool:
         return True

@@ -46,6 +46,8 @@ async def reload_weights(engine: Engine, lock: WeightsLock):
 @router.post("/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoraRequest, engine: Engine, lock: WeightsLock, config: Config):
     check_allowed(body.lora_path, config.allowed_weights_root, "lora_path")
+    if (off := engine.lora_off()) is not None:
+        raise InvalidRequest(off)
     if body.lora_name == engine.model_name:
         raise InvalidRequest("lora_name must differ from the served model's name", param="lora_name")
     check_adapter_name(body.lora_name)

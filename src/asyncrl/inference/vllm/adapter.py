@@ -48,9 +48,12 @@ class VLLMEngine:
     def lora_names(self) -> list[str]:
         return list(self.models.lora_requests)
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+    def lora_off(self) -> str | None:
         if self.engine.vllm_config.lora_config is None:
-            raise InvalidRequest("LoRA is off: start the server with the vLLM flag --enable-lora")
+            return "LoRA is off: start the server with the vLLM flag --enable-lora"
+        return None
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         replacing = lora_name in self.models.lora_requests  # a new step of the same adapter
         request = LoadLoRAAdapterRequest(lora_name=lora_name, lora_path=lora_path, load_inplace=replacing)
         result = await self.models.load_lora_adapter(request)
