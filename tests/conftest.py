@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "integration"))  # server_proc
 from server_proc import BACKENDS, ServerProcess, start_server  # noqa: E402
+
+# The tests press Ctrl-C (SIGINT) on the processes they start as a user at a terminal would. Run in the
+# background of a non-interactive shell (`bash .ci/run &`), every process inherits SIGINT ignored, and so would
+# each rl a test starts: handle it here, so children start with the default (Python's KeyboardInterrupt).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
