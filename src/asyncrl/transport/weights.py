@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import BinaryIO
 
 HEADER_LIMIT = 100 * 2**20  # safetensors' own bound on the JSON header
 
@@ -29,18 +30,30 @@ def safetensors_problem(file: Path) -> str | None:
     """Why `file` is not a whole safetensors file (framing only), or None."""
     size = file.stat().st_size
     with file.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return f"is truncated ({size} bytes, not even a header)"
-        (length,) = struct.unpack("<Q", head)
-        if length > HEADER_LIMIT or 8 + length > size:
-            return f"is truncated or not safetensors (header of {length} bytes, file of {size})"
         try:
-            header = json.loads(f.read(length))
-        except ValueError:
-            return "has an unreadable header (not safetensors, or damaged)"
+            length, header = read_header(f, size)
+        except ValueError as e:
+            return str(e)
     ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
     expected = 8 + length + max(ends, default=0)
     if size < expected:
         return f"is truncated ({size} of {expected} bytes)"
     return None
+
+
+def read_header(f: BinaryIO, size: int) -> tuple[int, dict]:
+    """The byte length and the JSON header of safetensors file `f` (open, at its start; `size` bytes in all),
+    read with plain reads; ValueError saying what is wrong with the file when its framing is not safetensors."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise ValueError(f"is truncated ({size} bytes, not even a header)")
+    (length,) = struct.unpack("<Q", head)
+    if length > HEADER_LIMIT or 8 + length > size:
+        raise ValueError(f"is truncated or not safetensors (header of {length} bytes, file of {size})")
+    try:
+        header = json.loads(f.read(length))
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        raise ValueError("has an unreadable header (not safetensors, or damaged)")
+    return length, header

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.inference.api.errors import InvalidRequest
+from asyncrl.transport.weights import read_header as safetensors_header
 
-MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on a header
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4"}
 
 Header = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape)
@@ -106,11 +106,7 @@ def read_header(f: Path, param: str) -> Header:
     """Tensor name -> (dtype, shape) of one safetensors file, from its header (plain reads, no tensor data)."""
     try:
         with open(f, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            n = int.from_bytes(fh.read(8), "little")
-            if size < 8 or n > min(size - 8, MAX_HEADER_BYTES):
-                raise ValueError(f"header length {n} does not fit the file's {size} bytes")
-            raw = json.loads(fh.read(n))
+            _, raw = safetensors_header(fh, os.fstat(fh.fileno()).st_size)
         header = {k: (v["dtype"], tuple(int(d) for d in v["shape"])) for k, v in raw.items() if k != "__metadata__"}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # truncated, not safetensors, ...
         raise InvalidRequest(f"cannot read {f}: not a complete safetensors file ({one_line(e)})", param=param) from e
