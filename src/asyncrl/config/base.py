@@ -100,3 +100,28 @@ def default_output_dir() -> Path:
 def report_field() -> Any:
     """`report` of the entrypoints that write a run report when they end (`--no-report` turns it off)."""
     return Field(True, description="write {output_dir}/report.html at the end, done or failed (asyncrl report)")
+
+
+ASYNC_LEVEL_ALIAS = "async_level"  # the PRIME-RL docs' prose spelling of `max_async_level`
+
+
+def async_level_field() -> Any:
+    """`async_level`, accepted wherever `max_async_level` is (flag, TOML key) and folded into it before validation."""
+    return Field(None, ge=0, exclude=True, description="the PRIME-RL docs' spelling of max_async_level (same option)")
+
+
+def fold_async_level(raw: Any) -> Any:
+    """`raw` with `async_level` renamed to `max_async_level`; both given with different values: ValueError."""
+    if not isinstance(raw, dict) or ASYNC_LEVEL_ALIAS not in raw:
+        return raw
+    out = {k: v for k, v in raw.items() if k != ASYNC_LEVEL_ALIAS}
+    alias, own = raw[ASYNC_LEVEL_ALIAS], out.get("max_async_level")
+    if alias is None:
+        return out
+    if own is not None and str(own) != str(alias):
+        raise ValueError(
+            f"async_level = {alias!r} but max_async_level = {own!r}: they are one option (async_level is the "
+            "PRIME-RL docs' spelling); set one"
+        )
+    out["max_async_level"] = own if own is not None else alias
+    return out

@@ -8,7 +8,16 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, ModelConfig, WandbConfig, default_output_dir
+from asyncrl.config.base import (
+    BaseConfig,
+    CkptConfig,
+    LogConfig,
+    ModelConfig,
+    WandbConfig,
+    async_level_field,
+    default_output_dir,
+    fold_async_level,
+)
 
 
 class ClientConfig(BaseConfig):
@@ -175,6 +184,7 @@ class OrchestratorConfig(BaseConfig):
     )
     max_steps: int | None = Field(None, ge=1, description="stop after this step")
     max_async_level: int = Field(2, ge=0, description="async bound k: rollouts of step n use policy >= n-k")
+    async_level: int | None = async_level_field()
     weights_timeout: float | None = Field(
         None, gt=0, description="seconds to wait for the trainer's weights before failing (None: wait forever)"
     )
@@ -184,6 +194,11 @@ class OrchestratorConfig(BaseConfig):
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
     seed: int = Field(0, description="seed for prompt sampling")
     bench: bool = Field(False, description="benchmark rollouts/s and tokens/s against a running server")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_level(cls, raw: Any) -> Any:
+        return fold_async_level(raw)
 
     @model_validator(mode="after")
     def _check(self) -> OrchestratorConfig:

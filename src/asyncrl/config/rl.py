@@ -17,7 +17,16 @@ from pydantic import Field, model_validator
 
 from asyncrl.config import bench as bench_job
 from asyncrl.config import loader
-from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, ModelConfig, WandbConfig, report_field
+from asyncrl.config.base import (
+    BaseConfig,
+    CkptConfig,
+    LogConfig,
+    ModelConfig,
+    WandbConfig,
+    async_level_field,
+    fold_async_level,
+    report_field,
+)
 from asyncrl.config.inference import InferenceConfig, chosen_backend
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.trainer import RunConfig, TrainerConfig
@@ -68,6 +77,7 @@ class RLConfig(BaseConfig):
     max_steps: int | None = Field(None, ge=1, description="shared: training steps")
     seq_len: int | None = Field(None, ge=1, description="shared: packed row length (and server context)")
     max_async_level: int | None = Field(None, ge=0, description="shared: async bound k (default 2)")
+    async_level: int | None = async_level_field()
     output_dir: Path | None = Field(None, description="shared: run directory (default outputs)")
     wandb: WandbConfig | None = Field(None, description="shared: W&B (runs get -trainer/-orchestrator suffixes)")
     ckpt: CkptConfig | None = Field(None, description="shared: checkpointing of trainer and orchestrator")
@@ -102,6 +112,11 @@ class RLConfig(BaseConfig):
         "itself, print s/step, generation/training/weight-update time, overlap and held-out accuracy, write "
         "{output_dir}/bench.json (other flags still apply)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_level(cls, raw: Any) -> Any:
+        return fold_async_level(raw)
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
@@ -149,7 +164,10 @@ class RLConfig(BaseConfig):
         out, base = RunLayout.for_config(self.trainer), self.orchestrator.model_dump(mode="json")
         configs = {}
         for run in self.runs or []:
-            raw = loader.deep_merge(base, run.orchestrator)
+            try:
+                raw = loader.deep_merge(base, fold_async_level(run.orchestrator))
+            except ValueError as e:
+                raise UserError(f"[[runs]] {run.name!r}: {e}") from None
             raw.update(output_dir=str(out.run_dir(run.name)), lora_name=run.name)
             if run.max_steps is not None:
                 raw["max_steps"] = run.max_steps
@@ -170,7 +188,8 @@ SHARED: dict[str, dict[str, tuple[str, ...] | None]] = {
     "max_async_level": {"trainer": ("max_async_level",), "orchestrator": ("max_async_level",), "inference": None},
     "output_dir": {"trainer": ("output_dir",), "orchestrator": ("output_dir",), "inference": ("output_dir",)},
 }
-SHARED_SECTIONS = ("wandb", "ckpt", "log")
+SHARED_SECTIONS = ("wandb", "log")  # `ckpt` is the run's, one setting for both processes: see `_run_checkpoints`
+CKPT_PLACES = ("trainer", "orchestrator")
 PER_RUN = {("wandb", "name"), ("wandb", "id")}  # each component logs its own W&B run: its own value wins
 
 
@@ -199,14 +218,64 @@ def _agreed(field: str, values: list[tuple[str, Any]], where: dict, origin: str)
     return value
 
 
+def _run_checkpoints(raw: dict, cli: dict) -> None:
+    """One checkpoint setting for the run: `[ckpt]`, `[trainer.ckpt]` and `[orchestrator.ckpt]` are the same
+    section. Set in any of them (the guide's `[trainer.ckpt]` + `--trainer.ckpt.resume-step N`), both processes
+    save at the same steps, under the same path, with the same retention, and resume at the same step: the
+    orchestrator's part of `step_N` is what a resume needs besides the trainer's. A key given on the command line
+    wins over the files; two places that set it differently (both files, or both flags) are a contradiction.
+    `--no-ckpt` (top level) turns checkpoints off; `--orchestrator.no-ckpt` / `--trainer.no-ckpt` only that one."""
+    places = {"top level": raw, **{c: raw[c] for c in CKPT_PLACES}}
+    flags = {name: cli if name == "top level" else cli.get(name) or {} for name in places}
+    off = {name for name, f in flags.items() if "ckpt" in f and f["ckpt"] is None}
+    given = {name: tree["ckpt"] for name, tree in places.items() if isinstance(tree.get("ckpt"), dict)}
+    if "top level" in off or not given:
+        for name in places if "top level" in off else ():
+            places[name]["ckpt"] = None
+        return
+    run: dict = {}
+    for key in sorted({k for section in given.values() for k in section}):
+        on_line = [(n, flags[n]["ckpt"][key]) for n in given if key in (flags[n].get("ckpt") or {})]
+        values = on_line or [(n, section[key]) for n, section in given.items() if key in section]
+        run[key] = _agreed_ckpt(key, values, "on the command line" if on_line else "in the config files")
+    for name, tree in places.items():
+        if name not in off and (name != "top level" or "top level" in given):
+            tree["ckpt"] = dict(run)
+
+
+def _agreed_ckpt(key: str, values: list[tuple[str, Any]], origin: str) -> Any:
+    """The one value of `ckpt.<key>` all places agree on; UserError naming two that do not."""
+    (first, value), where = values[0], (lambda n: f"ckpt.{key}" if n == "top level" else f"{n}.ckpt.{key}")
+    for name, other in values[1:]:
+        if not _same(other, value):
+            raise UserError(
+                f"contradicting ckpt.{key}: {where(first)} = {value!r} but {where(name)} = {other!r} ({origin}); "
+                "the run's processes checkpoint together: set it once (at the top level, [ckpt])"
+            )
+    return value
+
+
+def _fold_async_levels(raw: dict) -> dict:
+    """A copy of `raw` (two levels deep) with `async_level` folded into `max_async_level` at the top level and in
+    each component, so that propagation sees one option (`base.fold_async_level`)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    try:
+        out = fold_async_level(out)
+        for comp in loader.COMPONENTS:
+            if isinstance(out.get(comp), dict):
+                out[comp] = fold_async_level(out[comp])
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return out
+
+
 def propagate(raw: dict, cli: dict | None = None) -> dict:
     """Fill shared fields into components. A shared value given on the command line (`cli`, at the top or
     in one component) wins over every file, as in PRIME-RL's precedence; two files, or two command-line
     flags, that set different values are a contradiction (UserError)."""
-    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    raw, cli = _fold_async_levels(raw), _fold_async_levels(cli or {})
     raw.setdefault("trainer", {})
     raw.setdefault("orchestrator", {})
-    cli = cli or {}
     components = [c for c in loader.COMPONENTS if isinstance(raw.get(c), dict)]
 
     for shared, where in SHARED.items():
@@ -218,6 +287,10 @@ def propagate(raw: dict, cli: dict | None = None) -> dict:
             for comp in components:
                 if where[comp] is not None:
                     loader.set_path(raw[comp], where[comp], value)
+            if loader.get_path(raw, top) is not None:  # --dry-run prints what the components run with
+                loader.set_path(raw, top, value)
+
+    _run_checkpoints(raw, cli)
 
     for section in SHARED_SECTIONS:
         top = raw.get(section)
@@ -244,13 +317,6 @@ def propagate(raw: dict, cli: dict | None = None) -> dict:
             if section == "wandb" and top.get("name") and "name" not in own:
                 merged["name"] = f"{top['name']}-{comp}"
             raw[comp][section] = merged
-
-    # a trainer resume implies the orchestrator resumes at the same step (PRIME-RL's `--trainer.ckpt.resume-step`)
-    t_ckpt, o_ckpt = raw["trainer"].get("ckpt"), raw["orchestrator"].get("ckpt")
-    if isinstance(t_ckpt, dict) and t_ckpt.get("resume_step") is not None:
-        o_ckpt = dict(o_ckpt or {})
-        o_ckpt.setdefault("resume_step", t_ckpt["resume_step"])
-        raw["orchestrator"]["ckpt"] = o_ckpt
 
     # the orchestrator talks to the server rl starts, unless told otherwise
     if isinstance(raw.get("inference"), dict):

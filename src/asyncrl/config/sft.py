@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -11,9 +11,17 @@ from asyncrl.config.base import BaseConfig, CkptConfig, LogConfig, WandbConfig, 
 from asyncrl.config.trainer import OptimConfig, SchedulerConfig, TokenizerConfig, TrainerModelConfig
 
 
+class SFTOptimConfig(OptimConfig):
+    """The optimizer with SFT's own default learning rate (the RL trainer's is lower)."""
+
+    lr: float = Field(2e-5, gt=0, description="AdamW learning rate")
+
+
 class SFTDataConfig(BaseConfig):
     type: Literal["dataset", "fake"] = Field(
-        "dataset", description="dataset: a file/dir/hub name; fake: benchmark data"
+        "fake",
+        description="dataset: data.name (a file/dir/hub name), the default once data.name is set; fake: random "
+        "benchmark data, the default without data.name (with a warning)",
     )
     name: str | None = Field(None, description="local .jsonl/.parquet file or dir, or a HF hub dataset name")
     split: str = Field("train", description="dataset split")
@@ -28,6 +36,14 @@ class SFTDataConfig(BaseConfig):
     loss_roles: list[str] = Field(
         default_factory=lambda: ["assistant"], description="roles of completion messages trained on"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _type_follows_name(cls, raw: Any) -> Any:
+        """No `type` given: dataset when data.name is set, else fake (a bare `sft`, `sft ... --bench`)."""
+        if isinstance(raw, dict) and raw.get("type") is None:
+            return {**raw, "type": "dataset" if raw.get("name") else "fake"}
+        return raw
 
     @model_validator(mode="after")
     def _check(self) -> SFTDataConfig:
@@ -44,9 +60,9 @@ class SFTDataConfig(BaseConfig):
 class SFTConfig(BaseConfig):
     model: TrainerModelConfig = Field(default_factory=TrainerModelConfig, description="model and parallelism")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="tokenizer")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=2e-5), description="optimizer")
+    optim: SFTOptimConfig = Field(default_factory=SFTOptimConfig, description="optimizer")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="learning-rate schedule")
-    data: SFTDataConfig = Field(default_factory=lambda: SFTDataConfig(type="fake"), description="training data")
+    data: SFTDataConfig = Field(default_factory=SFTDataConfig, description="training data")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     epochs: int = Field(1, ge=1, description="passes over the data when max_steps is not set (else data repeats)")
     ckpt: CkptConfig | None = Field(None, description="checkpointing (off unless set: --ckpt)")
@@ -59,13 +75,3 @@ class SFTConfig(BaseConfig):
     bench: bool = Field(
         False, description="benchmark a few steps and print throughput/MFU (fake data unless data.name)"
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _bench_means_fake_data(cls, raw: object) -> object:
-        """`sft ... --data.seq-len 4096 --bench` (PRIME-RL's line) benchmarks on fake data of that shape."""
-        if isinstance(raw, dict) and raw.get("bench") and isinstance(raw.get("data"), dict):
-            data = raw["data"]
-            if "type" not in data and not data.get("name"):
-                return {**raw, "data": {**data, "type": "fake"}}
-        return raw

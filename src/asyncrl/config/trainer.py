@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import (
     BaseConfig,
@@ -14,11 +14,14 @@ from asyncrl.config.base import (
     LogConfig,
     ModelConfig,
     WandbConfig,
+    async_level_field,
     default_output_dir,
+    fold_async_level,
 )
 
 Dtype = Literal["bfloat16", "float32"]
 
+ADVANTAGE_TYPES = ("rloo", "opo")  # the orchestrator's advantage.type values PRIME-RL's docs call objectives
 MICRO_BATCH_ROWS = 16  # fastest of 1/2/4/8/16 on the bench job's shape, CPU (benchmarks/trainer.py --rows-sweep)
 
 
@@ -99,6 +102,17 @@ class LossConfig(BaseConfig):
     entropy_coef: float = Field(0.0, ge=0, description="subtract entropy_coef * entropy per token (an entropy bonus)")
     custom: str | None = Field(None, description="custom loss as 'module.path:function' (type = custom)")
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _advantage_not_loss(cls, value: Any) -> Any:
+        """PRIME-RL's docs list RLOO and OPO among the training objectives; here they are advantage estimators."""
+        if isinstance(value, str) and value.lower() in ADVANTAGE_TYPES:
+            raise ValueError(
+                f"{value.lower()} is an advantage estimator here, not a loss: set --orchestrator.advantage.type "
+                f"{value.lower()} (rl; the orchestrator's own flag: --advantage.type) and keep a loss (default grpo)"
+            )
+        return value
+
     @model_validator(mode="after")
     def _custom_needs_path(self) -> LossConfig:
         if self.type == "custom" and not self.custom:
@@ -138,6 +152,7 @@ class TrainerConfig(BaseConfig):
     )
     max_steps: int | None = Field(None, ge=1, description="stop after this step (None: run until killed)")
     max_async_level: int = Field(2, ge=0, description="async bound k: keep broadcast weights of the last k+1 steps")
+    async_level: int | None = async_level_field()
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda if available, else cpu (gloo)")
     seed: int = Field(0, description="random seed")
     bench: bool = Field(False, description="benchmark on fake data for a few steps and print throughput/MFU")
@@ -151,6 +166,11 @@ class TrainerConfig(BaseConfig):
     runs: list[str] | None = Field(
         None, description="multi-run: end once these runs have ended (rl sets it; unset: serve runs until stopped)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_level(cls, raw: Any) -> Any:
+        return fold_async_level(raw)
 
     @model_validator(mode="after")
     def _multi_run(self) -> TrainerConfig:
