@@ -1,10 +1,11 @@
 """Config of the `rl` launcher: the three component configs plus shared fields set once at the top.
 
 Shared fields (`model`, `max_steps`, `seq_len`, `max_async_level`, `output_dir`, `wandb`, `ckpt`, `log`) are
-propagated into every component that has them. A value may be set at the top or in any one component.
-A value given on the command line wins over every config file (PRIME-RL's precedence: CLI > files >
-env > defaults); two files, or two flags, that set different values are an error, never a silent
-overwrite.
+propagated into every component that has them. A value may be set at the top or in any one component
+(`ckpt` is one setting for the run: `[ckpt]`, `[trainer.ckpt]` and `[orchestrator.ckpt]` alike; `async_level`
+is `max_async_level`). A value given on the command line wins over every config file (PRIME-RL's precedence:
+CLI > files > env > defaults); two files, or two flags, that set different values are an error, never a silent
+overwrite. The top level of the result says what the components run with (`--dry-run` prints it).
 With `bench`, the bench job's settings (`asyncrl.config.bench`) fill in whatever the user left unset.
 """
 

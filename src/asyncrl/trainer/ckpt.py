@@ -8,7 +8,8 @@ optimizer steps, resume runs step N)::
     STABLE                      written last: the checkpoint is complete
 
 Retention (keep_last / keep_interval) and the resume-step rule are the layout's (`transport.layout`),
-shared with the orchestrator and the `rl` launcher.
+shared with the orchestrator and the `rl` launcher; retention applies to the exported `weights/step_N` too
+(never those of a step with a complete checkpoint), after each save.
 A dir without the marker is partial (a save that died) and is never loaded. Async saves stage a CPU
 copy of the state synchronously and write it in a background thread on a separate gloo group, so the
 next optimizer step cannot race them; the marker and retention happen once the write has finished.
@@ -100,13 +101,17 @@ class CheckpointManager:
             (path / PROGRESS).write_text(json.dumps(extra, indent=1))
             mark_stable(path)
             logger.info(f"saved checkpoint {path}")
-            self._apply_retention()
+            self._apply_retention(step)
         dist.barrier(group=self._group)
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, step: int) -> None:
+        """keep_last / keep_interval: trainer checkpoints, then the exported weights of the steps they dropped."""
         deleted = self.layout.prune_checkpoints(TRAINER, self.cfg.keep_last, self.cfg.keep_interval)
         if deleted:
             logger.debug(f"deleted trainer checkpoints {deleted} (retention)")
+        weights = self.layout.prune_weights(step, self.cfg.keep_last, self.cfg.keep_interval)
+        if weights:
+            logger.debug(f"deleted weights {weights} (retention)")
 
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model + optimizer in place from step `step`; returns its progress.json."""

@@ -6,6 +6,7 @@ On disk (under `output_dir`)::
     broadcast/step_{n}/                         HF dir (safetensors, config, tokenizer), trainer -> server
     broadcast/step_{n}/STABLE                   empty marker: the dir is complete
     weights/step_{n}/ (+ STABLE)                same HF format, kept at checkpoint steps and at the end
+                                                (ckpt.keep_last / keep_interval prune them as checkpoints)
     {broadcast,weights}/step_{n}/adapter/       a LoRA run's adapter alone (PEFT format) in each of those dirs
     checkpoints/step_{n}/trainer/               DCP shards, progress.json, STABLE (written last)
     checkpoints/step_{n}/orchestrator/          progress.json, buffer.json
@@ -180,6 +181,18 @@ class RunLayout:
             shutil.rmtree(path, ignore_errors=True)
             with contextlib.suppress(OSError):
                 path.parent.rmdir()  # only once the other component has nothing there either
+        return doomed
+
+    def prune_weights(self, upto: int, keep_last: int | None, keep_interval: int | None) -> list[int]:
+        """Apply checkpoint retention to the exported weights `weights/step_N` of steps <= `upto` (the step just
+        checkpointed; later ones may be an earlier, longer run's): keep the newest `keep_last` plus multiples of
+        `keep_interval`, and always the weights of a step with a complete trainer checkpoint (a resume there
+        serves them)."""
+        steps = [s for s in step_dirs(self.weights) if s <= upto]
+        resumable = set(self.complete_checkpoints(TRAINER))
+        doomed = [s for s in steps_to_delete(steps, keep_last, keep_interval) if s not in resumable]
+        for step in doomed:
+            shutil.rmtree(self.weights_dir(step), ignore_errors=True)
         return doomed
 
     def prune_batches(self, keep_from_step: int) -> list[Path]:

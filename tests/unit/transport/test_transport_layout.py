@@ -91,3 +91,15 @@ def test_clear_stale_and_pruning_touch_only_their_steps(tmp_path):
 def _mkdir(path):
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def test_weight_exports_follow_checkpoint_retention(tmp_path):
+    """keep_last / keep_interval prune weights/step_N too, but never a step with a complete trainer checkpoint
+    (a resume there serves its weights) nor one past the step just saved (an earlier, longer run's)."""
+    run = RunLayout(tmp_path)
+    for step in (1, 2, 3, 4, 5, 9):
+        mark_stable(_mkdir(run.weights_dir(step)))
+    mark_stable(_mkdir(run.checkpoint_dir(1, "trainer")))  # kept by the trainer (e.g. an older keep rule)
+    assert run.prune_weights(5, keep_last=1, keep_interval=2) == [3]
+    assert sorted(step_dirs(run.weights)) == [1, 2, 4, 5, 9]
+    assert run.prune_weights(5, keep_last=None, keep_interval=None) == []
