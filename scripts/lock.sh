@@ -6,6 +6,9 @@
 #                 so adding vLLM later never moves a package that is already there
 #   classic.lock  asyncrl[dev] with verifiers 0.3 (classic environments), for the classic-API tests'
 #                 .venv-classic (scripts/test.sh); no environments/*, which are verifiers v1 packages
+#   uv.lock       (repo root) what `uv sync` installs: pyproject.toml's [dependency-groups] dev + extras,
+#                 every package of cpu.lock at cpu.lock's version, and torch==2.13.0 (tests/unit/test_locks.py
+#                 checks the two agree)
 #
 # Resolved with uv against pip's own index settings; torch is pinned and left out of every lock (setup
 # installs torch==2.13.0 (CPU) first, or keeps the CUDA build you installed).
@@ -45,3 +48,14 @@ compile cpu.lock "# asyncrl[dev] + environments/* (pins from vllm.lock), written
 extra=()
 compile classic.lock "# asyncrl[dev] with verifiers 0.3 (classic API tests), written by scripts/lock.sh; torch left out." \
   "-e file://$root#egg=asyncrl[dev]" "verifiers>=0.3.1,<0.4"
+
+# uv.lock: each cpu.lock pin is passed as the version to take (-P name==version), so both locks agree; of
+# pip's sources only its find-links (where the CPU torch wheel lies here), so the lock names PyPI otherwise
+links=()
+for ((i = 0; i < ${#sources[@]}; i += 2)); do
+  [ "${sources[i]}" = --find-links ] && links+=(--find-links "${sources[i + 1]}")
+done
+pins=()
+while read -r pin; do pins+=(-P "$pin"); done < <(grep -E '^[A-Za-z0-9._-]+==' requirements/cpu.lock)
+"$tools/bin/uv" lock -q --python 3.11 --index-strategy unsafe-best-match "${links[@]}" "${pins[@]}"
+echo "wrote uv.lock ($(grep -c '^name = ' uv.lock) packages)"

@@ -116,3 +116,22 @@ def test_eval_plain_server_model(server, tmp_path):
     done = run_eval(server, tmp_path, "--environment-ids", "tool-calc", "--num-examples", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[2].startswith("model")
+
+
+def test_eval_resolves_an_endpoint_name(server, tmp_path):
+    """`--model.name NAME` through an endpoints registry reaches the server named there (no --client.base-url)."""
+    registry = tmp_path / "endpoints.py"
+    entry = {"model": server.model, "url": server.url, "key": "ASYNCRL_TEST_NO_KEY"}
+    registry.write_text(f"ENDPOINTS = {{'tiny-local': {entry!r}}}\n")
+    cmd = [*EVAL, "--model.name", "tiny-local", "--endpoints-path", str(registry), "--output-dir", str(tmp_path)]
+    args = ["--environment-ids", "reverse-text", "--num-examples", "2", "--sampling.max-tokens", "10"]
+    done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert (summary["model"], summary["base_url"]) == (server.model, server.url)
+    assert summary["results"]["model"]["reverse-text"]["errors"] == 0
+
+    wrong = subprocess.run([*cmd[:4], "nope", *cmd[5:], *args], capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2
+    line = f"error: --model.name 'nope' is not an endpoint in {registry} (known: tiny-local)"
+    assert line in wrong.stderr.splitlines() and "Traceback" not in wrong.stderr

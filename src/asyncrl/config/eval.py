@@ -49,6 +49,11 @@ class EnvRunConfig(BaseConfig):
 class EvalConfig(EnvRunConfig):
     cli_aliases: ClassVar[dict[str, str]] = {"env.id": "environment_ids", "benchmarks": "environment_ids"}
 
+    endpoints_path: Path | None = Field(
+        None,
+        description="endpoints registry (Python file with ENDPOINTS = {name: {model, url, key}}): --model.name "
+        "NAME resolves to its model, base URL and API-key variable (unset: configs/endpoints.py if present)",
+    )
     weights_dir: Path | None = Field(None, description="evaluate every weights/step_N found here")
     steps: list[int] | None = Field(None, description="only these steps of weights_dir, e.g. 10,50")
     eval_base: bool = Field(True, description="also evaluate the base model (with weights_dir)")

@@ -21,6 +21,7 @@ from loguru import logger
 
 from asyncrl.config.eval import EvalConfig
 from asyncrl.core.errors import UserError
+from asyncrl.evaluation.endpoints import resolve
 from asyncrl.evaluation.runner import (
     Job,
     RolloutRecord,
@@ -202,5 +203,6 @@ async def _evaluate(config: EvalConfig) -> dict[str, Any]:
 
 
 def run_eval(config: EvalConfig) -> dict[str, Any]:
-    """Evaluate and return the summary (also written to {output_dir}/eval/summary.json)."""
-    return asyncio.run(_evaluate(config))
+    """Evaluate and return the summary (also written to {output_dir}/eval/summary.json); `--model.name`
+    resolves through the endpoints registry first (evaluation.endpoints)."""
+    return asyncio.run(_evaluate(resolve(config)))
