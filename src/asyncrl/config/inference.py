@@ -119,6 +119,12 @@ class InferenceConfig(BaseConfig):
 
     # `inference --max-model-len N` (as in PRIME-RL's eval example) means `--model.max-model-len N`.
     cli_aliases: ClassVar[dict[str, str]] = {"max_model_len": "model.max_model_len"}
+    # multi-node vLLM (PRIME-RL's docs: "Set DATA_PARALLEL_ADDRESS to head node IP"): read when no flag, file or
+    # PRIME_ variable sets the option
+    env_aliases: ClassVar[dict[str, str]] = {
+        "DATA_PARALLEL_ADDRESS": "data_parallel_address",
+        "DATA_PARALLEL_RPC_PORT": "data_parallel_rpc_port",
+    }
 
     @model_validator(mode="after")
     def _choose_backend(self) -> InferenceConfig:  # first: the checks below see the engine that will run
@@ -134,7 +140,12 @@ class InferenceConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _multi_node_needs_vllm(self) -> InferenceConfig:
-        asked = [f"--{k.replace('_', '-')}" for k in MULTI_NODE_FIELDS if getattr(self, k) not in (None, False)]
+        env = {option: name for name, option in self.env_aliases.items()}
+        asked = [
+            f"--{k.replace('_', '-')}" + (f" (or {env[k]})" if k in env else "")
+            for k in MULTI_NODE_FIELDS
+            if getattr(self, k) not in (None, False)
+        ]
         if asked and self.backend != "vllm":
             raise ValueError(
                 f"{' '.join(asked)}: multi-node data parallelism is vLLM's; serve with --backend vllm "

@@ -1,0 +1,70 @@
+"""Behaviours the PRIME-RL docs (/work/shared/seeds/*.md) describe in prose, run as the docs state them
+(issue 32, round 2; one section per item). Hub models are swapped for the session's tiny local model and the
+shipped CPU configs (configs/debug/cpu)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def entrypoint(name: str, *argv: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`uv run NAME ARGV` as a user types it: this checkout's entrypoint, in the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", f"asyncrl.entrypoints.{name}", *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, **(env or {})),
+        timeout=timeout,
+    )
+
+
+def dry_run(name: str, *argv: str, env: dict | None = None) -> dict:
+    """The resolved config `NAME ARGV --dry-run` prints."""
+    done = entrypoint(name, *argv, "--dry-run", env=env)
+    assert done.returncode == 0, done.stderr
+    return tomllib.loads(done.stdout)
+
+
+# ---- 2. W&B in rl: "Both trainer and orchestrator log as separate W&B runs ... Trainer run appends `-trainer`,
+# orchestrator appends `-orchestrator`" (prime-rl-docs.md), wherever the name comes from; one id would make them
+# one W&B run, so a shared id is made distinct the same way.
+
+
+def test_rl_wandb_name_and_id_on_the_command_line_make_two_runs():
+    cfg = dry_run("rl", "--wandb", "--wandb.project", "my-project", "--wandb.name", "my-run", "--wandb.id", "my-id")
+    runs = {c: (cfg[c]["wandb"]["name"], cfg[c]["wandb"]["id"]) for c in ("trainer", "orchestrator")}
+    assert runs == {"trainer": ("my-run-trainer", "my-id-trainer"), "orchestrator": ("my-run-orchestrator", "my-id-orchestrator")}
+    assert cfg["trainer"]["wandb"]["project"] == cfg["orchestrator"]["wandb"]["project"] == "my-project"
+
+
+def test_rl_wandb_name_from_a_toml_and_a_components_own_values(tmp_path):
+    (tmp_path / "rl.toml").write_text('[wandb]\nproject = "my-project"\nname = "my-run"\n')
+    cfg = dry_run("rl", "@", str(tmp_path / "rl.toml"), "--orchestrator.wandb.name", "mine")
+    assert (cfg["trainer"]["wandb"]["name"], cfg["orchestrator"]["wandb"]["name"]) == ("my-run-trainer", "mine")
+    # readme.md's resume line: each component's own run id, as given (no suffix on an id only one takes)
+    cfg = dry_run("rl", "--wandb.id", "t-run", "--orchestrator.wandb.id", "o-run")
+    assert (cfg["trainer"]["wandb"]["id"], cfg["orchestrator"]["wandb"]["id"]) == ("t-run", "o-run")
+
+
+# ---- 7. "vLLM multi-node data parallelism: Set `DATA_PARALLEL_ADDRESS` to head node IP, Set
+# `DATA_PARALLEL_RPC_PORT`" (prime-rl-docs.md): `inference` reads them; a flag wins.
+
+
+def test_inference_reads_data_parallel_address_and_port_from_the_environment():
+    env = {"DATA_PARALLEL_ADDRESS": "10.15.42.1", "DATA_PARALLEL_RPC_PORT": "13345"}
+    line = ["--backend", "vllm", "--data-parallel-size", "4", "--tensor-parallel-size", "4"]
+    cfg = dry_run("inference", *line, "--data-parallel-size-local", "2", env=env)
+    assert (cfg["data_parallel_address"], cfg["data_parallel_rpc_port"]) == ("10.15.42.1", 13345)
+    cfg = dry_run("inference", *line, "--data-parallel-address", "10.0.0.9", "--data-parallel-rpc-port", "1", env=env)
+    assert (cfg["data_parallel_address"], cfg["data_parallel_rpc_port"]) == ("10.0.0.9", 1)
+    bad = entrypoint("inference", *line, "--dry-run", env={"DATA_PARALLEL_RPC_PORT": "70000"})
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: environment variable DATA_PARALLEL_RPC_PORT='70000' is not a valid --data-parallel-rpc-port"
+    ]
