@@ -40,7 +40,10 @@ def dry_run(name: str, *argv: str, env: dict | None = None) -> dict:
 def test_rl_wandb_name_and_id_on_the_command_line_make_two_runs():
     cfg = dry_run("rl", "--wandb", "--wandb.project", "my-project", "--wandb.name", "my-run", "--wandb.id", "my-id")
     runs = {c: (cfg[c]["wandb"]["name"], cfg[c]["wandb"]["id"]) for c in ("trainer", "orchestrator")}
-    assert runs == {"trainer": ("my-run-trainer", "my-id-trainer"), "orchestrator": ("my-run-orchestrator", "my-id-orchestrator")}
+    assert runs == {
+        "trainer": ("my-run-trainer", "my-id-trainer"),
+        "orchestrator": ("my-run-orchestrator", "my-id-orchestrator"),
+    }
     assert cfg["trainer"]["wandb"]["project"] == cfg["orchestrator"]["wandb"]["project"] == "my-project"
 
 

@@ -330,9 +330,11 @@ def _from_env_aliases(model: type[BaseModel], environ: Mapping[str, str], out: d
         if not raw or get_path(out, leaf.path) is not None:
             continue
         try:
-            value = TypeAdapter(typing.Annotated[leaf.annotation, leaf.info]).validate_python(parse_value(leaf, raw))
+            checked = TypeAdapter(typing.Annotated[leaf.annotation, leaf.info])
+            value = checked.validate_python(parse_value(leaf, raw))
         except ValidationError:
-            raise UserError(f"environment variable {name}={raw!r} is not a valid --{dotted.replace('_', '-')}") from None
+            flag = f"--{dotted.replace('_', '-')}"
+            raise UserError(f"environment variable {name}={raw!r} is not a valid {flag}") from None
         set_path(out, leaf.path, value)
     return out
 
