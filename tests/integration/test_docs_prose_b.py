@@ -10,6 +10,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -71,3 +73,55 @@ def test_inference_reads_data_parallel_address_and_port_from_the_environment():
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: environment variable DATA_PARALLEL_RPC_PORT='70000' is not a valid --data-parallel-rpc-port"
     ]
+
+
+# ---- 8. The tmux layout: "bash scripts/tmux.sh ... paste the experiment entrypoints ... in the Trainer pane",
+# "Start the inference server in the Inference pane" (readme.md), "a pre-layouted tmux session to view the logs
+# from all submodules" (rl-architecture.md): Trainer and Inference are shells, Orchestrator follows its log.
+
+
+@pytest.fixture
+def tmux(tmp_path):
+    """`tmux ARGS` on a server of this test's own (its socket under tmp_path), stopped at the end."""
+    import shutil
+
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed (apt-get install tmux)")
+    env = {k: v for k, v in os.environ.items() if k != "TMUX"} | {"TMUX_TMPDIR": str(tmp_path)}
+
+    def run(*args: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess:
+        return subprocess.run(args, capture_output=True, text=True, cwd=cwd, env=env, stdin=subprocess.DEVNULL)
+
+    yield run
+    run("tmux", "kill-server")
+
+
+def _wait_for(check, timeout: float = 10) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_tmux_layout_has_the_panes_the_docs_type_into(tmux, tmp_path):
+    work = tmp_path / "repo"
+    work.mkdir()
+    started = tmux("bash", str(ROOT / "scripts" / "tmux.sh"), "exp-1", cwd=work)  # readme.md:120
+    assert started.returncode == 0, started.stderr
+    assert "tmux attach -t exp-1" in started.stdout  # not on a terminal: built detached
+    panes = tmux("tmux", "list-panes", "-t", "exp-1:RL", "-F", "#{pane_title}|#{pane_start_command}").stdout
+    titles = dict(line.split("|", 1) for line in panes.splitlines())
+    assert list(titles) == ["Trainer", "Orchestrator", "Inference"]
+    assert "tail -F outputs/exp-1/logs/orchestrator.log" in titles["Orchestrator"]
+    for pane, name in ((0, "trainer"), (2, "inference")):  # the user's commands run where the docs type them
+        tmux("tmux", "send-keys", "-t", f"exp-1:RL.{pane}", f"echo {name}-typed > {name}.txt", "Enter")
+        assert _wait_for(lambda n=name: (work / f"{n}.txt").exists()), f"nothing typed ran in the {name} pane"
+    (work / "outputs" / "exp-1" / "logs" / "orchestrator.log").write_text("step 1 | reward 0.5\n")
+    shown = lambda: "step 1 | reward 0.5" in tmux("tmux", "capture-pane", "-p", "-t", "exp-1:RL.1").stdout  # noqa: E731
+    assert _wait_for(shown), "the Orchestrator pane does not show the orchestrator's log"
+    assert tmux("bash", str(ROOT / "scripts" / "tmux.sh"), "kill", "exp-1").returncode == 0  # readme.md:201
+    assert tmux("tmux", "has-session", "-t", "exp-1").returncode != 0
