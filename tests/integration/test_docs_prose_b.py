@@ -125,3 +125,46 @@ def test_tmux_layout_has_the_panes_the_docs_type_into(tmux, tmp_path):
     assert _wait_for(shown), "the Orchestrator pane does not show the orchestrator's log"
     assert tmux("bash", str(ROOT / "scripts" / "tmux.sh"), "kill", "exp-1").returncode == 0  # readme.md:201
     assert tmux("tmux", "has-session", "-t", "exp-1").returncode != 0
+
+
+# ---- 9. Inference dtype: '"auto" uses FP16 for FP32/FP16 models, BF16 for BF16 models' (training-and-evaluation-
+# guide.md). The embedded engine follows it on a CUDA GPU; on CPU it keeps float32 and logs why (docs/inference.md).
+
+
+def test_embedded_dtype_auto_on_cpu_keeps_float32_and_says_why(tiny_model_dir, tmp_path, caplog_loguru):
+    import json
+    import shutil
+
+    import torch
+
+    from asyncrl.config.inference import InferenceConfig
+    from asyncrl.inference.engine.engine import EmbeddedEngine
+
+    bf16 = shutil.copytree(tiny_model_dir, tmp_path / "bf16")  # a checkpoint whose config names bfloat16
+    config = json.loads((bf16 / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+    for model, named in ((tiny_model_dir, "float32"), (bf16, "bfloat16")):
+        caplog_loguru.clear()
+        engine = EmbeddedEngine(InferenceConfig(model={"name": str(model)}, device="cpu", backend="embedded"))
+        assert engine.dtype == torch.float32
+        assert f"dtype auto: {named} checkpoint on cpu: float32 (half precision is slow and inexact there)" in (
+            caplog_loguru
+        )
+    engine = EmbeddedEngine(
+        InferenceConfig(model={"name": str(tiny_model_dir), "dtype": "bfloat16"}, device="cpu", backend="embedded")
+    )
+    assert engine.dtype == torch.bfloat16  # an explicit dtype is what loads
+
+
+def test_embedded_dtype_auto_on_a_cuda_gpu_is_the_docs_rule():
+    import torch
+
+    from asyncrl.inference.engine.engine import auto_dtype
+
+    cuda, f16, bf16, f32 = torch.device("cuda"), torch.float16, torch.bfloat16, torch.float32
+    assert auto_dtype(f32, cuda)[0] == f16  # "FP16 for FP32/FP16 models"
+    assert auto_dtype(f16, cuda)[0] == f16
+    assert auto_dtype(None, cuda)[0] == f16  # a config naming no dtype: transformers loads float32
+    assert auto_dtype(bf16, cuda)[0] == bf16  # "BF16 for BF16 models"
+    assert auto_dtype(bf16, cuda, bf16_ok=False) == (f16, "bfloat16 checkpoint on a GPU without bfloat16: float16")
+    assert auto_dtype(f16, torch.device("cpu"))[0] == f32

@@ -14,7 +14,9 @@ from asyncrl.config.base import BaseConfig, LogConfig, ModelConfig, default_outp
 
 class InferenceModelConfig(ModelConfig):
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
-        "auto", description="weights dtype (auto: the checkpoint's dtype; fp32 on CPU for the embedded engine)"
+        "auto",
+        description="weights dtype (auto: float16 for a float32/float16 checkpoint, bfloat16 for a bfloat16 one; "
+        "the embedded engine on CPU: float32)",
     )
     max_model_len: int | None = Field(None, ge=1, description="max context (prompt + completion) in tokens")
     enforce_eager: bool = Field(False, description="vLLM: disable CUDA graphs / compilation")
