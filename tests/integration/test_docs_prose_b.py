@@ -168,3 +168,71 @@ def test_embedded_dtype_auto_on_a_cuda_gpu_is_the_docs_rule():
     assert auto_dtype(bf16, cuda)[0] == bf16  # "BF16 for BF16 models"
     assert auto_dtype(bf16, cuda, bf16_ok=False) == (f16, "bfloat16 checkpoint on a GPU without bfloat16: float16")
     assert auto_dtype(f16, torch.device("cpu"))[0] == f32
+
+
+# ---- 10. "the --bench flag. It will run each module in isolation for a few steps and log performance statistics
+# to the console and, optionally, W&B" (readme.md): `orchestrator @ ... --bench` against a running server writes
+# its steps to {output_dir}/metrics/orchestrator.jsonl (kind "bench") and W&B, as `trainer --bench` does.
+# 11. `eval` and `synthesize` end without aiohttp's "Unclosed client session / connector" dumps.
+# Both against the session's shared `inference` server (tests/conftest.py).
+
+
+@pytest.mark.slow
+def test_orchestrator_bench_writes_its_numbers_to_metrics_and_wandb(shared_inference_process, tmp_path):
+    import json
+
+    server = shared_inference_process
+    done = entrypoint(
+        "orchestrator",
+        *("@", "configs/debug/cpu/orchestrator/debug.toml", "--bench"),  # readme.md:259, the CPU twin's config
+        *("--model.name", server.model, "--client.base-url", server.url, "--output-dir", str(tmp_path)),
+        *("--wandb.offline", "--wandb.project", "bench"),
+        env={"WANDB_SILENT": "true"},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "orchestrator bench:" in done.stdout and "Unclosed" not in done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["kind"]) for r in rows] == [(0, "bench"), (1, "bench")]  # max_steps = 2 in the config
+    for row in rows:
+        assert row["rollouts"] == 16 and row["errors"] == 0  # 4 prompts x 4 rollouts
+        assert row["perf/rollouts_per_s"] > 0 and row["perf/gen_tokens_per_s"] > 0 and row["time/rollouts"] > 0
+    (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    assert b"perf/rollouts_per_s" in run.read_bytes()
+
+
+# `eval`/`synthesize` in one process, then what is left open once they return: the dump is printed only when the
+# garbage collector reaches an unclosed session while a loop still runs, so count them instead of hoping for it.
+OPEN_CLIENTS = """
+import gc, importlib, json, sys
+import aiohttp, httpx
+try:
+    importlib.import_module("asyncrl.entrypoints." + sys.argv[1]).main(sys.argv[2:])
+except SystemExit as e:
+    assert not e.code, e.code
+gc.collect()
+live = gc.get_objects()
+print(json.dumps({
+    "aiohttp sessions": sum(isinstance(o, aiohttp.ClientSession) and not o.closed for o in live),
+    "aiohttp connectors": sum(isinstance(o, aiohttp.BaseConnector) and not o.closed for o in live),
+    "httpx clients": sum(isinstance(o, httpx.AsyncClient) and not o.is_closed for o in live),
+}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["eval", "synthesize"])
+def test_eval_and_synthesize_close_their_clients(shared_inference_process, tmp_path, command):
+    import json
+
+    server = shared_inference_process
+    done = server.run_client(
+        [sys.executable, "-c", OPEN_CLIENTS, command],
+        tmp_path,
+        *("--environment-ids", "reverse-text,echo-twice,tool-calc", "--num-examples", "2"),
+        *("--rollouts-per-example", "2", "--sampling.max-tokens", "8"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "nclosed" not in done.stderr, done.stderr[-3000:]
+    left = json.loads(done.stdout.strip().splitlines()[-1])
+    assert left == {"aiohttp sessions": 0, "aiohttp connectors": 0, "httpx clients": 0}
