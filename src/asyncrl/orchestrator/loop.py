@@ -425,7 +425,8 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
             runners = runners_for(slots, config.client, config.model.name, name, renderer=config.renderer, log_dir=logs)
             run_group = runners.run_group
         if config.bench:
-            sink = MetricsSink(RunLayout.for_config(config), "orchestrator", config.wandb, config.model_dump(mode="json"))
+            layout = RunLayout.for_config(config)
+            sink = MetricsSink(layout, "orchestrator", config.wandb, config.model_dump(mode="json"))
             try:
                 await run_bench(config, mixture, run_group, sink)
             finally:
