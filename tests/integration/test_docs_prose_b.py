@@ -58,6 +58,17 @@ def test_rl_wandb_name_from_a_toml_and_a_components_own_values(tmp_path):
     assert (cfg["trainer"]["wandb"]["id"], cfg["orchestrator"]["wandb"]["id"]) == ("t-run", "o-run")
 
 
+def test_multi_run_wandb_ids_are_one_per_run():
+    from asyncrl.config.rl import resolve_rl
+
+    raw = {"model": {"name": "m"}, "trainer": {"model": {"lora": {"rank": 8}}}, "wandb": {"name": "x", "id": "i"}}
+    orchestrators = resolve_rl({**raw, "runs": [{"name": "a"}, {"name": "b"}]}).run_orchestrators()
+    assert [(o.wandb.name, o.wandb.id) for o in orchestrators.values()] == [
+        ("x-orchestrator-a", "i-orchestrator-a"),
+        ("x-orchestrator-b", "i-orchestrator-b"),
+    ]
+
+
 # ---- 7. "vLLM multi-node data parallelism: Set `DATA_PARALLEL_ADDRESS` to head node IP, Set
 # `DATA_PARALLEL_RPC_PORT`" (prime-rl-docs.md): `inference` reads them; a flag wins.
 

@@ -153,10 +153,11 @@ class RLConfig(BaseConfig):
             raw.update(output_dir=str(out.run_dir(run.name)), lora_name=run.name)
             if run.max_steps is not None:
                 raw["max_steps"] = run.max_steps
-            if raw.get("wandb") is not None:
-                raw["wandb"]["name"] = f"{raw['wandb'].get('name') or 'orchestrator'}-{run.name}"
-                if raw["wandb"].get("id"):  # one W&B run per run, not all resuming into one
-                    raw["wandb"]["id"] = f"{raw['wandb']['id']}-{run.name}"
+            if raw.get("wandb") is not None:  # a copy: deep_merge shares the base's nested dicts with every run
+                wandb = raw["wandb"] = dict(raw["wandb"])
+                wandb["name"] = f"{wandb.get('name') or 'orchestrator'}-{run.name}"
+                if wandb.get("id"):  # one W&B run per run, not all resuming into one
+                    wandb["id"] = f"{wandb['id']}-{run.name}"
             try:
                 configs[run.name] = loader.validate(OrchestratorConfig, raw)
             except UserError as e:
