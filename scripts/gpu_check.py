@@ -179,8 +179,9 @@ print(json.dumps({"tokens": d.numel(), "max_abs": d.max().item(), "mean_abs": d.
 
 
 def serve(model: Path, out: Path) -> list[str]:
+    # float32 as the trainer's recomputation (dtype auto would serve this float32 checkpoint in float16)
     return ["SERVE", PY, "-m", ENTRY + "inference", "--model.name", str(model), "--server.port", str(PORT),
-            "--output-dir", str(out)]  # fmt: skip
+            "--model.dtype", "float32", "--output-dir", str(out)]  # fmt: skip
 
 
 QWEN3_06B = ("hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072, "

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from asyncrl.core.errors import UserError
@@ -318,6 +318,24 @@ def from_env(model: type[BaseModel], environ: Mapping[str, str], dialect: Dialec
             raise UserError(f"environment variable {name} matches no option{suggest(model, dotted)} (unset it)")
         raw = environ[name]
         set_path(out, leaf.path, {} if leaf.is_section and not raw.strip() else parse_value(leaf, raw))
+    return _from_env_aliases(model, environ, out)
+
+
+def _from_env_aliases(model: type[BaseModel], environ: Mapping[str, str], out: dict) -> dict:
+    """The model's own environment variables (`env_aliases`: NAME -> option), under the prefixed ones: an
+    empty value sets nothing; a value the option cannot take is a UserError naming the variable."""
+    for name, dotted in getattr(model, "env_aliases", {}).items():
+        raw = environ.get(name, "").strip()
+        leaf = schema(model)[dotted]
+        if not raw or get_path(out, leaf.path) is not None:
+            continue
+        try:
+            checked = TypeAdapter(typing.Annotated[leaf.annotation, leaf.info])
+            value = checked.validate_python(parse_value(leaf, raw))
+        except ValidationError:
+            flag = f"--{dotted.replace('_', '-')}"
+            raise UserError(f"environment variable {name}={raw!r} is not a valid {flag}") from None
+        set_path(out, leaf.path, value)
     return out
 
 

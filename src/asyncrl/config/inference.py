@@ -14,7 +14,9 @@ from asyncrl.config.base import BaseConfig, LogConfig, ModelConfig, default_outp
 
 class InferenceModelConfig(ModelConfig):
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
-        "auto", description="weights dtype (auto: the checkpoint's dtype; fp32 on CPU for the embedded engine)"
+        "auto",
+        description="weights dtype (auto: float16 for a float32/float16 checkpoint, bfloat16 for a bfloat16 one; "
+        "the embedded engine on CPU: float32)",
     )
     max_model_len: int | None = Field(None, ge=1, description="max context (prompt + completion) in tokens")
     enforce_eager: bool = Field(False, description="vLLM: disable CUDA graphs / compilation")
@@ -119,6 +121,12 @@ class InferenceConfig(BaseConfig):
 
     # `inference --max-model-len N` (as in PRIME-RL's eval example) means `--model.max-model-len N`.
     cli_aliases: ClassVar[dict[str, str]] = {"max_model_len": "model.max_model_len"}
+    # multi-node vLLM (PRIME-RL's docs: "Set DATA_PARALLEL_ADDRESS to head node IP"): read when no flag, file or
+    # PRIME_ variable sets the option
+    env_aliases: ClassVar[dict[str, str]] = {
+        "DATA_PARALLEL_ADDRESS": "data_parallel_address",
+        "DATA_PARALLEL_RPC_PORT": "data_parallel_rpc_port",
+    }
 
     @model_validator(mode="after")
     def _choose_backend(self) -> InferenceConfig:  # first: the checks below see the engine that will run
@@ -134,7 +142,12 @@ class InferenceConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _multi_node_needs_vllm(self) -> InferenceConfig:
-        asked = [f"--{k.replace('_', '-')}" for k in MULTI_NODE_FIELDS if getattr(self, k) not in (None, False)]
+        env = {option: name for name, option in self.env_aliases.items()}
+        asked = [
+            f"--{k.replace('_', '-')}" + (f" (or {env[k]})" if k in env else "")
+            for k in MULTI_NODE_FIELDS
+            if getattr(self, k) not in (None, False)
+        ]
         if asked and self.backend != "vllm":
             raise ValueError(
                 f"{' '.join(asked)}: multi-node data parallelism is vLLM's; serve with --backend vllm "

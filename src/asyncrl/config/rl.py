@@ -172,8 +172,11 @@ class RLConfig(BaseConfig):
             raw.update(output_dir=str(out.run_dir(run.name)), lora_name=run.name)
             if run.max_steps is not None:
                 raw["max_steps"] = run.max_steps
-            if raw.get("wandb") is not None:
-                raw["wandb"]["name"] = f"{raw['wandb'].get('name') or 'orchestrator'}-{run.name}"
+            if raw.get("wandb") is not None:  # a copy: deep_merge shares the base's nested dicts with every run
+                wandb = raw["wandb"] = dict(raw["wandb"])
+                wandb["name"] = f"{wandb.get('name') or 'orchestrator'}-{run.name}"
+                if wandb.get("id"):  # one W&B run per run, not all resuming into one
+                    wandb["id"] = f"{wandb['id']}-{run.name}"
             try:
                 configs[run.name] = loader.validate(OrchestratorConfig, raw)
             except UserError as e:
@@ -191,7 +194,9 @@ SHARED: dict[str, dict[str, tuple[str, ...] | None]] = {
 }
 SHARED_SECTIONS = ("wandb", "log")  # `ckpt` is the run's, one setting for both processes: see `_run_checkpoints`
 CKPT_PLACES = ("trainer", "orchestrator")
-PER_RUN = {("wandb", "name"), ("wandb", "id")}  # each component logs its own W&B run: its own value wins
+# each component logs its own W&B run: its own value wins; a shared one (top level, file or flag) is made the
+# component's (`--wandb.name X`: X-trainer, X-orchestrator; `--wandb.id X` as well, or both would resume one run)
+PER_RUN = {("wandb", "name"), ("wandb", "id")}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -270,6 +275,22 @@ def _fold_async_levels(raw: dict) -> dict:
     return out
 
 
+def _takes_shared(raw: dict, cli: dict, comp: str, section: str, key: str) -> bool:
+    """Whether `comp` gets the top-level `section.key`: it has no value of its own on the command line, and
+    none in its files unless a top-level flag overrides that."""
+    own = raw[comp].get(section) or {}
+    own_flags = (cli.get(comp) or {}).get(section) or {}
+    return key not in own_flags and (key in (cli.get(section) or {}) or key not in own)
+
+
+def _per_run_value(key: str, value: Any, comp: str, takers: list[str]) -> Any:
+    """A shared W&B name or id as `comp`'s: a name always gets the component's suffix (X-trainer); an id gets it
+    when two components take it (one id on two runs would resume them into one W&B run)."""
+    if value is None or (key == "id" and len(takers) < 2):
+        return value
+    return f"{value}-{comp}"
+
+
 def propagate(raw: dict, cli: dict | None = None) -> dict:
     """Fill shared fields into components. A shared value given on the command line (`cli`, at the top or
     in one component) wins over every file, as in PRIME-RL's precedence; two files, or two command-line
@@ -297,7 +318,9 @@ def propagate(raw: dict, cli: dict | None = None) -> dict:
         top = raw.get(section)
         if top is None:
             continue
-        for comp in ("trainer", "orchestrator") if section != "log" else components:
+        comps = ("trainer", "orchestrator") if section != "log" else components
+        takers = {key: [c for c in comps if _takes_shared(raw, cli, c, section, key)] for key in top}
+        for comp in comps:
             own = dict(raw[comp].get(section) or {})
             top_flags, own_flags = cli.get(section) or {}, (cli.get(comp) or {}).get(section) or {}
             for key, value in top.items():
@@ -307,17 +330,16 @@ def propagate(raw: dict, cli: dict | None = None) -> dict:
                         f"contradicting {section}.{key}: --{section}.{key} {top_flags[key]!r} but "
                         f"--{comp}.{section}.{key} {own_flags[key]!r} on the command line; set it once"
                     )
-                if key in top_flags or key in own_flags:  # the command line wins over the files
+                if per_run and comp in takers[key]:
+                    own[key] = _per_run_value(key, value, comp, takers[key])
+                elif key in top_flags or key in own_flags:  # the command line wins over the files
                     own[key] = own_flags.get(key, top_flags.get(key))
                 elif key in own and not _same(own[key], value) and not per_run:
                     raise UserError(
                         f"contradicting {section}.{key}: top level = {value!r} but {comp}.{section}.{key} = "
                         f"{own[key]!r}; set it once"
                     )
-            merged = loader.deep_merge(top, own)
-            if section == "wandb" and top.get("name") and "name" not in own:
-                merged["name"] = f"{top['name']}-{comp}"
-            raw[comp][section] = merged
+            raw[comp][section] = loader.deep_merge(top, own)
 
     # the orchestrator talks to the server rl starts, unless told otherwise
     if isinstance(raw.get("inference"), dict):

@@ -321,8 +321,24 @@ class Orchestrator:
         logger.success(f"orchestrator finished {step - start} steps ({self.progress.total_samples} samples in total)")
 
 
-async def run_bench(config: OrchestratorConfig, mixture: EnvMixture, run_group: RunGroup) -> list[dict]:
-    """Generate a few batches against a running server (no weights, no batches written); print throughput."""
+def bench_record(row: dict) -> dict:
+    """A bench step's metrics row (`kind` = "bench"), named as a run's step rows name the same numbers."""
+    return {
+        "kind": "bench",
+        "rollouts": row["rollouts"],
+        "errors": row["errors"],
+        "time/rollouts": row["seconds"],
+        "perf/rollouts_per_s": row["rollouts_per_s"],
+        "perf/gen_tokens_per_s": row["gen_tokens_per_s"],
+        "perf/total_tokens_per_s": row["total_tokens_per_s"],
+    }
+
+
+async def run_bench(
+    config: OrchestratorConfig, mixture: EnvMixture, run_group: RunGroup, sink: MetricsSink | None = None
+) -> list[dict]:
+    """Generate a few batches against a running server (no weights, no batches written); print throughput and
+    log each step to the metrics file (and W&B), as the trainer's --bench does."""
     from asyncrl.config.orchestrator import BufferConfig
 
     problems = problems_per_step(config.batch_size, config.rollouts_per_example)
@@ -340,6 +356,8 @@ async def run_bench(config: OrchestratorConfig, mixture: EnvMixture, run_group: 
     )
     args = sampling_args(config.sampling)
     rows = []
+    if sink is not None:
+        sink.restart_at(0)
     for step in range(config.max_steps or 3):
         collector.buffer.clear()
         got = await collector.collect(step, 0, 0, problems, in_flight, args)
@@ -357,6 +375,8 @@ async def run_bench(config: OrchestratorConfig, mixture: EnvMixture, run_group: 
                 "errors": sum(not r.ok for g in got.finished for r in g.rollouts),
             }
         )
+        if sink is not None:
+            sink.log(step, bench_record(rows[-1]))
     timed = rows[1:] or rows  # the first step includes connection warm-up
     secs = sum(r["seconds"] for r in timed)
     rollouts = sum(r["rollouts"] for r in timed)
@@ -405,7 +425,12 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
             runners = runners_for(slots, config.client, config.model.name, name, renderer=config.renderer, log_dir=logs)
             run_group = runners.run_group
         if config.bench:
-            await run_bench(config, mixture, run_group)
+            layout = RunLayout.for_config(config)
+            sink = MetricsSink(layout, "orchestrator", config.wandb, config.model_dump(mode="json"))
+            try:
+                await run_bench(config, mixture, run_group, sink)
+            finally:
+                sink.close()
         else:
             orchestrator = Orchestrator(config, mixture, run_group, server, eval_mixture)
             await orchestrator.run()

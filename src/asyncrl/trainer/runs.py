@@ -93,6 +93,8 @@ def run_trainer_config(base: TrainerConfig, layout: RunLayout, name: str, raw: d
     merged["output_dir"] = str(layout.run_dir(name))
     if base.wandb is not None:
         merged["wandb"]["name"] = f"{base.wandb.name or 'trainer'}-{name}"
+        if base.wandb.id:  # one W&B run per run, not all resuming into one
+            merged["wandb"]["id"] = f"{base.wandb.id}-{name}"
     return TrainerConfig.model_validate(merged)
 
 

@@ -100,15 +100,48 @@ def _set_threads(config: InferenceConfig, device: torch.device) -> None:
         torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
 
 
+def auto_dtype(checkpoint: torch.dtype | None, device: torch.device, bf16_ok: bool = True) -> tuple[torch.dtype, str]:
+    """What `dtype = "auto"` loads, and why. On a CUDA GPU, PRIME-RL's rule (vLLM's `--dtype auto`): float16 for
+    a float32 or float16 checkpoint, bfloat16 for a bfloat16 one (float16 where the GPU has no bfloat16). Elsewhere
+    float32, whatever the checkpoint: CPU half-precision matmuls are slow and lose accuracy."""
+    ckpt = checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.float32  # absent: HF's float32
+    name = str(ckpt).removeprefix("torch.")
+    if device.type != "cuda":
+        return torch.float32, f"{name} checkpoint on {device.type}: float32 (half precision is slow and inexact there)"
+    if ckpt == torch.bfloat16 and bf16_ok:
+        return torch.bfloat16, "bfloat16 checkpoint: bfloat16"
+    if ckpt == torch.bfloat16:
+        return torch.float16, "bfloat16 checkpoint on a GPU without bfloat16: float16"
+    return torch.float16, f"{name} checkpoint: float16"
+
+
+def _checkpoint_dtype(name: str, kw: dict) -> torch.dtype | None:
+    """The dtype a checkpoint's config.json names (None: it names none, or no config to read)."""
+    from transformers import AutoConfig
+
+    try:
+        named = getattr(AutoConfig.from_pretrained(name, **kw), "dtype", None)
+    except (OSError, ValueError):
+        return None  # loading the model says what is wrong
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    return named if isinstance(named, torch.dtype) else None
+
+
+def _auto_dtype_of(name: str, device: torch.device, kw: dict) -> torch.dtype:
+    bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    dtype, why = auto_dtype(_checkpoint_dtype(name, kw), device, bf16_ok)
+    logger.info(f"dtype auto: {why}")
+    return dtype
+
+
 def _load(config: InferenceConfig, device: torch.device):
     """(server tokenizer, engine-thread tokenizer, model on device); fast tokenizers aren't thread-safe."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     mcfg = config.model
-    dtype: torch.dtype | str = _DTYPES.get(mcfg.dtype, "auto")
-    if mcfg.dtype == "auto" and device.type == "cpu":
-        dtype = torch.float32
     kw = dict(trust_remote_code=mcfg.trust_remote_code)
+    dtype = _DTYPES.get(mcfg.dtype) or _auto_dtype_of(mcfg.name, device, kw)
     try:
         tokenizers = [AutoTokenizer.from_pretrained(mcfg.name, **kw) for _ in range(2)]
         try:
