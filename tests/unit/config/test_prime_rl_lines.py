@@ -61,6 +61,7 @@ ROWS = [
     ),  # noqa: E501
     Row("readme.md:27", "git clone git@github.com:PrimeIntellect-ai/prime-rl.git", "elsewhere", "network"),
     Row("readme.md:30", "curl -LsSf https://astral.sh/uv/install.sh | sh", "elsewhere", "network"),
+    Row("readme.md:33", "uv sync && uv sync --extra fa", "elsewhere", "gpu"),  # uv: uv.lock; fa needs CUDA
     Row("readme.md:36", "python -V", "elsewhere"),
     Row("readme.md:38", 'python -c "import flash_attn"', "elsewhere", "gpu"),
     Row("readme.md:40", "trainer @ configs/trainer/debug.toml", "asyncrl", "gpu+network"),
@@ -482,6 +483,9 @@ def test_precedence_example_without_the_flag_takes_the_later_file(tmp_path):
 
 def test_what_the_elsewhere_lines_rely_on_is_here():
     assert (REPO / "scripts" / "tmux.sh").is_file()
+    assert (REPO / "scripts" / "install.sh").is_file()  # the installer's name (readme.md:24)
+    assert (REPO / "uv.lock").is_file()  # `uv sync` (readme.md:33); tests/unit/scripts/test_locks.py checks it
+    assert "fa" in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     markers = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     assert {m.split(":")[0] for m in markers} >= {"gpu", "slow"}  # `pytest -m "not gpu"` / "not slow"
 
@@ -565,8 +569,8 @@ def test_the_guides_toml_blocks_validate_as_rl_configs(tmp_path):
 def test_the_table_counts():
     """The counts for the note; a change to the table is deliberate."""
     kinds = {k: sum(r.kind == k for r in ROWS) for k in ("asyncrl", "script", "elsewhere")}
-    assert len({r.where for r in ROWS}) == len(ROWS) == 123
-    assert kinds == {"asyncrl": 74, "script": 7, "elsewhere": 42}
+    assert len({r.where for r in ROWS}) == len(ROWS) == 124
+    assert kinds == {"asyncrl": 74, "script": 7, "elsewhere": 43}
     ours = [r for r in ROWS if r.kind != "elsewhere"]
     assert sum(r.needs == "" for r in ours) == 19  # run here (placeholders filled with CPU configs)
     assert sum(r.needs != "" for r in ours) == 62  # need a GPU and/or the network (hub model or environment)
