@@ -127,13 +127,74 @@ _GROUPS: dict[str, str] = {}  # worker: test id -> group, for what it collected
 
 def _xdist_groups(items) -> None:
     """Every vLLM test in one group (one vLLM server at a time: each sizes its KV cache from free RAM), each
-    other shared server's tests in one group; slow tests first, groups kept whole."""
+    other shared server's tests in one group, and the tests of a module that share a module- or class-scoped
+    fixture in one group (one worker builds it once; split across workers, each would build it). Then the
+    groups (a test outside every group: its own) longest first by `cost`, each kept whole and in its order:
+    the two workers then end together, the quick tests filling the gaps at the end."""
     for item in items:
-        key = _shared_key(item)
-        group = "vllm" if "vllm" in item.keywords else (f"{key[0]}-{key[1]}" if key is not None else None)
-        if group is not None:
+        if (group := _group_of(item)) is not None:
             _GROUPS[item.nodeid] = group
-    items.sort(key=lambda item: "slow" not in item.keywords and item.nodeid not in _GROUPS)
+    costs: dict[str, float] = {}
+    for item in items:
+        scope = _GROUPS.get(item.nodeid, item.nodeid)
+        costs[scope] = costs.get(scope, 0.0) + cost(item)
+    index = {item.nodeid: i for i, item in enumerate(items)}
+    first = {}
+    for item in items:
+        first.setdefault(_GROUPS.get(item.nodeid, item.nodeid), index[item.nodeid])
+    items.sort(
+        key=lambda item: (
+            -costs[scope := _GROUPS.get(item.nodeid, item.nodeid)],
+            first[scope],
+            "slow" not in item.keywords,
+            index[item.nodeid],
+        )
+    )
+
+
+def _group_of(item) -> str | None:
+    if "vllm" in item.keywords:
+        return "vllm"
+    if (key := _shared_key(item)) is not None:
+        return f"{key[0]}-{key[1]}"
+    fixturedefs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    if any(getattr(d, "scope", None) in ("class", "module", "package") for defs in fixturedefs.values() for d in defs):
+        return f"module-{item.nodeid.split('::')[0]}"
+    return None
+
+
+# Seconds a test took in CI (call + setup, 2 workers busy), for the order above; rough is fine, only the order
+# matters. A test not named here: SLOW_S if marked slow (IN_GROUP_S in a group: its server or fixture is built
+# once for all of them), else QUICK_S. A name without its [param] covers each; a file, each test in it.
+KNOWN_S = {
+    "tests/integration/test_multi_run_rl.py::test_two_runs_learn_side_by_side_and_one_resumes_alone": 238,
+    "tests/integration/test_rl.py::test_rl_runs_learns_and_resumes": 101,
+    "tests/integration/test_multi_node_rl.py::test_three_hosts_train_and_weights_reach_the_server": 113,
+    "tests/integration/test_classic_envs.py::test_rl_trains_a_classic_environment": 40,
+    "tests/reliability/test_hostile.py::test_generated_requests": 79,
+    "tests/integration/test_lora_adapters.py::test_rl_serves_each_policy_as_the_runs_adapter": 62,
+    "tests/integration/test_bench.py::test_rl_bench_writes_every_number": 62,
+    "tests/integration/test_bench.py::test_warmup_builds_trains_chooses_and_is_reused": 50,
+    "tests/reliability/test_chaos.py::test_kill_then_resume_loses_and_repeats_no_step": 40,
+    "tests/integration/test_vllm_multi_node.py::test_the_headless_node_serves_and_takes_weight_updates": 50,
+    "tests/reliability/test_full_disk.py": 40,
+    "tests/integration/test_multi_run_rl.py::test_killing_one_runs_orchestrator_leaves_the_other_training": 37,
+    "tests/reliability/test_orphans.py": 31,
+    "tests/integration/test_multi_node_rl.py::test_a_trainer_node_that_dies_stops_the_other_with_a_clear_error": 30,
+    "tests/integration/test_rl.py::test_a_hung_trainer_is_named_and_the_run_stopped": 30,
+    "tests/integration/test_prime_rl_twins.py::test_inference_orchestrator_and_eval_debug_twins": 28,
+}
+SLOW_S, IN_GROUP_S, QUICK_S = 10.0, 3.0, 0.5
+
+
+def cost(item) -> float:
+    """What `item` is expected to take, in seconds: KNOWN_S, by test (any parameter) or by file."""
+    for known in (item.nodeid.split("[")[0], item.nodeid.split("::")[0]):
+        if known in KNOWN_S:
+            return KNOWN_S[known]
+    if "slow" not in item.keywords:
+        return QUICK_S
+    return IN_GROUP_S if item.nodeid in _GROUPS else SLOW_S
 
 
 def pytest_configure(config):

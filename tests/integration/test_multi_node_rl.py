@@ -165,4 +165,4 @@ def wait_for(done, timeout: float, logs: dict) -> None:
     deadline = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < deadline, {n: tail(p, 30) for n, p in logs.items()}
-        time.sleep(0.5)
+        time.sleep(0.2)

@@ -118,7 +118,7 @@ def test_killing_one_runs_orchestrator_leaves_the_other_training(warm_model, tmp
     rev, echo = (RunLayout(out / f"run_{n}") for n in ("rev", "echo"))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and len(rewards(echo) if echo.metrics_file("orchestrator").exists() else []) < 3:
-        time.sleep(0.5)
+        time.sleep(0.2)
     record = json.loads((echo.logs / "orchestrator.pid").read_text())
     os.kill(record["pid"], signal.SIGKILL)
     proc.wait(timeout=600)

@@ -63,6 +63,7 @@ from asyncrl.utils.progress import Bar
 
 HEALTH_TIMEOUT_S = 900.0
 STOP_GRACE_S = 10.0
+SUPERVISE_POLL_S = 0.2  # how soon a child's exit (the run's end) is seen; each poll is a few stat() calls
 QUIET_S = 120.0  # no step for this long: say what the run is doing (the orchestrator's last log line)
 
 
@@ -360,7 +361,7 @@ class Launcher:
                 for t in self.tailers.values():
                     t.poll()
                 return
-            time.sleep(0.5)
+            time.sleep(SUPERVISE_POLL_S)
 
     def _run_lost(self, child: Child, code: int) -> None:
         """Multi-run: a run's orchestrator died; the trainer ends that run (STOP) and the others go on."""

@@ -168,6 +168,6 @@ class ServedEnv:
         if self.watcher is not None:
             self.watcher.cancel()
             await asyncio.gather(self.watcher, return_exceptions=True)
+        self.stop_process()  # first: a server whose client is gone can hang in its shutdown on a reply it owes
         for client in [*self.retired, *([self.client] if self.client is not None else [])]:
             await client.close()
-        self.stop_process()
