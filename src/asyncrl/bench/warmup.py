@@ -105,7 +105,9 @@ def sft_toml(root: Path, spec: dict[str, Any]) -> str:
             f'[data]\nname = "{root / "sft.jsonl"}"\nseq_len = {spec["seq_len"]}',
             f"batch_size = {spec['batch_size']}\nmicro_batch_size = {spec['batch_size']}",
             f"[optim]\nlr = {spec['lr']}\nweight_decay = 0.0",
-            f"[ckpt]\ninterval = {spec['interval']}\nkeep_last = 1",
+            # no retention: keep_last would prune the weight dirs `_choose` bisects over (a tiny model: a few MB each;
+            # the SFT scratch is removed once the model is chosen)
+            f"[ckpt]\ninterval = {spec['interval']}",
             "",
         ]
     )
