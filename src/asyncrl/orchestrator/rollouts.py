@@ -32,6 +32,18 @@ Scorer = Callable[[Group], Awaitable[list[list[float]]]]  # a group -> teacher l
 MAX_DRAWS_FACTOR = 8  # stop drawing new prompts for a step after this many times the in-flight target
 
 
+async def gather_all(aws: list) -> list:
+    """The results of `aws` in order; when one fails, the others are cancelled (and awaited) before it raises."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class RolloutFailure(RuntimeError):
     """Rollouts keep failing: nothing can be trained on."""
 
@@ -117,7 +129,7 @@ class GroupCollector:
             self._score(group)
         tasks = [self._scoring[id(g)][1] for g in groups]
         try:
-            return list(await asyncio.gather(*tasks))
+            return await gather_all(tasks)
         finally:
             for g in groups:
                 self._scoring.pop(id(g), None)

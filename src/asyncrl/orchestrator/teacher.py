@@ -31,6 +31,7 @@ from asyncrl.config.orchestrator import TeacherConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.client import server_root
 from asyncrl.orchestrator.filtering import Group
+from asyncrl.orchestrator.rollouts import gather_all
 from asyncrl.orchestrator.samples import TokenSample
 
 # ASCII, digits, whitespace runs, accented and CJK characters, emoji: tokenizers that differ anywhere usual differ here
@@ -149,7 +150,7 @@ class TeacherClient:
 
     async def score_group(self, group: Group) -> list[list[float]]:
         """The teacher's logprobs of every sample of the group's valid rollouts, in order."""
-        return list(await asyncio.gather(*(self.score(s) for r in group.valid for s in r.samples)))
+        return await gather_all([self.score(s) for r in group.valid for s in r.samples])
 
     def _logprobs(self, answer: dict, ids: list[int]) -> list[float]:
         try:
