@@ -45,6 +45,7 @@ def entry(
     ranked: bool = False,
     reports: Callable[[T, RunLayout], list[RunLayout]] | None = None,
     locked: bool = False,
+    component: str | None = None,
 ) -> None:
     """An entrypoint's main(): `run(config)` for the `model` config that argv (+ env) gives.
 
@@ -52,6 +53,7 @@ def entry(
     and `ckpt` are this process's run (rl: its trainer's); `log_of(config)`: its log settings. `ranked`: a
     torchrun'd component. `reports(config, layout)`: the runs to write a report of at the end, whatever the
     outcome (none if empty). `locked`: hold the run dir's lock for this process and its children.
+    `component`: the name of its log file and run record (default `prog`; rl's teacher server: `teacher`).
     """
     config = parse_or_exit(model, prog, summary, argv, resolve=resolve, passthrough=passthrough)
     layout = RunLayout.for_config(run_of(config))
@@ -63,7 +65,7 @@ def entry(
     if ranked and "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: it dies with torchrun, however that ends
         die_with_parent(os.getppid())
     log = log_of(config)
-    (setup_rank_logger if ranked else setup_logger)(prog, layout, log.level, log.file)
+    (setup_rank_logger if ranked else setup_logger)(component or prog, layout, log.level, log.file)
     try:
         run_guarded(lambda: run(config), finish=runstate.finish)
     finally:
