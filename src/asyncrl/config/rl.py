@@ -424,7 +424,14 @@ def wire_teacher(raw: dict) -> dict:
         return raw
     client = dict(raw["orchestrator"].get("teacher") or {})
     if "base_url" not in client:  # the orchestrator scores with the server rl starts
-        client["port"] = teacher["server"]["port"]
+        port = teacher["server"]["port"]
+        if client.get("port") is not None and int(client["port"]) != int(port):
+            raise UserError(
+                f"contradicting teacher ports: [teacher.server] port = {port} but orchestrator.teacher.port = "
+                f"{client['port']}; set the port of the teacher rl starts once ([teacher.server] port), or "
+                "orchestrator.teacher.base_url for another server"
+            )
+        client["port"] = port
         host = loader.get_path(teacher, ("server", "host"))
         if host not in (None, "0.0.0.0", "::", ""):
             client["host"] = host

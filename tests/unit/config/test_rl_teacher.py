@@ -79,6 +79,12 @@ def test_orchestrator_scores_with_the_teacher_rl_starts():
 
 
 @needs_orch_teacher
+def test_two_teacher_ports_are_a_contradiction():
+    with pytest.raises(UserError, match="contradicting teacher ports"):
+        rl("--inference", "--teacher.model.name", "t", "--teacher.server.port", "85", *["--orchestrator.teacher.port", "9"])
+
+
+@needs_orch_teacher
 def test_a_base_url_the_user_set_wins():
     url = "http://10.0.0.9:8000/v1"
     cfg = rl("--inference", "--teacher.model.name", "t", "--orchestrator.teacher.base-url", url)
