@@ -81,15 +81,8 @@ def test_orchestrator_scores_with_the_teacher_rl_starts():
 @needs_orch_teacher
 def test_two_teacher_ports_are_a_contradiction():
     with pytest.raises(UserError, match="contradicting teacher ports"):
-        rl(
-            "--inference",
-            "--teacher.model.name",
-            "t",
-            "--teacher.server.port",
-            "85",
-            "--orchestrator.teacher.port",
-            "9",
-        )  # noqa: E501
+        ports = ["--teacher.server.port", "85", "--orchestrator.teacher.port", "9"]
+        rl("--inference", "--teacher.model.name", "t", *ports)
 
 
 @needs_orch_teacher
