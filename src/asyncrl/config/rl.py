@@ -416,6 +416,12 @@ def wire_teacher(raw: dict) -> dict:
         loader.set_path(teacher, ("model", "max_model_len"), int(seq_len) + 1)
     if loader.get_path(teacher, ("server", "port")) is None:
         loader.set_path(teacher, ("server", "port"), _student_port(raw) + 1)
+    elif isinstance(raw.get("inference"), dict) and str(teacher["server"]["port"]) == str(_student_port(raw)):
+        # said here, before the orchestrator's own check (a teacher on the student's URL) words it for rl
+        raise UserError(
+            f"teacher.server.port ({teacher['server']['port']}) is the inference server's port; give the teacher "
+            "its own (--teacher.server.port)"
+        )
     client = dict(raw["orchestrator"].get("teacher") or {})
     if "base_url" not in client:  # the orchestrator scores with the server rl starts
         port = teacher["server"]["port"]

@@ -28,7 +28,7 @@ def test_teacher_gets_its_own_model_port_run_dir_and_context(tmp_path):
     assert t.model.name == "teacher" and cfg.inference.model.name == "student"  # the shared model is not its
     assert t.server.port == 8101  # the inference port + 1
     assert str(t.output_dir) == str(tmp_path) and t.log.level == "debug"  # logs/teacher.log in the run's logs
-    assert t.model.max_model_len == 300  # it scores whole samples
+    assert t.model.max_model_len == 301  # it scores whole samples, and generates one token past them
     assert cfg.teacher_gpu_ids is None and cfg.inference.server.port == 8100
 
 
