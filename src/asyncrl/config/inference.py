@@ -37,6 +37,8 @@ class InferenceModelConfig(ModelConfig):
 
 
 EMBEDDED_TOOL_PARSERS = ("hermes",)
+# rl names the server it starts as a teacher `teacher` here: its log is logs/teacher.log, its run record teacher.pid
+SERVER_ROLE_VAR = "ASYNCRL_SERVER_ROLE"
 
 
 class ServerConfig(BaseConfig):

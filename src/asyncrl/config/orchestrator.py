@@ -20,8 +20,8 @@ from asyncrl.config.base import (
 )
 
 
-class ClientConfig(BaseConfig):
-    """How to reach the OpenAI-compatible inference server."""
+class EndpointConfig(BaseConfig):
+    """How to reach an OpenAI-compatible inference server."""
 
     host: str = Field("localhost", description="server host (ignored when base_url is set)")
     port: int = Field(8000, ge=1, le=65535, description="server port (ignored when base_url is set)")
@@ -29,15 +29,20 @@ class ClientConfig(BaseConfig):
     api_key_var: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
     timeout: float = Field(1200.0, gt=0, description="request timeout in seconds")
     health_timeout: float = Field(600.0, gt=0, description="seconds to wait for the server's /health at startup")
+
+    @property
+    def url(self) -> str:
+        return self.base_url or f"http://{self.host}:{self.port}/v1"
+
+
+class ClientConfig(EndpointConfig):
+    """How to reach the OpenAI-compatible inference server."""
+
     merge_requests: bool = Field(
         True,
         description="send identical chat requests in flight together (a group's rollouts) as one request "
         "with n = k; each rollout still gets its own independently sampled answer",
     )
-
-    @property
-    def url(self) -> str:
-        return self.base_url or f"http://{self.host}:{self.port}/v1"
 
 
 class SamplingConfig(BaseConfig):
@@ -134,6 +139,27 @@ class AdvantageConfig(BaseConfig):
     )
 
 
+class TeacherConfig(EndpointConfig):
+    """The server of the model to distill from (on-policy distillation): it scores the student's exact tokens."""
+
+    model: str | None = Field(None, description="the teacher's served model name (None: its /v1/models' first)")
+    max_concurrent: int | None = Field(None, ge=1, description="scoring requests in flight at once (None: no cap)")
+
+
+class DistillConfig(BaseConfig):
+    weight: float = Field(
+        1.0, ge=0, description="weight of the per-token distillation advantage teacher_lp - sampler_lp (with a teacher)"
+    )
+
+
+class RewardConfig(BaseConfig):
+    weight: float | None = Field(
+        None,
+        ge=0,
+        description="weight of the environment reward's advantage (None: 1.0 without a teacher, 0.0 with one)",
+    )
+
+
 class EvalConfig(BaseConfig):
     interval: int = Field(100, ge=1, description="evaluate every N steps")
     num_examples: int = Field(100, ge=-1, description="examples per env (-1: all)")
@@ -152,6 +178,11 @@ class OrchestratorConfig(BaseConfig):
     env: list[EnvConfig] = Field(default_factory=lambda: [EnvConfig()], description="training environments")
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="rollout filtering")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="advantage estimator")
+    teacher: TeacherConfig | None = Field(
+        None, description="on-policy distillation from this teacher server (off unless set: [orchestrator.teacher])"
+    )
+    distill: DistillConfig = Field(default_factory=DistillConfig, description="on-policy distillation's weight")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="the environment reward's weight")
     eval: EvalConfig | None = Field(None, description="online evaluation (off unless set)")
     batch_size: int = Field(128, ge=1, description="samples (rollouts) per training step")
     rollouts_per_example: int = Field(8, ge=1, description="rollouts per prompt; must divide batch_size")
@@ -219,4 +250,34 @@ class OrchestratorConfig(BaseConfig):
             )
         if not self.env:
             raise ValueError("at least one [[env]] is needed")
+        self._check_distill()
         return self
+
+    def _check_distill(self) -> None:
+        if self.teacher is None and self.distill.weight != DistillConfig.model_fields["weight"].default:
+            raise ValueError(
+                f"distill.weight = {self.distill.weight} but there is no teacher to distill from: set "
+                "[orchestrator.teacher] (the teacher's server, e.g. base_url) or drop distill.weight"
+            )
+        if self.reward_weight == 0 and self.distill_weight == 0:
+            raise ValueError(
+                "reward.weight = 0 and no distillation (no [orchestrator.teacher], or distill.weight = 0): nothing "
+                "to learn from; raise reward.weight or set a teacher"
+            )
+        if self.teacher is not None and self.teacher.url == self.client.url and self.lora_name is None:
+            raise ValueError(
+                f"orchestrator.teacher points at the student's own server ({self.client.url}); give the teacher's "
+                "server (teacher.base_url, or teacher.host/port)"
+            )
+
+    @property
+    def distill_weight(self) -> float:
+        """The distillation advantage's weight in effect: 0 without a teacher."""
+        return self.distill.weight if self.teacher is not None else 0.0
+
+    @property
+    def reward_weight(self) -> float:
+        """The reward advantage's weight in effect: reward.weight, else 1.0 without a teacher and 0.0 with one."""
+        if self.reward.weight is not None:
+            return self.reward.weight
+        return 0.0 if self.teacher is not None else 1.0

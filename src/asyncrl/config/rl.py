@@ -7,10 +7,16 @@ is `max_async_level`). A value given on the command line wins over every config 
 CLI > files > env > defaults); two files, or two flags, that set different values are an error, never a silent
 overwrite. The top level of the result says what the components run with (`--dry-run` prints it).
 With `bench`, the bench job's settings (`asyncrl.config.bench`) fill in whatever the user left unset.
+
+`[teacher]` (on-policy distillation) is a second inference server rl starts for the orchestrator to score
+samples with: its own model (never the shared `model`, never sent weights), the run's `output_dir` and log
+level, `max_model_len` = `seq_len`, port `inference.server.port + 1` unless set; `orchestrator.teacher`'s
+host and port point at it unless `orchestrator.teacher.base_url` names another server.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,6 +80,11 @@ class RLConfig(BaseConfig):
     inference: InferenceConfig | None = Field(
         None, description="start an inference server (off: use orchestrator.client's server)"
     )
+    teacher: InferenceConfig | None = Field(
+        None,
+        description="on-policy distillation: start a teacher server (an inference config; its own [teacher.model]) "
+        "for the orchestrator to score samples with (off: orchestrator.teacher's running server, if any)",
+    )
     model: ModelConfig | None = Field(None, description="shared: model of all components")
     max_steps: int | None = Field(None, ge=1, description="shared: training steps")
     seq_len: int | None = Field(None, ge=1, description="shared: packed row length (and server context)")
@@ -85,6 +96,9 @@ class RLConfig(BaseConfig):
     log: LogConfig | None = Field(None, description="shared: log level of all components")
     inference_gpu_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the inference server")
     trainer_gpu_ids: list[int] = Field(default_factory=lambda: [1], description="GPUs of the trainer (one rank each)")
+    teacher_gpu_ids: list[int] | None = Field(
+        None, description="GPUs of the teacher server (default: the inference server's; it starts after that one)"
+    )
     inference_gpus: int | None = Field(
         None, ge=1, description="older spelling: the first N GPUs serve inference (sets inference_gpu_ids)"
     )
@@ -139,7 +153,23 @@ class RLConfig(BaseConfig):
                     f"inference.model.max_model_len ({mml}) is below seq_len ({self.orchestrator.seq_len}); "
                     "raise it or lower seq_len"
                 )
+        if self.teacher is not None:
+            self._check_teacher()
         return self
+
+    def _check_teacher(self) -> None:
+        port = self.teacher.server.port
+        if self.inference is not None and port == self.inference.server.port:
+            raise ValueError(
+                f"teacher.server.port ({port}) is the inference server's port; give the teacher its own "
+                "(--teacher.server.port)"
+            )
+        mml = self.teacher.model.max_model_len
+        if mml is not None and mml < self.orchestrator.seq_len:
+            raise ValueError(
+                f"teacher.model.max_model_len ({mml}) is below seq_len ({self.orchestrator.seq_len}); the teacher "
+                "scores whole samples: raise it"
+            )
 
     def _check_runs(self) -> None:
         names = [r.name for r in self.runs]
@@ -356,6 +386,59 @@ def propagate(raw: dict, cli: dict | None = None) -> dict:
     return raw
 
 
+def _student_port(raw: dict) -> int:
+    """The port of the server the student samples from: rl's [inference], else orchestrator.client's."""
+    port = loader.get_path(raw.get("inference") or {}, ("server", "port"))
+    port = port if port is not None else loader.get_path(raw["orchestrator"], ("client", "port"))
+    return int(port) if port is not None else 8000
+
+
+def wire_teacher(raw: dict) -> dict:
+    """`[teacher]`: a second server rl starts (see the module docstring). Called after `propagate` and the
+    exp_id dir, so it gets the run's final `output_dir`."""
+    teacher = raw.get("teacher")
+    if not isinstance(teacher, dict):
+        return raw
+    teacher = raw["teacher"] = copy.deepcopy(teacher)
+    if loader.get_path(teacher, ("model", "name")) is None:
+        raise UserError(
+            '[teacher] starts a teacher server but names no model: set [teacher.model] name = "path/to/teacher" '
+            "(--teacher.model.name)"
+        )
+    out = loader.get_path(raw["trainer"], ("output_dir",))
+    if out is not None:  # its log and pid file go with the run's (unset: both take the same default)
+        teacher["output_dir"] = str(out)
+    if isinstance(raw["trainer"].get("log"), dict) and "log" not in teacher:
+        teacher["log"] = dict(raw["trainer"]["log"])
+    seq_len = loader.get_path(raw["orchestrator"], ("seq_len",))
+    if seq_len is not None and loader.get_path(teacher, ("model", "max_model_len")) is None:
+        # the scoring request generates one token after the sample: a full-length sample needs seq_len + 1
+        loader.set_path(teacher, ("model", "max_model_len"), int(seq_len) + 1)
+    if loader.get_path(teacher, ("server", "port")) is None:
+        loader.set_path(teacher, ("server", "port"), _student_port(raw) + 1)
+    elif isinstance(raw.get("inference"), dict) and str(teacher["server"]["port"]) == str(_student_port(raw)):
+        # said here, before the orchestrator's own check (a teacher on the student's URL) words it for rl
+        raise UserError(
+            f"teacher.server.port ({teacher['server']['port']}) is the inference server's port; give the teacher "
+            "its own (--teacher.server.port)"
+        )
+    client = dict(raw["orchestrator"].get("teacher") or {})
+    if "base_url" not in client:  # the orchestrator scores with the server rl starts
+        port = teacher["server"]["port"]
+        if client.get("port") is not None and int(client["port"]) != int(port):
+            raise UserError(
+                f"contradicting teacher ports: [teacher.server] port = {port} but orchestrator.teacher.port = "
+                f"{client['port']}; set the port of the teacher rl starts once ([teacher.server] port), or "
+                "orchestrator.teacher.base_url for another server"
+            )
+        client["port"] = port
+        host = loader.get_path(teacher, ("server", "host"))
+        if host not in (None, "0.0.0.0", "::", ""):
+            client["host"] = host
+    raw["orchestrator"]["teacher"] = client
+    return raw
+
+
 def gpu_counts_to_ids(raw: dict) -> dict:
     """The older `--inference-gpus M --trainer-gpus N`: inference on GPUs 0..M-1, the trainer on the next N."""
     inference, trainer = raw.pop("inference_gpus", None), raw.pop("trainer_gpus", None)
@@ -384,18 +467,21 @@ def _gpu_count(flag: str, value: object) -> int:
 
 
 def vllm_data_parallel(raw: dict) -> dict:
-    """vLLM serves on every inference GPU: data_parallel_size = len(inference_gpu_ids) / tensor_parallel_size,
-    unless set."""
-    inference = raw.get("inference")
-    if not isinstance(inference, dict) or "data_parallel_size" in inference or chosen_backend(inference) != "vllm":
-        return raw
-    gpus, tp = len(raw.get("inference_gpu_ids") or [0]), int(inference.get("tensor_parallel_size", 1))
-    if gpus % tp:
-        raise UserError(
-            f"{gpus} inference GPUs do not split into tensor-parallel groups of {tp}; "
-            "change inference_gpu_ids or inference.tensor_parallel_size"
-        )
-    return {**raw, "inference": {**inference, "data_parallel_size": gpus // tp}}
+    """vLLM serves on every GPU of its server: data_parallel_size = len(inference_gpu_ids) / tensor_parallel_size
+    unless set (the teacher: its teacher_gpu_ids, default the inference server's)."""
+    for name in ("inference", "teacher"):
+        server = raw.get(name)
+        if not isinstance(server, dict) or "data_parallel_size" in server or chosen_backend(server) != "vllm":
+            continue
+        ids = raw.get(f"{name}_gpu_ids") or raw.get("inference_gpu_ids") or [0]
+        gpus, tp = len(ids), int(server.get("tensor_parallel_size", 1))
+        if gpus % tp:
+            raise UserError(
+                f"{gpus} {name} GPUs do not split into tensor-parallel groups of {tp}; "
+                f"change {name}_gpu_ids or {name}.tensor_parallel_size"
+            )
+        raw = {**raw, name: {**server, "data_parallel_size": gpus // tp}}
+    return raw
 
 
 def resolve_rl(raw: dict, args: loader.ParsedArgs | None = None) -> RLConfig:
@@ -410,6 +496,7 @@ def resolve_rl(raw: dict, args: loader.ParsedArgs | None = None) -> RLConfig:
             if isinstance(raw.get(comp), dict):
                 raw[comp]["output_dir"] = out
         raw["output_dir"] = out
+    raw = wire_teacher(raw)
     config = loader.validate(RLConfig, raw)
     config.run_orchestrators()  # a run's bad orchestrator setting: one line now
     return config

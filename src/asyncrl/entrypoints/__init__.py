@@ -54,6 +54,7 @@ def entry(
     ranked: bool = False,
     reports: Callable[[T, RunLayout], list[RunLayout]] | None = None,
     locked: bool = False,
+    component: str | None = None,
 ) -> None:
     """An entrypoint's main(): `run(config)` for the `model` config that argv (+ env) gives.
 
@@ -61,9 +62,12 @@ def entry(
     and `ckpt` are this process's run (rl: its trainer's); `log_of(config)`: its log settings. `ranked`: a
     torchrun'd component. `reports(config, layout)`: the runs to write a report of at the end, whatever the
     outcome (none if empty). `locked`: hold the run dir's lock for this process and its children.
+    `component`: the name of its log file and run record (default `prog`; rl's teacher server: `teacher`).
     """
     try:
-        _entry(model, run, prog, summary, argv, resolve, passthrough, run_of, log_of, ranked, reports, locked)
+        _entry(
+            model, run, prog, summary, argv, resolve, passthrough, run_of, log_of, ranked, reports, locked, component
+        )
     except SystemExit as e:
         if argv is None and (e.code is None or isinstance(e.code, int)):
             _exit_now(e.code or 0)
@@ -72,7 +76,9 @@ def entry(
         _exit_now(0)
 
 
-def _entry(model, run, prog, summary, argv, resolve, passthrough, run_of, log_of, ranked, reports, locked) -> None:
+def _entry(
+    model, run, prog, summary, argv, resolve, passthrough, run_of, log_of, ranked, reports, locked, component
+) -> None:
     config = parse_or_exit(model, prog, summary, argv, resolve=resolve, passthrough=passthrough)
     layout = RunLayout.for_config(run_of(config))
     if locked:
@@ -83,7 +89,7 @@ def _entry(model, run, prog, summary, argv, resolve, passthrough, run_of, log_of
     if ranked and "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: it dies with torchrun, however that ends
         die_with_parent(os.getppid())
     log = log_of(config)
-    (setup_rank_logger if ranked else setup_logger)(prog, layout, log.level, log.file)
+    (setup_rank_logger if ranked else setup_logger)(component or prog, layout, log.level, log.file)
     try:
         run_guarded(lambda: run(config), finish=runstate.finish)
     finally:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from asyncrl.config.inference import InferenceConfig
+import os
+
+from asyncrl.config.inference import SERVER_ROLE_VAR, InferenceConfig
 from asyncrl.entrypoints import entry
 
 SUMMARY = "OpenAI-compatible inference server with token ids, logprobs and /update_weights."
@@ -15,7 +17,8 @@ def run(config: InferenceConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    entry(InferenceConfig, run, "inference", SUMMARY, argv, passthrough=True)
+    role = os.environ.get(SERVER_ROLE_VAR) or None
+    entry(InferenceConfig, run, "inference", SUMMARY, argv, passthrough=True, component=role)
 
 
 if __name__ == "__main__":

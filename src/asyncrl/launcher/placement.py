@@ -10,6 +10,11 @@ inference engine:
 - pinned: the same thread counts, and each of the two runs on its own cores (CPU affinity);
 - shared: both get one thread per core and the OS time-shares them.
 
+A teacher server (`[teacher]`, on-policy distillation) runs on `teacher_gpu_ids` (default: the inference
+server's GPUs; it starts once that server has sized its memory). On CPU it shares the server's cores with
+half the server's threads (at least one): it only scores finished samples, a prefill each, so its load
+comes in bursts between the server's generations; `pinned` pins it to the server's cores.
+
 The orchestrator is never pinned. A thread count the user set (`inference.num_threads`,
 OMP_NUM_THREADS) always wins. Every child inherits the launcher's environment otherwise (minus
 PYTHONSTARTUP).
@@ -51,6 +56,26 @@ class Placement:
         return self.cuda and bool(set(self.config.inference_gpu_ids) & set(self.config.trainer_gpu_ids))
 
     @property
+    def teacher_gpu_ids(self) -> list[int]:
+        return self.config.teacher_gpu_ids or self.config.inference_gpu_ids
+
+    @property
+    def teacher_shares_gpu(self) -> bool:
+        """Teacher and inference server on one GPU: the teacher starts after the server has sized its memory."""
+        return self.cuda and bool(set(self.teacher_gpu_ids) & set(self.config.inference_gpu_ids))
+
+    @property
+    def servers_share_trainer_gpu(self) -> bool:
+        """A server (inference or teacher) on a trainer GPU: the trainer starts after the servers are up."""
+        teacher = self.teacher_gpu_ids if self.config.teacher is not None else []
+        return self.shares_gpu or (self.cuda and bool(set(teacher) & set(self.config.trainer_gpu_ids)))
+
+    @property
+    def teacher_threads(self) -> int | None:
+        """Embedded teacher engine threads on CPU (None with CUDA)."""
+        return None if self.cuda else max(1, len(self.server_cores) // 2)
+
+    @property
     def server_threads(self) -> int | None:
         """Embedded engine threads on CPU (None with CUDA: the engine's own default)."""
         return None if self.cuda else len(self.server_cores)
@@ -59,10 +84,13 @@ class Placement:
         """Cores child `name` is pinned to (None: not pinned)."""
         if self.cuda or self.mode != "pinned" or not hasattr(os, "sched_setaffinity"):
             return None
-        return {"inference": self.server_cores, "trainer": self.trainer_cores}.get(name)
+        return {"inference": self.server_cores, "teacher": self.server_cores, "trainer": self.trainer_cores}.get(name)
 
     def inference_env(self) -> dict[str, str]:
         return self._env(self.config.inference_gpu_ids)
+
+    def teacher_env(self) -> dict[str, str]:
+        return self._env(self.teacher_gpu_ids)
 
     def orchestrator_env(self) -> dict[str, str]:
         return self._env(None)

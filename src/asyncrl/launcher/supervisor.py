@@ -10,6 +10,10 @@ starts, batches and weights an earlier attempt left past the start step are remo
 the others are stopped and the launcher names the dead one with what it logged in this attempt (its logs
 are appended to across attempts: what an earlier one wrote is not this one's error).
 
+With `[teacher]` (on-policy distillation) rl starts a second server the same way (`logs/teacher.log`, its own
+port, checked free before it starts) and supervises it like the inference server: its death stops the run.
+It only scores: weight updates go to the orchestrator's client server alone, never to the teacher.
+
 Invariants: nothing rl started outlives it. SIGTERM, SIGHUP (a closed terminal) and Ctrl-C stop the run the
 same way (exit 130); each child dies with rl however rl ends, SIGKILL included (`process.spawn`), and rl
 adopts what its children leave behind (`reap_orphans`, e.g. an env server whose orchestrator was stopped),
@@ -22,6 +26,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +38,7 @@ import tomli_w
 from loguru import logger
 
 from asyncrl.config.cli import to_toml
+from asyncrl.config.inference import SERVER_ROLE_VAR, InferenceConfig
 from asyncrl.config.rl import RLConfig
 from asyncrl.core import failpoint
 from asyncrl.core.errors import FULL_HINT, LOW_SPACE_BYTES, UserError
@@ -62,6 +68,7 @@ from asyncrl.utils.process import (
 from asyncrl.utils.progress import Bar
 
 HEALTH_TIMEOUT_S = 900.0
+SERVERS = ("inference", "teacher")  # children that serve until rl stops them
 STOP_GRACE_S = 10.0
 SUPERVISE_POLL_S = 0.2  # how soon a child's exit (the run's end) is seen; each poll is a few stat() calls
 QUIET_S = 120.0  # no step for this long: say what the run is doing (the orchestrator's last log line)
@@ -100,6 +107,7 @@ class Launcher:
         total = sum(c.max_steps or 0 for c in self.runs.values()) if self.runs else config.trainer.max_steps
         self.bar = Bar("rl", total or None)
         self.last_news = self.last_step = time.monotonic()
+        self.up: set[str] = set()  # servers that answered their /health
 
     def _tailer(self, run: str | None, start: int) -> StepTailer:
         """Follows a run's training steps (a line each) and watches them for the signs of collapse."""
@@ -136,6 +144,10 @@ class Launcher:
             if cfg.inference.allowed_weights_root is None:  # the trainer's weights are all under the run's dir
                 cfg.inference.allowed_weights_root = Path(cfg.trainer.output_dir).resolve()
             configs["inference"] = cfg.inference
+        if cfg.teacher is not None:
+            if cfg.teacher.num_threads is None and cfg.teacher.backend == "embedded":
+                cfg.teacher.num_threads = self.placement.teacher_threads
+            configs["teacher"] = cfg.teacher
         self.layout.configs.mkdir(parents=True, exist_ok=True)
         paths = {}
         for name, sub in configs.items():
@@ -198,6 +210,35 @@ class Launcher:
         client = self.config.orchestrator.client
         return client.url.rstrip("/").removesuffix("/v1")
 
+    def _teacher_url(self) -> str | None:
+        """The teacher server's URL (no /v1): the one rl starts, else the orchestrator's; None: no distillation."""
+        if self.config.teacher is not None:
+            host = self.config.teacher.server.host
+            return f"http://{'localhost' if host in ('0.0.0.0', '::', '') else host}:{self.config.teacher.server.port}"
+        client = self.config.orchestrator.teacher
+        return client.url.rstrip("/").removesuffix("/v1") if client is not None else None
+
+    def _check_external_teacher(self) -> None:
+        """`[orchestrator.teacher]` without `[teacher]`: rl starts no teacher, so one must answer already."""
+        url = self._teacher_url()
+        if url is not None and not answers(url + "/health"):
+            raise UserError(
+                f"no teacher server answers at {url}/health; start one (`inference --model.name TEACHER --server.port "
+                "N`) or add a [teacher] section so rl starts it"
+            )
+
+    def _check_teacher_port(self) -> None:
+        """The teacher's port must be free: a taken one would fail inside the server (or reach another's)."""
+        server = self.config.teacher.server
+        with socket.socket() as s:
+            try:
+                s.bind((server.host, server.port))
+            except OSError as e:
+                raise UserError(
+                    f"the teacher server's port {server.port} on {server.host} is taken ({e.strerror}; by default "
+                    "it is the inference server's port + 1): set a free one with --teacher.server.port"
+                ) from None
+
     def _check_external_server(self) -> None:
         """Without an [inference] section rl starts no server: one must answer already."""
         url = self._server_url() + "/health"
@@ -207,18 +248,28 @@ class Launcher:
                 "or add an [inference] section so rl starts it"
             )
 
-    def _wait_for_server(self) -> None:
-        """Until the server answers; a child that exits meanwhile is named (the run's orchestrators: later)."""
-        url = self._server_url() + "/health"
-        self.bar.waiting(f"the inference server at {self._server_url()} (start, model load)")
+    def _wait_for_server(self, name: str = "inference") -> None:
+        """Until server `name` (inference, teacher) answers; a child that exits meanwhile is named (the run's
+        orchestrators: later)."""
+        if name in self.up:
+            return
+        base = self._server_url() if name == "inference" else self._teacher_url()
+        url = base + "/health"
+        self.bar.waiting(f"the {name} server at {base} (start, model load)")
         watched = {c.proc: c for c in self.children if c.run is None}
         try:
             waited = wait_for_http(url, HEALTH_TIMEOUT_S, list(watched), poll=0.1)
         except ChildExited as exited:
             self._died(watched[exited.proc])
         except TimeoutError:
-            raise UserError(f"inference server did not become healthy at {url} in {HEALTH_TIMEOUT_S:.0f}s") from None
-        logger.info(f"inference server is up at {self._server_url()} ({waited:.0f}s)")
+            raise UserError(f"{name} server did not become healthy at {url} in {HEALTH_TIMEOUT_S:.0f}s") from None
+        logger.info(f"{name} server is up at {base} ({waited:.0f}s)")
+        self.up.add(name)
+
+    def _wait_for_servers(self) -> None:
+        self._wait_for_server("inference")
+        if self.config.teacher is not None:
+            self._wait_for_server("teacher")
 
     def _start_step(self) -> int:
         ckpt = self.config.trainer.ckpt
@@ -226,9 +277,9 @@ class Launcher:
             return 0
         return resolve_resume_step(self.layout, ckpt.resume_step, self.config.trainer.max_steps)
 
-    def _server_python(self) -> str:
-        """The interpreter that runs vLLM (this one, unless ASYNCRL_VLLM_PYTHON names another)."""
-        if self.config.inference.backend != "vllm":
+    def _server_python(self, server: InferenceConfig) -> str:
+        """The interpreter that runs `server`: vLLM's (this one, unless ASYNCRL_VLLM_PYTHON names another)."""
+        if server.backend != "vllm":
             return sys.executable
         from asyncrl.utils.vllm_env import INSTALL_HINT, vllm_python
 
@@ -236,6 +287,15 @@ class Launcher:
         if python is None:
             raise UserError(f"--inference.backend vllm needs a vLLM environment: {INSTALL_HINT}")
         return str(python)
+
+    def _start_teacher(self, config_path: Path) -> None:
+        """The teacher server: on the inference server's GPU only once that one has sized its memory."""
+        teacher = self.config.teacher
+        if self.placement.teacher_shares_gpu and "inference" in {c.name for c in self.children}:
+            self._wait_for_server("inference")
+        logger.info(f"teacher engine: {teacher.backend} ({teacher.backend_why}), model {teacher.model.name}")
+        cmd = [self._server_python(teacher), "-m", "asyncrl.entrypoints.inference", "@", str(config_path)]
+        self._spawn("teacher", cmd, {**self.placement.teacher_env(), SERVER_ROLE_VAR: "teacher"})
 
     def _trainer_cmd(self, config_path: Path) -> list[str]:
         cmd = ["-m", "asyncrl.entrypoints.trainer", "@", str(config_path)]
@@ -249,6 +309,8 @@ class Launcher:
         # a trainer that starts before the orchestrator's own clean-up could otherwise read a stale batch
         if spec := os.environ.get(failpoint.VAR):
             failpoint.parse(spec)  # a bad one: one line now, not a child's death later
+        if self.config.teacher is not None:  # before any child starts
+            self._check_teacher_port()
         ckpt = self.config.trainer.ckpt
         requested = ckpt.resume_step if ckpt is not None else None
         start, run_paths = 0, {}
@@ -260,28 +322,29 @@ class Launcher:
             self.tailers[None] = self._tailer(None, start)
             self.bar.done = start
         paths = self._write_configs(start)
-        py = sys.executable
+        py, cfg = sys.executable, self.config
         if "inference" in paths:
             logger.info(f"inference engine: {self.config.inference.backend} ({self.config.inference.backend_why})")
-            self._spawn(
-                "inference",
-                [self._server_python(), "-m", "asyncrl.entrypoints.inference", "@", str(paths["inference"])],
-                self.placement.inference_env(),
-            )
+            server = [self._server_python(cfg.inference), "-m", "asyncrl.entrypoints.inference"]
+            self._spawn("inference", server + ["@", str(paths["inference"])], self.placement.inference_env())
         else:
             self._check_external_server()
+        if "teacher" in paths:
+            self._start_teacher(paths["teacher"])
+        else:
+            self._check_external_teacher()
         # the orchestrators wait for the server themselves; the trainer loads the model meanwhile unless it
-        # shares the server's GPU (a GPU engine sizes its cache from the memory free when it starts)
-        if self.placement.shares_gpu:
-            self._wait_for_server()
+        # shares a server's GPU (a GPU engine sizes its cache from the memory free when it starts)
+        if self.placement.servers_share_trainer_gpu:
+            self._wait_for_servers()
         orchestrators = run_paths or {None: paths["orchestrator"]}
         for run, path in orchestrators.items():
             name = "orchestrator" if run is None else f"orchestrator-{run}"
             cmd = [py, "-m", "asyncrl.entrypoints.orchestrator", "@", str(path)]
             self._spawn(name, cmd, self.placement.orchestrator_env(), run=run)
         self._spawn("trainer", self._trainer_cmd(paths["trainer"]), self.placement.trainer_env(), stream=True)
-        if not self.placement.shares_gpu:
-            self._wait_for_server()
+        if not self.placement.servers_share_trainer_gpu:
+            self._wait_for_servers()
         self.bar.waiting(f"step {self.bar.done}: its rollouts (the trainer loads the model meanwhile)")
         self.last_news = self.last_step = time.monotonic()
 
@@ -357,7 +420,7 @@ class Launcher:
                     logger.info(f"{child.name} finished")
             if self.runs:
                 self._stop_ended_runs(finished)
-            if {c.name for c in self.children if c.name != "inference"} <= finished:
+            if {c.name for c in self.children if c.name not in SERVERS} <= finished:
                 for t in self.tailers.values():
                     t.poll()
                 return

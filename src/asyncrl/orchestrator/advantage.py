@@ -8,6 +8,11 @@
 With `length_penalty = w > 0` the rewards are shaped first, within the group:
 r_i' = r_i - w * max(mean(r), 0) * l_i / max(l): the longer answers of a group that earns reward lose up to
 w times its mean reward; a group that earns nothing is not pushed toward short wrong answers.
+
+On-policy distillation (a teacher) makes advantages per token (`token_advantages`): on each loss token t
+A_t = distill_weight * (teacher_lp_t - sampler_lp_t) + reward_weight * A (A: the sample's advantage above),
+the reverse KL to the teacher on the sampled token; tokens that are not loss tokens get 0, and so do the
+distillation terms of loss tokens the teacher did not score (its list is shorter than the sample).
 """
 
 from __future__ import annotations
@@ -62,3 +67,20 @@ def shape_by_length(rewards: Sequence[float], lengths: Sequence[int] | None, wei
         return []
     scale = weight * max(sum(rewards) / len(rewards), 0.0) / max(max(lengths), 1)
     return [r - scale * n for r, n in zip(rewards, lengths)]
+
+
+def token_advantages(
+    loss_mask: Sequence[bool],
+    sampler_logprobs: Sequence[float],
+    teacher_logprobs: Sequence[float],
+    reward_advantage: float,
+    distill_weight: float,
+    reward_weight: float,
+) -> list[float]:
+    """A_t per token of one sample (see the module docstring)."""
+    base = reward_weight * reward_advantage
+    scored = len(teacher_logprobs)
+    return [
+        (base + (distill_weight * (teacher_logprobs[t] - sampler_logprobs[t]) if t < scored else 0.0)) if m else 0.0
+        for t, m in enumerate(loss_mask)
+    ]

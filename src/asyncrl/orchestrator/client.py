@@ -83,6 +83,19 @@ class InferenceClient:
                 f"{held}; export the server's --api-key there, or name another variable with --client.api-key-var"
             )
 
+    async def tokenize(self, model: str, text: str) -> dict:
+        """The server's /tokenize answer for `text` (its `tokens`, and whatever else it says)."""
+        try:
+            response = await self._http.post("/tokenize", json={"model": model, "prompt": text})
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"POST {self.root}/tokenize failed: {e!r}; {start_hint(self.url)}") from e
+        if response.status_code != 200:
+            raise UserError(
+                f"inference server at {self.root} answered /tokenize with {response.status_code} "
+                f"({response.text[:200]}); distillation checks the teacher's tokenizer against it there"
+            )
+        return response.json()
+
     async def update_weights(self, weight_dir: str | Path) -> None:
         """Make the server load the HF weights in `weight_dir` (its prefix cache is reset too)."""
         await self._post("/update_weights", {"weight_dir": str(Path(weight_dir).resolve())})

@@ -5,7 +5,8 @@ server error, missing tokens) are dropped from their group and counted; the rest
 its advantages computed among the valid rollouts only; a group where every rollout failed is
 'failed'. With `online_difficulty_filtering`, groups whose rewards are
 all at or above `easy_threshold` (solved every time) or all at or below `hard_threshold` (never
-solved) are dropped too, and the orchestrator keeps sampling prompts to fill the batch.
+solved) are dropped too, and the orchestrator keeps sampling prompts to fill the batch. With on-policy
+distillation (`distilled`) no group is dropped for its rewards: every token still carries the teacher's signal.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def difficulty(rewards: list[float], buffer: BufferConfig) -> Verdict:
     return "accept"
 
 
-def judge_group(group: Group, buffer: BufferConfig, advantage: AdvantageConfig) -> Verdict:
-    """Set advantages on the group's valid rollouts and decide whether it goes into a batch."""
+def judge_group(group: Group, buffer: BufferConfig, advantage: AdvantageConfig, distilled: bool = False) -> Verdict:
+    """Set advantages on the group's valid rollouts and decide whether it goes into a batch (`distilled`: the
+    teacher's per-token signal makes every group that did not fail worth training on)."""
     valid = group.valid
     for r in group.rollouts:
         r.advantage = 0.0
@@ -63,5 +65,5 @@ def judge_group(group: Group, buffer: BufferConfig, advantage: AdvantageConfig) 
         for r, a in zip(mine, advantages):
             r.advantage = a
     verdict = difficulty([r.reward for r in valid], buffer)
-    group.verdict = verdict if buffer.online_difficulty_filtering else "accept"
+    group.verdict = verdict if buffer.online_difficulty_filtering and not distilled else "accept"
     return group.verdict

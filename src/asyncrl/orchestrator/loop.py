@@ -6,6 +6,11 @@ online eval when due, collect the step's rollout groups, compute advantages, pac
 micro-batches and write `rollouts/step_n` atomically. The loop then goes straight on to step n+1
 while the trainer trains on step n, so generation and training overlap within the bound.
 `update_weights` is only ever sent between two steps' generations (nothing is in flight then).
+
+With a teacher (on-policy distillation), the teacher is checked at every start (a resumed run too), each
+accepted group is scored by it while the step's other groups generate, and the batch's advantages are per
+token (advantage.token_advantages); the step logs `distill/teacher_kl`, `distill/teacher_lp` and
+`time/teacher_s` (the wait for scores after the rollouts were done).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from loguru import logger
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator import ckpt
+from asyncrl.orchestrator.advantage import token_advantages
 from asyncrl.orchestrator.client import InferenceClient, start_hint
 from asyncrl.orchestrator.envs import (
     EnvMixture,
@@ -30,10 +36,18 @@ from asyncrl.orchestrator.envs import (
 )
 from asyncrl.orchestrator.evaluation import evaluate_policy
 from asyncrl.orchestrator.gating import Policy, PolicyGate, checkpoint_policy
-from asyncrl.orchestrator.metrics import group_metrics, log_extras, log_samples, log_step, rollout_metrics
+from asyncrl.orchestrator.metrics import (
+    distill_metrics,
+    group_metrics,
+    log_extras,
+    log_samples,
+    log_step,
+    rollout_metrics,
+)
 from asyncrl.orchestrator.packing import PackItem, PackStats, pack
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts
 from asyncrl.orchestrator.samples import TrajectoryConverter
+from asyncrl.orchestrator.teacher import PROBE, TeacherClient
 from asyncrl.transport.batch import MicroBatch, write_batch
 from asyncrl.transport.layout import ADAPTER, RunLayout, trainer_world_size
 from asyncrl.transport.weights import weights_problem
@@ -50,8 +64,10 @@ class Orchestrator:
         eval_mixture: EnvMixture | None = None,
         sink: MetricsSink | None = None,
         layout: RunLayout | None = None,
+        teacher: TeacherClient | None = None,
     ):
         self.config = config
+        self.teacher = teacher
         self.layout = layout or RunLayout.for_config(config)
         self.mixture = mixture
         self.eval_mixture = eval_mixture
@@ -73,6 +89,7 @@ class Orchestrator:
             config.buffer,
             config.advantage,
             fail_limit=max(4, 2 * target),
+            scorer=teacher.score_group if teacher is not None else None,
         )
         self.args = sampling_args(config.sampling)
         self.progress = ckpt.Progress()
@@ -160,14 +177,33 @@ class Orchestrator:
         )
         self.sink.log(step, {k: v for k, v in record.items() if k != "step"})
 
-    def _pack(self, got: StepRollouts) -> tuple[list[list[MicroBatch]], PackStats]:
+    async def _connect_teacher(self) -> None:
+        """Check the teacher (health, key, model, same tokenizer as the student's server): at every start."""
+        if self.teacher is None:
+            return
+        answer = await self.server.tokenize(self.config.model.name, PROBE)
+        await self.teacher.connect(answer.get("tokens"), self.config.model.name, answer.get("vocab_size"))
+        if self.config.buffer.online_difficulty_filtering:
+            logger.info("distillation: online_difficulty_filtering keeps every group (each has the teacher's signal)")
+
+    def _items(self, got: StepRollouts) -> list[PackItem]:
+        """The step's samples with their advantages: the reward's (times reward weight), or per token with a
+        teacher. Without a teacher and at reward weight 1 these are exactly the reward's advantages."""
         temperature = self.config.sampling.temperature
-        items = [
-            PackItem(s, r.advantage, temperature, group=i)
-            for i, g in enumerate(got.groups)
-            for r in g.valid
-            for s in r.samples
-        ]
+        dw, rw = self.config.distill_weight, self.config.reward_weight
+        items = []
+        for i, g in enumerate(got.groups):
+            scores = iter(got.teacher[i]) if got.teacher is not None else None
+            for r in g.valid:
+                for s in r.samples:
+                    item = PackItem(s, r.advantage if rw == 1.0 else rw * r.advantage, temperature, group=i)
+                    if scores is not None:
+                        lps = next(scores)
+                        item.token_advantages = token_advantages(s.loss_mask, s.logprobs, lps, r.advantage, dw, rw)
+                    items.append(item)
+        return items
+
+    def _pack(self, items: list[PackItem]) -> tuple[list[list[MicroBatch]], PackStats]:
         return pack(items, self.config.seq_len, self._trainer_ranks, share=self.config.share_prefix)
 
     def _learn_trainer_ranks(self) -> None:
@@ -197,7 +233,8 @@ class Orchestrator:
         min_policy = min(g.policy_step for g in got.groups)
         self._learn_trainer_ranks()
         t_pack = time.perf_counter()
-        per_rank, stats = self._pack(got)
+        items = self._items(got)
+        per_rank, stats = self._pack(items)
         meta = {
             "num_samples": stats.num_samples,
             "num_tokens": stats.num_tokens,
@@ -248,6 +285,7 @@ class Orchestrator:
             "time/wait_weights": waited,
             "time/update_weights": t_update,
             "time/rollouts": got.seconds,
+            **self._distill_record(got, items),
             "time/pack_write": t_write,
             "time/step": time.perf_counter() - t0,
             "progress/total_tokens": p.total_tokens,
@@ -269,6 +307,17 @@ class Orchestrator:
             path = ckpt.save(self.layout, p, self.collector.buffer)
             ckpt.prune(self.layout, cfg)
             logger.info(f"saved orchestrator checkpoint {path}")
+        return record
+
+    def _distill_record(self, got: StepRollouts, items: list[PackItem]) -> dict[str, float]:
+        if got.teacher is None:
+            return {}
+        record = distill_metrics([it.sample for it in items], [lp for per_group in got.teacher for lp in per_group])
+        record["time/teacher_s"] = got.teacher_seconds
+        # a rollout is effective when any of its tokens moves the policy (reward or teacher)
+        record["batch/effective_rollouts"] = float(
+            sum(any(abs(a) > 1e-8 for a in it.token_advantages or []) for it in items)
+        )
         return record
 
     def _warn_context_full(self, step: int, frac: float) -> None:
@@ -301,6 +350,7 @@ class Orchestrator:
         )
         step = start
         try:
+            await self._connect_teacher()
             while end is None or step < end:
                 await self.step(step, gate)
                 step += 1
@@ -317,6 +367,7 @@ class Orchestrator:
                 "that collapsed to empty replies: lower the learning rate, resume from an earlier checkpoint)"
             ) from e
         finally:
+            await self.collector.close()
             self.sink.close()
         logger.success(f"orchestrator finished {step - start} steps ({self.progress.total_samples} samples in total)")
 
@@ -414,6 +465,7 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
     if config.eval is not None and not config.bench:
         eval_mixture = EnvMixture.load(config.eval.env or config.env, config.seq_len, config.seed, eval_split=True)
     server = InferenceClient(config.client)
+    teacher = TeacherClient(config.teacher, config.seq_len) if config.teacher is not None and not config.bench else None
     runners = None
     try:
         await server.wait_healthy(timeout=config.client.health_timeout)
@@ -432,10 +484,12 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
             finally:
                 sink.close()
         else:
-            orchestrator = Orchestrator(config, mixture, run_group, server, eval_mixture)
+            orchestrator = Orchestrator(config, mixture, run_group, server, eval_mixture, teacher=teacher)
             await orchestrator.run()
     finally:
         await server.close()
+        if teacher is not None:
+            await teacher.close()
         if runners is not None:
             await runners.close()
 

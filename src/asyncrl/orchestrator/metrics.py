@@ -16,7 +16,7 @@ from typing import Any
 from loguru import logger
 
 from asyncrl.orchestrator.filtering import Group
-from asyncrl.orchestrator.samples import Rollout
+from asyncrl.orchestrator.samples import Rollout, TokenSample
 from asyncrl.utils.monitor import MetricsSink
 
 
@@ -70,6 +70,19 @@ def group_metrics(used: list[Group], finished: list[Group], easy: float, hard: f
     out["batch/effective_rollouts"] = float(sum(abs(r.advantage) > 1e-8 for r in valid))
     out["advantage/mean_abs"] = _mean([abs(r.advantage) for r in valid])
     return out
+
+
+def distill_metrics(samples: list[TokenSample], teacher: list[list[float]]) -> dict[str, float]:
+    """Teacher-student agreement over the loss tokens the teacher scored (`teacher[i]`: sample i's logprobs):
+    `distill/teacher_kl` = mean of sampler_lp - teacher_lp (the sampled-token estimate of KL(student || teacher)),
+    `distill/teacher_lp` = mean teacher logprob."""
+    diffs, lps = [], []
+    for s, lp in zip(samples, teacher):
+        for t in range(min(len(lp), len(s))):
+            if s.loss_mask[t]:
+                diffs.append(s.logprobs[t] - lp[t])
+                lps.append(lp[t])
+    return {"distill/teacher_kl": _mean(diffs), "distill/teacher_lp": _mean(lps)}
 
 
 def log_extras(sink: MetricsSink, step: int, rollouts: list[Rollout]) -> None:

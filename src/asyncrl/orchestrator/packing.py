@@ -16,7 +16,8 @@ in full, then each other one from position P on (positions P, P+1, ...), which t
   `seq_len`: then its samples are split greedily into several units, each repeating the prefix;
 - samples no longer than P (nothing after the prefix), truncated samples, and groups with nothing to
   share are packed plain, exactly as without sharing;
-- every token keeps its own sample's loss mask, logprob, advantage and temperature; samples share only
+- every token keeps its own sample's loss mask, logprob, advantage (the sample's, or its own per-token one
+  with distillation) and temperature; samples share only
   with samples of the same temperature;
 - `share=False` (or no groups) gives exactly the rows of a plain packing.
 """
@@ -40,6 +41,13 @@ class PackItem:
     advantage: float
     temperature: float
     group: Hashable | None = None  # samples of one rollout group may share their prompt (None: never)
+    token_advantages: list[float] | None = None  # one per token (distillation); None: `advantage` on every token
+
+    def advantages(self, start: int = 0) -> list[float]:
+        """The advantages of the sample's tokens from `start` on."""
+        if self.token_advantages is None:
+            return [self.advantage] * (len(self.sample) - start)
+        return self.token_advantages[start:]
 
 
 @dataclass
@@ -73,7 +81,8 @@ def truncate(item: PackItem, seq_len: int) -> tuple[PackItem, bool]:
     if len(s) <= seq_len:
         return item, False
     cut = TokenSample(s.input_ids[:seq_len], s.loss_mask[:seq_len], s.logprobs[:seq_len])
-    return PackItem(cut, item.advantage, item.temperature, item.group), True
+    per_token = item.token_advantages[:seq_len] if item.token_advantages is not None else None
+    return PackItem(cut, item.advantage, item.temperature, item.group, per_token), True
 
 
 def shared_prefix(samples: list[TokenSample]) -> int:
@@ -161,7 +170,7 @@ def pieces_row(pieces: list[tuple[PackItem, int]]) -> MicroBatch:
         ids += s.input_ids[start:]
         pos += range(start, len(s))
         mask += s.loss_mask[start:]
-        adv += [it.advantage] * n
+        adv += it.advantages(start)
         lps += [lp if m else 0.0 for lp, m in zip(s.logprobs[start:], s.loss_mask[start:])]
         temps += [it.temperature] * n
     return {

@@ -6,12 +6,19 @@ its advantages and a verdict (see `filtering.py`); accepted groups fill the step
 When the step is full the groups still in flight are cancelled, so no generation spans a weight
 update; accepted groups that finished beyond the need wait in a buffer for the next step, which
 takes them only while they stay within the async bound.
+
+With a teacher (`scorer`), each accepted group's scoring starts the moment the group finishes, while the
+step's other groups are still generating; the step then waits only for the scores still out once its
+rollouts are done (`StepRollouts.teacher_seconds`). A buffered group keeps its scoring going into the next
+step; a group dropped as stale has its scoring cancelled. Scores are never checkpointed: a buffered group
+restored on resume is scored again by the teacher of the resumed run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from loguru import logger
@@ -21,7 +28,20 @@ from asyncrl.orchestrator.envs import EnvMixture, RunGroup, example_id, group_in
 from asyncrl.orchestrator.filtering import Group, judge_group
 from asyncrl.orchestrator.samples import Rollout, TrajectoryConverter
 
+Scorer = Callable[[Group], Awaitable[list[list[float]]]]  # a group -> teacher logprobs per sample of its valid rollouts
 MAX_DRAWS_FACTOR = 8  # stop drawing new prompts for a step after this many times the in-flight target
+
+
+async def gather_all(aws: list) -> list:
+    """The results of `aws` in order; when one fails, the others are cancelled (and awaited) before it raises."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class RolloutFailure(RuntimeError):
@@ -42,6 +62,8 @@ class StepRollouts:
     reused: int = 0
     stale_dropped: int = 0
     filler: int = 0  # filtered groups used because too few passed the filter
+    teacher: list[list[list[float]]] | None = None  # per group, per sample of its valid rollouts: teacher logprobs
+    teacher_seconds: float = 0.0  # waited for teacher scores once the rollouts were done
 
 
 class GroupCollector:
@@ -54,6 +76,7 @@ class GroupCollector:
         buffer: BufferConfig,
         advantage: AdvantageConfig,
         fail_limit: int,
+        scorer: Scorer | None = None,
     ):
         self.mixture = mixture
         self.run_group = run_group
@@ -63,6 +86,8 @@ class GroupCollector:
         self.advantage = advantage
         self.fail_limit = max(fail_limit, 1)
         self.buffer: list[Group] = []
+        self.scorer = scorer
+        self._scoring: dict[int, tuple[Group, asyncio.Task]] = {}  # id(group) -> its scoring, while wanted
         self.consecutive_failures = 0
         self.last_error: str | None = None
 
@@ -79,11 +104,44 @@ class GroupCollector:
             group.rollouts = [
                 Rollout(env=slot.name, example_id=group.example_id, reward=0.0, error=error) for _ in range(self.n)
             ]
-        judge_group(group, self.buffer_config, self.advantage)
+        judge_group(group, self.buffer_config, self.advantage, distilled=self.scorer is not None)
         if group.verdict != "failed":
             rewards = [r.reward for r in group.valid]
             self.mixture.observe(slot.name, group.example_id, sum(rewards) / len(rewards))
         return group
+
+    def _score(self, group: Group) -> None:
+        """Start scoring `group` with the teacher, unless that is under way already (or there is no teacher)."""
+        if self.scorer is not None and id(group) not in self._scoring:
+            self._scoring[id(group)] = (group, asyncio.create_task(self.scorer(group)))
+
+    def _drop_scoring(self, groups: list[Group]) -> None:
+        for group in groups:
+            entry = self._scoring.pop(id(group), None)
+            if entry is not None:
+                entry[1].cancel()
+                if entry[1].done() and not entry[1].cancelled():
+                    entry[1].exception()  # retrieved: a stale group's failed scoring is of no consequence
+
+    async def _scores(self, groups: list[Group]) -> list[list[list[float]]]:
+        """The teacher's scores of `groups`, in order (scoring any not started yet)."""
+        for group in groups:
+            self._score(group)
+        tasks = [self._scoring[id(g)][1] for g in groups]
+        try:
+            return await gather_all(tasks)
+        finally:
+            for g in groups:
+                self._scoring.pop(id(g), None)
+
+    async def close(self) -> None:
+        """Cancel scoring still under way (buffered groups at the end of a run, or after a failure)."""
+        tasks = [task for _, task in self._scoring.values()]
+        self._scoring.clear()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _note(self, group: Group) -> None:
         errors = [r.error for r in group.rollouts if r.error]
@@ -108,7 +166,10 @@ class GroupCollector:
         result = StepRollouts(
             groups=usable[:problems], reused=min(len(usable), problems), stale_dropped=len(self.buffer) - len(usable)
         )
+        self._drop_scoring([g for g in self.buffer if step - g.policy_step > max_async_level])
         self.buffer = usable[problems:]
+        for group in result.groups + self.buffer:
+            self._score(group)
         filtered: list[Group] = []
         tasks: set[asyncio.Task] = set()
         max_draws = MAX_DRAWS_FACTOR * in_flight
@@ -126,6 +187,7 @@ class GroupCollector:
                     self._note(group)
                     if group.verdict == "accept":
                         (result.groups if len(result.groups) < problems else self.buffer).append(group)
+                        self._score(group)
                     elif group.verdict != "failed":
                         filtered.append(group)
         finally:
@@ -148,4 +210,8 @@ class GroupCollector:
                 self.last_error,
             )
         result.seconds = time.perf_counter() - start
+        if self.scorer is not None:
+            done = time.perf_counter()
+            result.teacher = await self._scores(result.groups)
+            result.teacher_seconds = time.perf_counter() - done
         return result

@@ -59,9 +59,19 @@ PLOTS = [
     Plot("eval reward by step", "orchestrator:eval", prefixed("eval/reward/")),
     Plot("off-policy level (steps behind)", "orchestrator:train", named("off_policy/level")),
     Plot(
+        "distillation: KL to the teacher (sampler_lp - teacher_lp)", "orchestrator:train", named("distill/teacher_kl")
+    ),
+    Plot(
         "orchestrator step time (s)",
         "orchestrator:train",
-        named("time/step", "time/rollouts", "time/wait_weights", "time/update_weights", "time/pack_write"),
+        named(
+            "time/step",
+            "time/rollouts",
+            "time/teacher_s",
+            "time/wait_weights",
+            "time/update_weights",
+            "time/pack_write",
+        ),
     ),
     Plot("generation tokens/s", "orchestrator:train", named("perf/gen_tokens_per_s")),
     Plot("completion length", "orchestrator:train", named("completion_len/mean", "completion_len/max")),

@@ -75,9 +75,9 @@ def test_repeated_prompts_prefill_once(tiny_model_dir, hf_model):
     prefilled = []
     original = engine._prefill_batch
 
-    def counting(reqs, rows, batch):
+    def counting(reqs, rows, batch, *rest):
         prefilled.append(len(batch))
-        return original(reqs, rows, batch)
+        return original(reqs, rows, batch, *rest)
 
     engine._prefill_batch = counting
     prompt = list(range(70, 90))
@@ -400,9 +400,9 @@ def test_prompts_with_cached_prefixes_prefill_in_one_batch(tiny_model_dir, hf_mo
     batches = []
     original = engine._prefill_batch
 
-    def counting(reqs, rows, batch):
+    def counting(reqs, rows, batch, *rest):
         batches.append(sorted(start for _, start in batch))
-        return original(reqs, rows, batch)
+        return original(reqs, rows, batch, *rest)
 
     engine._prefill_batch = counting
 
@@ -424,6 +424,58 @@ def test_prompts_with_cached_prefixes_prefill_in_one_batch(tiny_model_dir, hf_mo
     assert batches[1:] == [[0, 40, 60, 68]]  # one forward; the turn reuses all but its first turn's last token
     for prompt, [c] in zip(prompts, results):
         assert torch.allclose(torch.tensor(c["lps"]), hf_logprobs(hf_model, prompt, c["ids"], 1.0), atol=1e-5)
+
+
+def hf_prompt_scores(model, prompt: list[int], k: int) -> tuple[torch.Tensor, list[int], list[list[int]]]:
+    """(logprobs of prompt[1:] at T=1, their vLLM ranks, top-k ids per position) under a plain HF forward."""
+    with torch.no_grad():
+        lp = model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    chosen = lp.gather(1, torch.tensor(prompt[1:])[:, None])
+    ranks = (lp >= chosen).sum(-1).tolist()
+    return chosen[:, 0], ranks, lp.topk(k, -1).indices.tolist() if k else []
+
+
+def test_prompt_logprobs_batched_equal_each_alone_and_hf(tiny_model_dir, hf_model):
+    """Concurrent scoring requests of different lengths (batched, padded, one chunked) beside generation:
+    each one's prompt logprobs equal the same request alone and a HF forward at T=1 (whatever its
+    temperature), with vLLM's ranks and top k; scoring forwards batch several prompts; generation stays exact."""
+    engine = make_engine(tiny_model_dir, max_prefill_tokens=48)
+    prompts = [list(range(60, 60 + n)) for n in (3, 17, 40, 9, 70, 1)] + [list(range(60, 69))]  # 70: chunked
+    ks = [0, 2, 5, 0, 1, 3, 4]  # the last: the 9-token prompt again, with another k
+    batches = []
+    original = engine._prefill_batch
+
+    def counting(reqs, rows, batch, *rest):
+        batches.append((reqs[batch[0][0]].scoring, len(batch)))
+        return original(reqs, rows, batch, *rest)
+
+    engine._prefill_batch = counting
+
+    async def score(prompt, k):
+        params = SamplingParams(max_tokens=2, temperature=0.3, prompt_logprobs=k, logit_bias={5: 50.0})
+        return [d.prompt_logprobs async for d in engine.generate(prompt, params) if d.prompt_logprobs]
+
+    async def run(jobs, generate=False):
+        gen = [collect(engine, list(range(30, 50)), SamplingParams(max_tokens=6, ignore_eos=True))] if generate else []
+        await engine.start()
+        try:
+            return await asyncio.gather(*jobs, *gen)
+        finally:
+            await engine.shutdown()
+
+    together = asyncio.run(run([score(p, k) for p, k in zip(prompts, ks)], generate=True))
+    [gen] = together[-1]
+    assert torch.allclose(torch.tensor(gen["lps"]), hf_logprobs(hf_model, list(range(30, 50)), gen["ids"], 1.0))
+    assert any(scoring and n > 1 for scoring, n in batches)
+    for prompt, k, [scores] in zip(prompts, ks, together):
+        [[alone]] = asyncio.run(run([score(prompt, k)]))
+        assert alone.ranks == scores.ranks and alone.top == scores.top and (scores.top is None) == (k == 0)
+        assert torch.allclose(torch.tensor(scores.logprobs), torch.tensor(alone.logprobs), atol=1e-5)
+        ref, ranks, top = hf_prompt_scores(hf_model, prompt, k)
+        assert len(scores.logprobs) == len(prompt) - 1 and scores.ranks == ranks
+        assert torch.allclose(torch.tensor(scores.logprobs), ref, atol=1e-5)
+        assert [[t for t, _ in row] for row in scores.top or []] == top
+    assert len(engine.prefix) == 0  # scoring rows leave no prefix entry (their prompts' logits need a forward)
 
 
 def test_gpu_memory_utilization_caps_the_embedded_engine_on_a_gpu():

@@ -76,6 +76,19 @@ def test_a_plot_without_data_is_left_out_and_an_empty_run_says_so(tmp_path):
     assert "No metrics yet" in write_report([run]).read_text()
 
 
+def test_a_distillation_run_plots_its_kl_to_the_teacher(tmp_path):
+    run = make_run(tmp_path / "run", 3)
+    path = RunLayout(run).metrics_file("orchestrator")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+        if r["kind"] == "train":
+            r.update({"distill/teacher_kl": 1.0 / (r["step"] + 1), "distill/teacher_lp": -2.0, "time/teacher_s": 0.1})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    titles = re.findall(r"<figcaption>(.*?)</figcaption>", write_report([run]).read_text())
+    assert "distillation: KL to the teacher (sampler_lp - teacher_lp)" in titles
+    assert titles.index("distillation: KL to the teacher (sampler_lp - teacher_lp)") == titles.index("reward") + 4
+
+
 def test_several_runs_are_overlaid_in_one_page(tmp_path):
     a, b = make_run(tmp_path / "a", 3), make_run(tmp_path / "b", 3, reward0=0.6)
     done = subprocess.run(

@@ -35,6 +35,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before temperature
+    prompt_logprobs: int | None = None  # None: none; 0: each prompt token's (raw model, T=1); k: plus the top k
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +44,23 @@ class SamplingParams:
     @property
     def filtered(self) -> bool:
         return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+
+
+@dataclass
+class PromptLogprobs:
+    """Scores of a prompt under the raw model (temperature 1, no bias): for each position i >= 1, the
+    log_softmax of the logits at i-1, in float32, evaluated at prompt token i (`logprobs[i-1]`), that token's
+    rank (how many tokens score at least as high, itself included: vLLM's) and, when asked, the top k."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]] | None = None
+
+    def extend(self, other: PromptLogprobs) -> None:
+        self.logprobs += other.logprobs
+        self.ranks += other.ranks
+        if other.top is not None:
+            self.top = (self.top or []) + other.top
 
 
 @dataclass
@@ -56,6 +74,7 @@ class SeqDelta:
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    prompt_logprobs: PromptLogprobs | None = None  # on a sequence's first delta, when params.prompt_logprobs is set
 
 
 class TrainingEngine(Protocol):

@@ -1,6 +1,7 @@
 """OpenAI routes for a `Backend`: POST /v1/chat/completions and /v1/completions (JSON or SSE), with
 vLLM's extras (`return_token_ids` -> choices[].token_ids + prompt_token_ids, `top_k`, `min_p`,
-`stop_token_ids`, ...). On vLLM's app, vLLM's own routes serve these paths.
+`stop_token_ids`, ...; on /v1/completions `prompt_logprobs`, in vLLM's shape: `prompt_logprobs_json`).
+On vLLM's app, vLLM's own routes serve these paths.
 
 `serve_chat`, `collect` and the logprob helpers are shared with the token routes (tokens.py). An error
 after a stream has started is reported in-band, as an SSE event carrying the one error body.
@@ -23,7 +24,7 @@ from loguru import logger
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.api import cpu
-from asyncrl.inference.api.backend import Backend, SamplingParams, SeqDelta
+from asyncrl.inference.api.backend import Backend, PromptLogprobs, SamplingParams, SeqDelta
 from asyncrl.inference.api.chat import ChatOutputParser, check_fits, render_chat, request_template_kwargs
 from asyncrl.inference.api.deps import BackendDep, Config
 from asyncrl.inference.api.errors import InvalidRequest, error_body
@@ -48,8 +49,11 @@ class ChoiceResult:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, d: SeqDelta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
         if d.top_logprobs:
@@ -297,6 +301,25 @@ def _completion_logprobs(text: TokenText, r: ChoiceResult, as_ids: bool) -> dict
     }
 
 
+def prompt_logprobs_json(
+    text: TokenText, prompt: list[int], scores: PromptLogprobs, as_ids: bool
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then per token {"<id>": {logprob, rank,
+    decoded_token}} holding the prompt's own token first, then the top k (ranks 1..k; a prompt token among
+    them keeps its place and takes its top-k entry, as in vLLM)."""
+
+    def entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": finite_logprob(logprob), "rank": rank, "decoded_token": token_str(text, token_id, as_ids)}
+
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for i, token_id in enumerate(prompt[1:]):
+        position = {str(token_id): entry(token_id, scores.logprobs[i], scores.ranks[i])}
+        for rank, (top_id, logprob) in enumerate(scores.top[i] if scores.top else [], 1):
+            position[str(top_id)] = entry(top_id, logprob, rank)
+        out.append(position)
+    return out
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, backend: BackendDep, config: Config):
     prompt_ids = await cpu.run(
@@ -389,6 +412,9 @@ class _CompletionRun:
                 if self.body.return_token_ids:
                     choice["token_ids"] = r.token_ids
                     choice["prompt_token_ids"] = ids
+                if self.body.prompt_logprobs is not None:
+                    scores = r.prompt_logprobs
+                    choice["prompt_logprobs"] = scores and prompt_logprobs_json(self.text, ids, scores, self.as_ids)
                 choices.append(choice)
         completion_tokens = sum(len(r.token_ids) for rs in results for r in rs)
         return {

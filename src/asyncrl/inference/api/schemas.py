@@ -237,14 +237,29 @@ class CompletionRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     add_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's own logprobs (+ the top k), e.g. for a teacher
+
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def _prompt_logprobs(cls, v: Any) -> Any:
+        if v is not None and (type(v) is not int or not 0 <= v <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo is not supported")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available with stream=true; send a non-streaming request")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise ValueError("prompt must not be empty")
         return self
+
+    def to_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        params = super().to_params(max_tokens, logprobs)
+        params.prompt_logprobs = self.prompt_logprobs
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

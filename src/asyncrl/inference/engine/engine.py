@@ -11,6 +11,9 @@ burst to end (2 ms without an arrival, 20 ms at most), so requests sent together
 Identical prompts admitted together prefill once and copy the KV row. A prompt that starts with
 tokens a finished sequence already computed (the next turn of a conversation, a shared system
 prompt) copies that KV from the prefix cache and prefills only the rest, in the same batch.
+A request that asks for prompt logprobs (a distillation teacher's scoring) goes the same way, but its
+prompt is prefilled whole (no prefix cache: every position's logits are needed), in batches of its own
+that keep all logits, at most `score_tokens` tokens a forward (scoring.py); it leaves no prefix entry.
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from loguru import logger
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.core.errors import UserError, model_hint
-from asyncrl.inference.api.backend import Backend, SamplingParams, SeqDelta
+from asyncrl.inference.api.backend import Backend, PromptLogprobs, SamplingParams, SeqDelta
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.engine.kv_cache import MaskBuilder, SlotKVCache
 from asyncrl.inference.engine.lora import LoraAdapter, LoraManager, read_adapter
 from asyncrl.inference.engine.prefix_cache import PrefixCache
 from asyncrl.inference.engine.sampling import RowSampler, sample
+from asyncrl.inference.engine.scoring import score, score_token_cap
 from asyncrl.inference.engine.sequence import Sequence
 from asyncrl.inference.engine.weight_loading import copy_into, load_matching_weights
 
@@ -62,6 +66,16 @@ class _Request:
     def adapter(self) -> str | None:
         """Its LoRA adapter's name (None: the base model)."""
         return self.lora.name if self.lora else None
+
+    @property
+    def scoring(self) -> bool:
+        """Whether it asked for prompt logprobs."""
+        return self.params.prompt_logprobs is not None
+
+    @property
+    def key(self) -> tuple:
+        """Requests with the same key prefill once (and score once)."""
+        return (self.adapter, self.params.prompt_logprobs, *self.prompt_ids)
 
 
 @dataclass
@@ -193,6 +207,7 @@ class EmbeddedEngine(Backend):
         self.lora = LoraManager(self.model)
         self.max_batch_size = config.max_batch_size
         self.max_prefill_tokens = max(config.max_prefill_tokens, 1)
+        self.score_tokens = score_token_cap(self.vocab_size, self.max_prefill_tokens)
         self.kv_budget = self._kv_budget_bytes(config.kv_cache_gb, config.gpu_memory_utilization)
         self._bytes_per_token = self._estimate_bytes_per_token()
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -379,7 +394,7 @@ class EmbeddedEngine(Backend):
                 kv = self._kv_bytes(max(new_slots, self.cache.slots), new_reserve)
                 if new_slots > self.max_batch_size or kv > self.kv_budget:
                     break
-                key = (req.adapter, *req.prompt_ids)
+                key = req.key
                 new_tokens = 0 if key in seen else len(req.prompt_ids)  # repeated prompts prefill once
                 if admitted and tokens + new_tokens > self.max_prefill_tokens:
                     break
@@ -408,39 +423,46 @@ class EmbeddedEngine(Backend):
         # identical prompts (e.g. the samples of one RL group sent as separate requests) prefill once
         first_of: dict[tuple, int] = {}
         for j, req in enumerate(reqs):
-            first_of.setdefault((req.adapter, *req.prompt_ids), j)
+            first_of.setdefault(req.key, j)
         last_logits: dict[int, torch.Tensor] = {}
+        scored: dict[int, PromptLogprobs] = {}
         pending: list[tuple[int, int]] = []  # (request, prompt tokens its row already holds)
         for j in sorted(set(first_of.values())):
-            start = self._load_prefix(reqs[j], rows[j])
-            if len(reqs[j].prompt_ids) - start > self.max_prefill_tokens:
-                last_logits[j] = self._prefill_chunked(reqs[j], rows[j], start)
+            start = 0 if reqs[j].scoring else self._load_prefix(reqs[j], rows[j])
+            if len(reqs[j].prompt_ids) - start > self._prefill_cap(reqs[j]):
+                last_logits[j] = self._prefill_chunked(reqs[j], rows[j], start, scored, j)
             else:
                 pending.append((j, start))
         pending.sort(key=lambda js: len(reqs[js[0]].prompt_ids) - js[1])
-        batch: list[tuple[int, int]] = []
-        for j, start in pending:
-            width = len(reqs[j].prompt_ids) - start  # the longest so far: batches are padded to it
-            if batch and (len(batch) + 1) * width > self.max_prefill_tokens:
-                last_logits.update(self._prefill_batch(reqs, rows, batch))
-                batch = []
-            batch.append((j, start))
-        if batch:
-            last_logits.update(self._prefill_batch(reqs, rows, batch))
+        for scoring in (False, True):  # scoring rows keep every position's logits: batches of their own
+            batch: list[tuple[int, int]] = []
+            for j, start in (js for js in pending if reqs[js[0]].scoring == scoring):
+                width = len(reqs[j].prompt_ids) - start  # the longest so far: batches are padded to it
+                if batch and (len(batch) + 1) * width > self._prefill_cap(reqs[j]):
+                    last_logits.update(self._prefill_batch(reqs, rows, batch, scored))
+                    batch = []
+                batch.append((j, start))
+            if batch:
+                last_logits.update(self._prefill_batch(reqs, rows, batch, scored))
         new, expanded = [], []
         for j, req in enumerate(reqs):
-            src = first_of[(req.adapter, *req.prompt_ids)]
+            src = first_of[req.key]
             last_logits[j] = last_logits[src]
             for i in range(req.params.n):
                 if (src, i) != (j, 0):
                     self.cache.copy_row(rows[src], rows[j] + i, len(req.prompt_ids))
                 seq = Sequence(i, req.prompt_ids, req.params, self._engine_tokenizer, self.eos_ids)
+                seq.prompt_logprobs = scored.get(src)
                 seed = None if req.params.seed is None else req.params.seed + i * _SEED_STRIDE
                 req.seqs.append(seq)
                 new.append(_Active(seq, req, RowSampler(req.params, seed, self.device), self._weights_version))
                 expanded.append(last_logits[j])
         self._active.extend(new)
         self._sample_and_emit(torch.stack(expanded), first_row)
+
+    def _prefill_cap(self, req: _Request) -> int:
+        """Prompt tokens one forward takes for `req` (a scoring forward keeps all its logits: fewer)."""
+        return self.score_tokens if req.scoring else self.max_prefill_tokens
 
     def _load_prefix(self, req: _Request, row: int) -> int:
         """Copy the longest cached prefix of req's prompt into `row`; how many tokens that was (or 0)."""
@@ -451,9 +473,12 @@ class EmbeddedEngine(Backend):
         self.prefix.load(entry, start, self.cache, row)
         return start
 
-    def _prefill_batch(self, reqs: list[_Request], rows: list[int], batch: list[tuple[int, int]]) -> dict:
+    def _prefill_batch(
+        self, reqs: list[_Request], rows: list[int], batch: list[tuple[int, int]], scored: dict[int, PromptLogprobs]
+    ) -> dict:
         """One forward over the uncached rest of each (request j, start) in `batch`, left-padded to the
-        longest; {j: its last-position logits [V]}."""
+        longest; {j: its last-position logits [V]}. A batch of scoring requests (start 0) also puts each
+        one's prompt logprobs in `scored[j]`."""
         dev = self.device
         rests = [reqs[j].prompt_ids[start:] for j, start in batch]
         starts = [start for _, start in batch]
@@ -464,7 +489,8 @@ class EmbeddedEngine(Backend):
         names = [reqs[j].adapter for j, _ in batch]
         self.lora.set_rows([name for name in names for _ in range(width)], dev)
         positions = (torch.arange(width, device=dev)[None, :] - pad_t[:, None]).clamp(min=0)
-        kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        scoring = reqs[batch[0][0]].scoring
+        kwargs = {"logits_to_keep": 1} if self._logits_to_keep and not scoring else {}
         out = self.model(
             input_ids=torch.tensor([[0] * p + r for p, r in zip(pads, rests)], device=dev),
             position_ids=positions + torch.tensor(starts, device=dev)[:, None],
@@ -473,18 +499,26 @@ class EmbeddedEngine(Backend):
             use_cache=True,
             **kwargs,
         )
-        return {j: row_logits for (j, _), row_logits in zip(batch, out.logits[:, -1])}
+        if not scoring:
+            return {j: row_logits for (j, _), row_logits in zip(batch, out.logits[:, -1])}
+        for b, ((j, _), pad, rest) in enumerate(zip(batch, pads, rests)):
+            scored[j] = score(out.logits[b, pad : width - 1], rest[1:], reqs[j].params.prompt_logprobs)
+        return {j: row_logits.clone() for (j, _), row_logits in zip(batch, out.logits[:, -1])}  # free the rest
 
-    def _prefill_chunked(self, req: _Request, row: int, cached: int = 0) -> torch.Tensor:
+    def _prefill_chunked(
+        self, req: _Request, row: int, cached: int, scored: dict[int, PromptLogprobs], j: int = -1
+    ) -> torch.Tensor:
         """The prompt from position `cached` on (0, or a reused prefix's length), chunk by chunk over
-        what row `row` already holds; its last-position logits [V]."""
-        dev, chunk, prompt = self.device, self.max_prefill_tokens, req.prompt_ids
-        name = req.adapter
+        what row `row` already holds; its last-position logits [V]. A scoring request (cached 0) also
+        gets its prompt logprobs in `scored[j]`, chunk by chunk."""
+        dev, chunk, prompt = self.device, self._prefill_cap(req), req.prompt_ids
+        name, k = req.adapter, req.params.prompt_logprobs
+        total = PromptLogprobs([], [], [] if k else None)
         for start in range(cached, len(prompt), chunk):
             piece = prompt[start : start + chunk]
             self.lora.set_rows([name] * len(piece), dev)
             self.cache.set_extend(row, start, len(piece))
-            kwargs = {"logits_to_keep": 1} if self._logits_to_keep else {}
+            kwargs = {"logits_to_keep": 1} if self._logits_to_keep and not req.scoring else {}
             out = self.model(
                 input_ids=torch.tensor([piece], device=dev),
                 position_ids=torch.arange(start, start + len(piece), device=dev)[None],
@@ -493,6 +527,12 @@ class EmbeddedEngine(Backend):
                 use_cache=True,
                 **kwargs,
             )
+            if req.scoring:  # row t predicts prompt[start + t + 1]; the prompt's last position predicts none
+                targets = prompt[start + 1 : start + len(piece) + 1]
+                total.extend(score(out.logits[0, : len(targets)], targets, k))
+        if req.scoring:
+            scored[j] = total
+            return out.logits[0, -1].clone()
         return out.logits[0, -1]
 
     def _decode(self) -> None:
@@ -522,8 +562,8 @@ class EmbeddedEngine(Backend):
             top = result.top[k] if result.top is not None else None
             if a.seq.append(result.tokens[k], result.logprobs[k], top, self.max_model_len):
                 finished.append(first_row + k)
-                if a.weights_version == self._weights_version:  # its last token was never fed back: not cached
-                    tokens = (a.req.prompt_ids + a.seq.output_ids)[:-1]
+                if a.weights_version == self._weights_version and not a.req.scoring:
+                    tokens = (a.req.prompt_ids + a.seq.output_ids)[:-1]  # its last token was never fed back
                     self.prefix.store(a.req.adapter, tokens, self.cache, first_row + k)
         self._deliver(group)
         self._remove_rows(finished)

@@ -5,7 +5,7 @@ Lives on the engine thread; every method is plain Python (no torch).
 
 from __future__ import annotations
 
-from asyncrl.inference.api.backend import SamplingParams, SeqDelta
+from asyncrl.inference.api.backend import PromptLogprobs, SamplingParams, SeqDelta
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded with the output so leading-space rules apply correctly
 
@@ -33,6 +33,7 @@ class Sequence:
         self._new_ids: list[int] = []
         self._new_logprobs: list[float] = []
         self._new_top: list[list[tuple[int, float]]] = []
+        self.prompt_logprobs: PromptLogprobs | None = None  # set at prefill when asked; goes out with the first delta
 
     @property
     def length(self) -> int:
@@ -120,7 +121,9 @@ class Sequence:
             text=self.text[self._emitted : upto],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            prompt_logprobs=self.prompt_logprobs,
         )
+        self.prompt_logprobs = None
         self._emitted = upto
         self._new_ids, self._new_logprobs, self._new_top = [], [], []
         return delta

@@ -1,0 +1,303 @@
+"""On-policy distillation in the orchestrator: config, the per-token advantage arithmetic, the teacher client
+against a real teacher (teacher_server.py: a tiny HF model answering vLLM's prompt_logprobs shape) and its error
+paths, scoring in parallel with rollouts, metrics, and resume re-checking the teacher."""
+
+import asyncio
+import json
+import time
+
+import pytest
+import torch
+from orch_fakes import FakeRunner, FakeServer, fake_mixture
+from teacher_server import TeacherServer
+
+from asyncrl.config.base import CkptConfig
+from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig, OrchestratorConfig, TeacherConfig
+from asyncrl.core.errors import UserError
+from asyncrl.orchestrator import teacher as teacher_mod
+from asyncrl.orchestrator.advantage import token_advantages
+from asyncrl.orchestrator.loop import Orchestrator
+from asyncrl.orchestrator.packing import PackItem, pack
+from asyncrl.orchestrator.rollouts import GroupCollector
+from asyncrl.orchestrator.samples import TokenSample, TrajectoryConverter
+from asyncrl.orchestrator.teacher import PROBE, TeacherClient
+from asyncrl.transport.batch import read_batch
+from asyncrl.transport.layout import RunLayout
+from asyncrl.transport.prefix import expand
+
+
+class StudentServer(FakeServer):
+    """The fake student server, with a /tokenize answered by the tiny model's tokenizer."""
+
+    def __init__(self, tok, **kw):
+        super().__init__(**kw)
+        self.tok = tok
+
+    async def tokenize(self, model, text):
+        return {"tokens": self.tok.encode(text, add_special_tokens=True)}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def quick_retries(monkeypatch):
+    monkeypatch.setattr(teacher_mod, "BACKOFF_S", 0.01)
+
+
+def _config(tmp_path, teacher_url=None, **kw):
+    kw.setdefault("num_train_workers", 1)
+    if teacher_url is not None:
+        kw["teacher"] = {"base_url": teacher_url, **kw.pop("teacher", {})}
+    return OrchestratorConfig(batch_size=8, rollouts_per_example=4, seq_len=64, output_dir=tmp_path, **kw)
+
+
+def _records(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
+
+
+def _teacher(config: OrchestratorConfig) -> TeacherClient:
+    return TeacherClient(config.teacher, config.seq_len)
+
+
+# ---- config ---------------------------------------------------------------------------------------------------
+def test_config_weights_and_errors():
+    plain = OrchestratorConfig()
+    assert (plain.teacher, plain.reward_weight, plain.distill_weight) == (None, 1.0, 0.0)
+    distilled = OrchestratorConfig(teacher={"port": 8001})
+    assert (distilled.reward_weight, distilled.distill_weight, distilled.teacher.model) == (0.0, 1.0, None)
+    mixed = OrchestratorConfig(teacher={"port": 8001}, reward={"weight": 0.5}, distill={"weight": 2.0})
+    assert (mixed.reward_weight, mixed.distill_weight) == (0.5, 2.0)
+    with pytest.raises(ValueError, match=r"nothing to learn from"):
+        OrchestratorConfig(reward={"weight": 0})
+    with pytest.raises(ValueError, match=r"nothing to learn from"):
+        OrchestratorConfig(teacher={"port": 8001}, distill={"weight": 0})
+    with pytest.raises(ValueError, match=r"distill.weight = 0.5 .*\[orchestrator.teacher\]"):
+        OrchestratorConfig(distill={"weight": 0.5})
+    with pytest.raises(ValueError, match=r"student's own server"):
+        OrchestratorConfig(teacher={})
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        OrchestratorConfig(teacher={"port": 8001}, reward={"weight": -1})
+    # a config dumped and read back (rl hands the orchestrator its config so) stays valid
+    assert OrchestratorConfig.model_validate(plain.model_dump(mode="json")).reward_weight == 1.0
+
+
+def test_config_errors_on_the_command_line_are_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "asyncrl.entrypoints.orchestrator", "--distill.weight", "0.3"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "[orchestrator.teacher]" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+# ---- advantages -----------------------------------------------------------------------------------------------
+def test_token_advantages_pure_mixed_and_masked():
+    mask = [False, False, True, True, False, True]
+    sampler = [0.0, 0.0, -1.0, -2.0, 0.0, -0.5]
+    teacher = [0.0, -3.0, -0.5, -2.5, -9.0, -0.25]
+    pure = token_advantages(mask, sampler, teacher, reward_advantage=0.7, distill_weight=1.0, reward_weight=0.0)
+    assert pure == [0.0, 0.0, 0.5, -0.5, 0.0, 0.25]  # teacher - sampler on loss tokens only
+    mixed = token_advantages(mask, sampler, teacher, reward_advantage=0.5, distill_weight=2.0, reward_weight=0.5)
+    assert mixed == [0.0, 0.0, 1.25, -0.75, 0.0, 0.75]
+    short = token_advantages(mask, sampler, teacher[:4], reward_advantage=0.5, distill_weight=1.0, reward_weight=1.0)
+    assert short == [0.0, 0.0, 1.0, 0.0, 0.0, 0.5]  # unscored tail: the reward term alone
+
+
+def test_per_token_advantages_survive_truncation_and_shared_prefixes():
+    a = TokenSample([1, 2, 3, 4, 5], [False, False, True, True, True], [0, 0, -1.0, -1.0, -1.0])
+    b = TokenSample([1, 2, 3, 7, 8], [False, False, True, True, True], [0, 0, -1.0, -1.0, -1.0])
+    items = [
+        PackItem(a, 0.0, 1.0, group=0, token_advantages=[0, 0, 0.1, 0.2, 0.3]),
+        PackItem(b, 0.0, 1.0, group=0, token_advantages=[0, 0, 0.4, 0.5, 0.6]),
+    ]
+    rows, stats = pack(items, seq_len=16, share=True)
+    assert stats.num_tokens < stats.num_tokens_unshared  # the prompt [1, 2] is packed once
+    adv = expand(rows[0][0])["advantages"].tolist()
+    assert adv == pytest.approx([0, 0, 0.1, 0.2, 0.3, 0, 0, 0.4, 0.5, 0.6])
+    cut, _ = pack(items[:1], seq_len=4)
+    assert cut[0][0]["advantages"].tolist() == pytest.approx([0, 0, 0.1, 0.2])
+
+
+def test_without_a_teacher_batches_are_exactly_todays(tmp_path):
+    """No teacher: the packed rows equal the reward-advantage packing (per-sample scalar on every token)."""
+    for reward in ({}, {"reward": {"weight": 1.0}}):
+        orch = Orchestrator(_config(tmp_path, **reward), fake_mixture(), FakeRunner(), FakeServer())
+        got = asyncio.run(orch.collector.collect(0, 0, 1, orch.problems, orch.in_flight, orch.args))
+        orch._trainer_ranks = 1
+        new, _ = orch._pack(orch._items(got))
+        valid = [(i, r) for i, g in enumerate(got.groups) for r in g.valid]
+        old_items = [PackItem(s, r.advantage, 1.0, group=i) for i, r in valid for s in r.samples]
+        old, _ = pack(old_items, 64, 1, share=True)
+        assert got.teacher is None and len(new[0]) == len(old[0])
+        for x, y in zip(new[0], old[0]):
+            assert x.keys() == y.keys()
+            assert all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x)
+    half = Orchestrator(_config(tmp_path, reward={"weight": 0.5}), fake_mixture(), FakeRunner(), FakeServer())
+    got = asyncio.run(half.collector.collect(0, 0, 1, half.problems, half.in_flight, half.args))
+    assert [it.advantage for it in half._items(got)] == [0.5 * r.advantage for g in got.groups for r in g.valid]
+
+
+# ---- the teacher client ---------------------------------------------------------------------------------------
+def test_connect_discovers_the_model_and_scores_like_the_model(tiny_model_dir, tok):
+    with TeacherServer(tiny_model_dir, name="the-teacher", max_model_len=8) as srv:
+        client = TeacherClient(TeacherConfig(base_url=srv.base_url), seq_len=64)
+
+        async def go():
+            try:
+                await client.connect(tok.encode(PROBE, add_special_tokens=True), "student")
+                sample = TokenSample([5, 6, 7, 8, 9, 10, 11, 12, 13], [False] * 3 + [True] * 6, [-1.0] * 9)
+                return await client.score(sample)
+            finally:
+                await client.close()
+
+        lps = asyncio.run(go())
+        assert client.model == "the-teacher" and client.max_model_len == 8
+        assert srv.requests[0][1] == [5, 6, 7, 8, 9, 10, 11]  # context 8, less the generated token
+        assert lps == pytest.approx(srv.logprobs([5, 6, 7, 8, 9, 10, 11]), abs=1e-5)
+        assert client.unscored_tokens == 2
+
+
+def test_another_tokenizer_is_refused_in_one_line_naming_both_models(tiny_model_dir, tok):
+    with TeacherServer(tiny_model_dir, name="big-teacher", vocab_shift=1) as srv:
+        client = TeacherClient(TeacherConfig(base_url=srv.base_url), seq_len=64)
+        with pytest.raises(UserError) as e:
+            asyncio.run(client.connect(tok.encode(PROBE, add_special_tokens=True), "small-student"))
+        message = str(e.value)
+        assert "'big-teacher'" in message and "'small-student'" in message and "another tokenizer" in message
+        assert "\n" not in message
+
+
+def test_teacher_down_at_start_names_the_url():
+    client = TeacherClient(TeacherConfig(port=9, health_timeout=0.3), seq_len=64)  # nothing listens on port 9
+    with pytest.raises(UserError, match=r"teacher server at http://localhost:9 not reachable"):
+        asyncio.run(client.connect([1], "student"))
+
+
+@pytest.mark.parametrize("held", [None, "wrong"])
+def test_a_refused_api_key_names_the_variable(tiny_model_dir, tok, monkeypatch, held):
+    if held is None:
+        monkeypatch.delenv("TEACHER_KEY", raising=False)
+    else:
+        monkeypatch.setenv("TEACHER_KEY", held)
+    with TeacherServer(tiny_model_dir, api_key="sekrit") as srv:
+        client = TeacherClient(TeacherConfig(base_url=srv.base_url, api_key_var="TEACHER_KEY"), seq_len=64)
+        with pytest.raises(UserError, match=r"refused the API key \(401\): \$TEACHER_KEY") as e:
+            asyncio.run(client.connect(tok.encode(PROBE), "student"))
+        assert "\n" not in str(e.value)
+        monkeypatch.setenv("TEACHER_KEY", "sekrit")
+        ok = TeacherClient(TeacherConfig(base_url=srv.base_url, api_key_var="TEACHER_KEY"), seq_len=64)
+        asyncio.run(ok.connect(tok.encode(PROBE, add_special_tokens=True), "student"))
+
+
+def test_a_4xx_fails_loudly_with_the_servers_message(tiny_model_dir, tok, quick_retries):
+    with TeacherServer(tiny_model_dir, refuse=True) as srv:
+        client = TeacherClient(TeacherConfig(base_url=srv.base_url), seq_len=64)
+        sample = TokenSample([1, 2, 3], [False, True, True], [0.0, -1.0, -1.0])
+
+        async def go():
+            await client.connect(tok.encode(PROBE, add_special_tokens=True), "student")
+            await client.score(sample)
+
+        with pytest.raises(UserError, match=r"refused POST /v1/completions \(400\): This model's maximum context"):
+            asyncio.run(go())
+        assert len(srv.requests) == 1  # not retried
+
+
+# ---- the orchestrator with a teacher --------------------------------------------------------------------------
+def test_distillation_steps_write_teacher_advantages_and_metrics(tmp_path, tiny_model_dir, tok):
+    """Every group has equal rewards and difficulty filtering is on: distillation still trains on all of them."""
+    with TeacherServer(tiny_model_dir) as srv:
+        cfg = _config(
+            tmp_path,
+            srv.base_url,
+            max_steps=2,
+            max_async_level=2,
+            buffer={"online_difficulty_filtering": True},
+        )
+        runner = FakeRunner(reward_fn=lambda *a: 1.0, turns=2)  # all solved: filtered without a teacher
+        orch = Orchestrator(cfg, fake_mixture(), runner, StudentServer(tok), teacher=_teacher(cfg))
+        asyncio.run(orch.run())
+    records = _records(tmp_path)
+    assert [r["groups/filtered"] for r in records] == [0.0, 0.0] and all(r["batch/samples"] == 8 for r in records)
+    kls, lps, checked = [], [], 0
+    for step in range(2):
+        for mb in read_batch(RunLayout(tmp_path), step, 0):
+            mb = expand(mb)
+            starts = (mb["position_ids"] == 0).nonzero().flatten().tolist() + [len(mb["input_ids"])]
+            for a, b in zip(starts, starts[1:]):
+                ids, mask = mb["input_ids"][a:b].tolist(), mb["loss_mask"][a:b]
+                adv, sampler = mb["advantages"][a:b], mb["inference_logprobs"][a:b]
+                if not mask.any():
+                    continue
+                teacher = torch.tensor(srv.logprobs(ids))
+                assert torch.allclose(adv[mask], (teacher - sampler)[mask], atol=1e-5)  # reward weight 0
+                assert (adv[~mask] == 0).all()
+                kls += (sampler - teacher)[mask].tolist()
+                lps += teacher[mask].tolist()
+                checked += 1
+        assert abs(records[step]["distill/teacher_kl"]) > 0 and records[step]["time/teacher_s"] >= 0
+    assert checked == 16 and records[0]["batch/effective_rollouts"] == 8
+    both = [(r["distill/teacher_kl"], r["distill/teacher_lp"]) for r in records]
+    assert sum(k for k, _ in both) / 2 == pytest.approx(sum(kls) / len(kls), rel=1e-4)
+    assert sum(lp for _, lp in both) / 2 == pytest.approx(sum(lps) / len(lps), rel=1e-4)
+
+
+def test_groups_are_scored_while_others_still_generate(tiny_model_dir):
+    """Scoring starts as each group finishes, not after the step's last rollout."""
+    finished: list[float] = []
+    started: list[float] = []
+    runner = FakeRunner(delay=0.15, seed=1)
+
+    async def run_group(slot, inputs, args):
+        out = await runner(slot, inputs, args)
+        finished.append(time.monotonic())
+        return out
+
+    async def scorer(group):
+        started.append(time.monotonic())
+        await asyncio.sleep(0.05)
+        return [[0.0] * len(s) for r in group.valid for s in r.samples]
+
+    collector = GroupCollector(
+        fake_mixture(), run_group, TrajectoryConverter(), 4, BufferConfig(), AdvantageConfig(), 8, scorer=scorer
+    )
+    got = asyncio.run(collector.collect(0, 0, 1, problems=4, in_flight=4, args={}))
+    assert len(got.teacher) == 4 and len(started) == 4
+    assert min(started) < max(finished)  # the first group's scoring overlapped the others' generation
+    assert got.teacher_seconds < 0.15  # the step waited only for the last group's scoring
+
+
+def test_teacher_dying_mid_run_is_one_clear_error(tmp_path, tiny_model_dir, tok, quick_retries):
+    with TeacherServer(tiny_model_dir, die_after=10) as srv:
+        cfg = _config(tmp_path, srv.base_url, max_steps=4, max_async_level=2)
+        orch = Orchestrator(cfg, fake_mixture(), FakeRunner(), StudentServer(tok), teacher=_teacher(cfg))
+        with pytest.raises(UserError) as e:
+            asyncio.run(orch.run())
+    message = str(e.value)
+    assert f"teacher server at {srv.url} stopped answering POST /v1/completions" in message
+    assert "HTTP 503: engine is not running" in message and "\n" not in message
+    assert len(_records(tmp_path)) == 1  # step 0's 8 samples were scored; step 1 was not written
+
+
+def test_a_resumed_orchestrator_checks_the_teacher_again(tmp_path, tiny_model_dir, tok):
+    with TeacherServer(tiny_model_dir) as srv:
+        cfg = _config(tmp_path, srv.base_url, max_steps=2, max_async_level=2, ckpt=CkptConfig(interval=1))
+        asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), StudentServer(tok), teacher=_teacher(cfg)).run())
+    with TeacherServer(tiny_model_dir, vocab_shift=3) as other:  # the teacher changed between the runs
+        resume = CkptConfig(interval=1, resume_step=2)
+        cfg2 = _config(tmp_path, other.base_url, max_steps=3, max_async_level=2, ckpt=resume)
+        orch = Orchestrator(cfg2, fake_mixture(), FakeRunner(), StudentServer(tok), teacher=_teacher(cfg2))
+        with pytest.raises(UserError, match="another tokenizer"):
+            asyncio.run(orch.run())
+        assert other.requests == []  # refused before any scoring
