@@ -242,14 +242,15 @@ def _explicit(raw: dict, top: tuple[str, ...], where: dict[str, tuple[str, ...] 
     return [(name, value) for name, value in found if value is not None]
 
 
-def _agreed(field: str, values: list[tuple[str, Any]], where: dict, origin: str) -> Any:
+def _agreed(
+    field: str, values: list[tuple[str, Any]], where: dict, origin: str, hint: str = "set it once (at the top level)"
+) -> Any:
     """The one value all `values` agree on; UserError naming two that do not."""
     (first, value), key = values[0], (lambda n: field if n == "top level" else f"{n}.{'.'.join(where[n])}")
     for name, other in values[1:]:
         if not _same(other, value):
             raise UserError(
-                f"contradicting {field}: {key(first)} = {value!r} but {key(name)} = {other!r} ({origin}); "
-                "set it once (at the top level)"
+                f"contradicting {field}: {key(first)} = {value!r} but {key(name)} = {other!r} ({origin}); {hint}"
             )
     return value
 
@@ -281,14 +282,9 @@ def _run_checkpoints(raw: dict, cli: dict) -> None:
 
 def _agreed_ckpt(key: str, values: list[tuple[str, Any]], origin: str) -> Any:
     """The one value of `ckpt.<key>` all places agree on; UserError naming two that do not."""
-    (first, value), where = values[0], (lambda n: f"ckpt.{key}" if n == "top level" else f"{n}.ckpt.{key}")
-    for name, other in values[1:]:
-        if not _same(other, value):
-            raise UserError(
-                f"contradicting ckpt.{key}: {where(first)} = {value!r} but {where(name)} = {other!r} ({origin}); "
-                "the run's processes checkpoint together: set it once (at the top level, [ckpt])"
-            )
-    return value
+    where = {name: ("ckpt", key) for name in CKPT_PLACES}
+    hint = "the run's processes checkpoint together: set it once (at the top level, [ckpt])"
+    return _agreed(f"ckpt.{key}", values, where, origin, hint)
 
 
 def _fold_async_levels(raw: dict) -> dict:
