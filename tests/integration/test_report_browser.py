@@ -68,6 +68,8 @@ def make_run(run: Path) -> Path:
                 "time/wait_weights": 1.2 if s else 0.0,
                 "time/update_weights": 0.6,
                 "time/pack_write": 0.3,
+                "time/teacher_s": 0.4,
+                "distill/teacher_kl": 0.12 * (1 - 0.5 * s / STEPS),  # a run with a teacher: its plot too
                 "perf/gen_tokens_per_s": 2400.0 + 30 * s,
                 "completion_len/mean": 180.0 - 2 * s,
                 "completion_len/max": 512.0,
