@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 from loguru import logger
 
-from asyncrl.config.orchestrator import ClientConfig
+from asyncrl.config.orchestrator import ClientConfig, EndpointConfig
 from asyncrl.core.errors import UserError
 
 
@@ -32,43 +32,64 @@ def start_hint(url: str) -> str:
     )
 
 
+def root_client(config: EndpointConfig) -> httpx.AsyncClient:
+    """An HTTP client at the server's root (admin routes; the OpenAI API under /v1), sending the key held by
+    `config.api_key_var` as a Bearer token when that variable is set."""
+    api_key = os.environ.get(config.api_key_var)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(base_url=server_root(config.url), headers=headers, timeout=config.timeout)
+
+
+async def is_healthy(http: httpx.AsyncClient) -> bool:
+    try:
+        response = await http.get("/health", timeout=5.0)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
+
+
+async def wait_healthy(http: httpx.AsyncClient, what: str, root: str, timeout: float, hint: str, poll: float) -> None:
+    """Block until `what` (e.g. "inference server") answers 200 at /health; after `timeout` seconds a UserError
+    naming its root URL, then `hint`."""
+    start, logged = time.monotonic(), False
+    while not await is_healthy(http):
+        waited = time.monotonic() - start
+        if waited > timeout:
+            raise UserError(f"{what} at {root} not reachable after {timeout:.0f}s; {hint}")
+        if not logged and waited > 2.0:
+            logger.info(f"waiting for the {what} at {root} ...")
+            logged = True
+        await asyncio.sleep(poll)
+
+
+def key_refused(what: str, who: str, root: str, status: int, api_key_var: str, option: str) -> UserError:
+    """The one line for a server (`what`, called `who` after) that refused our API key (401/403): what
+    $api_key_var holds, and `option`, the setting that names another variable."""
+    held = "is empty" if not os.environ.get(api_key_var) else f"holds a key the {who} refuses"
+    return UserError(
+        f"{what} at {root} refused the API key ({status}): ${api_key_var} {held}; export the {who}'s --api-key "
+        f"there, or name another variable with {option}"
+    )
+
+
 class InferenceClient:
     """Async admin client for one inference server."""
 
     def __init__(self, config: ClientConfig):
         self.url = config.url
         self.root = server_root(config.url)
-        headers = {}
         self.api_key_var = config.api_key_var
-        api_key = os.environ.get(config.api_key_var)
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        self._http = httpx.AsyncClient(base_url=self.root, headers=headers, timeout=config.timeout)
+        self._http = root_client(config)
 
     async def close(self) -> None:
         await self._http.aclose()
 
     async def is_healthy(self) -> bool:
-        try:
-            response = await self._http.get("/health", timeout=5.0)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        return await is_healthy(self._http)
 
     async def wait_healthy(self, timeout: float = 600.0, poll: float = 0.1) -> None:
         """Block until `/health` answers 200; a UserError naming the URL after `timeout` seconds."""
-        start = time.monotonic()
-        logged = False
-        while not await self.is_healthy():
-            waited = time.monotonic() - start
-            if waited > timeout:
-                raise UserError(
-                    f"inference server at {self.root} not reachable after {timeout:.0f}s; {start_hint(self.url)}"
-                )
-            if not logged and waited > 2.0:
-                logger.info(f"waiting for the inference server at {self.root} ...")
-                logged = True
-            await asyncio.sleep(poll)
+        await wait_healthy(self._http, "inference server", self.root, timeout, start_hint(self.url), poll)
 
     async def check_key(self) -> None:
         """A UserError when the server refuses our API key (/health answers without one; `/v1/models` does not)."""
@@ -77,11 +98,8 @@ class InferenceClient:
         except httpx.HTTPError:
             return  # reachable a moment ago: the requests themselves will tell
         if response.status_code in (401, 403):
-            held = "is empty" if not os.environ.get(self.api_key_var) else "holds a key the server refuses"
-            raise UserError(
-                f"inference server at {self.root} refused the API key ({response.status_code}): ${self.api_key_var} "
-                f"{held}; export the server's --api-key there, or name another variable with --client.api-key-var"
-            )
+            status, var = response.status_code, self.api_key_var
+            raise key_refused("inference server", "server", self.root, status, var, "--client.api-key-var")
 
     async def tokenize(self, model: str, text: str) -> dict:
         """The server's /tokenize answer for `text` (its `tokens`, and whatever else it says)."""

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import time
 from typing import Any
 
 import httpx
@@ -29,7 +27,7 @@ from loguru import logger
 
 from asyncrl.config.orchestrator import TeacherConfig
 from asyncrl.core.errors import UserError
-from asyncrl.orchestrator.client import server_root
+from asyncrl.orchestrator.client import key_refused, root_client, server_root, wait_healthy
 from asyncrl.orchestrator.filtering import Group
 from asyncrl.orchestrator.rollouts import gather_all
 from asyncrl.orchestrator.samples import TokenSample
@@ -56,10 +54,7 @@ class TeacherClient:
         self.root = server_root(config.url)
         self.seq_len = seq_len
         self.api_key_var = config.api_key_var
-        headers = {}
-        if api_key := os.environ.get(config.api_key_var):
-            headers["Authorization"] = f"Bearer {api_key}"
-        self._http = httpx.AsyncClient(base_url=self.root, headers=headers, timeout=config.timeout)
+        self._http = root_client(config)
         self._slots = asyncio.Semaphore(config.max_concurrent) if config.max_concurrent else None
         self.model: str | None = config.model
         self.max_model_len: int | None = None
@@ -101,23 +96,9 @@ class TeacherClient:
         )
 
     async def wait_healthy(self, poll: float = 0.2) -> None:
-        start, logged = time.monotonic(), False
-        while True:
-            try:
-                if (await self._http.get("/health", timeout=5.0)).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            waited = time.monotonic() - start
-            if waited > self.config.health_timeout:
-                raise UserError(
-                    f"teacher server at {self.root} not reachable after {self.config.health_timeout:.0f}s; "
-                    f"{teacher_hint(self.url)}"
-                )
-            if not logged and waited > 2.0:
-                logger.info(f"waiting for the teacher server at {self.root} ...")
-                logged = True
-            await asyncio.sleep(poll)
+        await wait_healthy(
+            self._http, "teacher server", self.root, self.config.health_timeout, teacher_hint(self.url), poll
+        )
 
     # ---- scoring ----------------------------------------------------------------------------------------------
     def scored_length(self, sample: TokenSample) -> int:
@@ -201,12 +182,8 @@ class TeacherClient:
                 last = f"HTTP {response.status_code}: {_message(response)}"
                 continue
             if response.status_code in (401, 403):
-                held = "is empty" if not os.environ.get(self.api_key_var) else "holds a key the teacher refuses"
-                raise UserError(
-                    f"teacher server at {self.root} refused the API key ({response.status_code}): "
-                    f"${self.api_key_var} {held}; export the teacher's --api-key there, or name another variable "
-                    "with orchestrator.teacher.api_key_var"
-                )
+                option, status = "orchestrator.teacher.api_key_var", response.status_code
+                raise key_refused("teacher server", "teacher", self.root, status, self.api_key_var, option)
             if response.status_code != 200:
                 raise UserError(
                     f"teacher server at {self.root} refused {method} {path} ({response.status_code}): "
