@@ -67,9 +67,9 @@ class EmbeddedServer:
         stop_group(self.proc, 30)
 
 
-def start(backend: str, model_dir: Path, log_dir: Path, max_batch_size: int, num_threads: int | None):
+def start(backend: str, model_dir: Path, log_dir: Path, max_batch_size: int, num_threads: int | None, dtype: str):
     if backend == "embedded":
-        return EmbeddedServer(model_dir, log_dir, max_batch_size, num_threads)
+        return EmbeddedServer(model_dir, log_dir, max_batch_size, num_threads, ("--model.dtype", dtype))
     if backend == "vllm":
         from asyncrl.inference.vllm.launch import start_vllm_server
 
@@ -186,6 +186,9 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--model-dir", type=Path, default=None, help="serve this model instead of building one")
     ap.add_argument("--num-threads", type=int, default=None, help="embedded engine (and HF reference): torch threads")
+    ap.add_argument(
+        "--dtype", default="auto", help="embedded engine's --model.dtype (auto: float16 on CUDA, float32 on CPU)"
+    )
     ap.add_argument("--no-hf-reference", action="store_true", help="skip the HF generate rows")
     args = ap.parse_args()
 
@@ -206,7 +209,7 @@ def main() -> None:
 
     samples: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (backend, c) -> [(tok/s, median latency)]
     for backend in args.backends.split(","):
-        server = start(backend, model_dir, tmp, max(levels), args.num_threads)
+        server = start(backend, model_dir, tmp, max(levels), args.num_threads, args.dtype)
         try:
             for rep in range(args.repeats):
                 for c in levels:

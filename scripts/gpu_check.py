@@ -5,9 +5,10 @@ shared-prefix training on the CUDA attention kernels (the unit test's equal logp
 the expanded rows); the embedded engine on CUDA, its logprobs against the trainer's recomputation and
 its throughput at 64/128/256 concurrent requests; `trainer --bench` at Qwen3-0.6B's shape (random
 init, built here) and 16k tokens, with MFU; a single-GPU `rl` run (engine and trainer sharing GPU 0)
-whose reward rises; two `[[runs]]` LoRA runs on one trainer. vLLM rows say why they did not run.
+whose reward rises; two `[[runs]]` LoRA runs on one trainer; `rl` with a `[teacher]` server on the same GPU
+(on-policy distillation: the teacher's prompt logprobs on CUDA). vLLM rows say why they did not run.
 
-The rows keep to `--budget` seconds in all (default 450): each has its own time limit, cut to what is
+The rows keep to `--budget` seconds in all (default 480): each has its own time limit, cut to what is
 left, and once under 30 s are left the rest are reported "not run" rather than started. The table is printed and
 written to `$OUT/gpu_check.md` (or `--out`), the failing rows' log tails to `gpu_check.log` beside it.
 Without CUDA (or with `--dry`) it walks every row: prints its commands, checks each asyncrl command
@@ -91,9 +92,10 @@ def tests_pass(_: Path, outputs: list[str]) -> str:
 
 
 def throughput(_: Path, outputs: list[str]) -> str:
-    rows = re.findall(r"^\| embedded \| (\d+) \| (\d+) \|", outputs[-1], re.M)
-    assert rows, "no throughput table in the output"
-    return ", ".join(f"c={c}: {tps} tok/s" for c, tps in rows)
+    auto, fp32 = (re.findall(r"^\| embedded \| (\d+) \| (\d+) \|", out, re.M) for out in outputs)
+    assert auto and fp32, "no throughput table in the output"
+    said = ", ".join(f"c={c}: {int(tps):,} tok/s" for c, tps in auto)
+    return f"dtype auto (float16): {said}; float32: c={fp32[0][0]}: {int(fp32[0][1]):,} tok/s"
 
 
 def logprobs_match(_: Path, outputs: list[str]) -> str:
@@ -126,6 +128,15 @@ def runs_train(work: Path, _: list[str]) -> str:
         assert kl < 0.05, f"run {name}: median mismatch KL {kl:.3g} (is the engine serving the run's adapter?)"
         said.append(f"{name} {len(rows)} steps, mismatch KL {kl:.1e}")
     return "; ".join(said)
+
+
+def teacher_scores(work: Path, _: list[str]) -> str:
+    rows = [json.loads(x) for x in (work / "distill" / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
+    kl = [r["distill/teacher_kl"] for r in rows if r.get("kind", "train") == "train" and "distill/teacher_kl" in r]
+    assert kl, "no step has a distill/teacher_kl (did the teacher score any sample?)"
+    assert all(0 <= k < 1e3 for k in kl), f"teacher KL out of range: {kl}"
+    early, late = sum(kl[:3]) / len(kl[:3]), sum(kl[-3:]) / len(kl[-3:])
+    return f"{len(kl)} steps scored by the teacher on GPU 0, teacher-student KL {early:.3f} -> {late:.3f}"
 
 
 IMPORTS = """
@@ -184,6 +195,9 @@ def serve(model: Path, out: Path) -> list[str]:
             "--model.dtype", "float32", "--output-dir", str(out)]  # fmt: skip
 
 
+# the embedded engine's completion tokens/s under many concurrent clients (one repeat, 64 tokens each)
+THROUGHPUT = [PY, "benchmarks/inference.py", "--no-hf-reference", "--repeats", "1", "--max-tokens", "64",
+              "--hidden-size", "256"]  # fmt: skip
 QWEN3_06B = ("hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072, "
              "vocab_size=151936, max_position_embeddings=40960")  # fmt: skip
 
@@ -208,22 +222,11 @@ CHECKS = [
     Check(
         "engine_cuda_throughput",
         lambda w: [
-            [
-                PY,
-                "benchmarks/inference.py",
-                "--no-hf-reference",
-                "--repeats",
-                "1",
-                "--max-tokens",
-                "64",
-                "--hidden-size",
-                "256",
-                "--concurrency",
-                "64,128,256",
-            ]
+            [*THROUGHPUT, "--concurrency", "64,128,256"],
+            [*THROUGHPUT, "--concurrency", "64", "--dtype", "float32"],
         ],
         throughput,
-        90,
+        120,
         ["cuda"],
     ),  # fmt: skip
     Check(
@@ -289,17 +292,48 @@ CHECKS = [
                 "@",
                 "examples/multi_run/rl.toml",
                 "--model.name",
-                str(w / "sft" / "weights" / "step_150"),
+                str(w / "tiny"),
                 "--output-dir",
                 str(w / "multi"),
                 "--max-steps",
-                "20",
+                "10",
                 *ONE_GPU,
             ],
         ],
         runs_train,
-        120,
-        ["rl_single_gpu_shared_prefix"],
+        150,
+        ["cuda"],
+    ),  # fmt: skip
+    Check(
+        "rl_distill_teacher",
+        lambda w: [
+            [
+                PY,
+                "-c",
+                f"from asyncrl.utils.tiny_model import build_tiny_model; build_tiny_model('{w / 'teacher'}', seed=1)",
+            ],
+            [
+                PY,
+                "-m",
+                ENTRY + "rl",
+                "@",
+                "examples/distill/rl.toml",
+                "--model.name",
+                str(w / "tiny"),
+                "--teacher.model.name",
+                str(w / "teacher"),
+                "--teacher.gpu-memory-utilization",
+                "0.2",
+                "--output-dir",
+                str(w / "distill"),
+                "--max-steps",
+                "10",
+                *ONE_GPU,
+            ],
+        ],
+        teacher_scores,
+        150,
+        ["cuda"],
     ),  # fmt: skip
     Check("vllm_update_weights", lambda w: [], last_line, skip=NO_VLLM),
     Check("rl_multi_run_lora_vllm", lambda w: [], last_line, skip=NO_VLLM),
@@ -379,7 +413,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry", action="store_true", help="walk every row without running it (the default without CUDA)")
     ap.add_argument("--only", default="", help="comma-separated rows to run (a rerun of the ones that failed)")
-    ap.add_argument("--budget", type=float, default=450, help="seconds for all the rows together")
+    ap.add_argument("--budget", type=float, default=480, help="seconds for all the rows together")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     args = ap.parse_args()
     out = args.out.resolve() if args.out else None

@@ -487,3 +487,16 @@ def test_gpu_memory_utilization_caps_the_embedded_engine_on_a_gpu():
     assert kv_budget_on_gpu(free=60 * gib, total=80 * gib, utilization=0.5) == 20 * gib
     with pytest.raises(UserError, match=r"gpu_memory_utilization 0.2 leaves no room .* 20.0 of 80.0 GiB are in use"):
         kv_budget_on_gpu(free=60 * gib, total=80 * gib, utilization=0.2)
+
+
+def test_cuda_engine_takes_cudnn_out_of_attention(monkeypatch):
+    """cuDNN's SDPA builds a plan per new shape, and every decode step is one (the H100 acceptance run: 400 vs
+    6,089 tokens/s); the engine turns it off on CUDA and leaves the CPU's backends alone."""
+    import torch
+
+    from asyncrl.inference.engine.engine import no_cudnn_attention
+
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", calls.append)
+    assert not no_cudnn_attention(torch.device("cpu")) and calls == []
+    assert no_cudnn_attention(torch.device("cuda", 0)) and calls == [False]
