@@ -14,6 +14,7 @@ outlives it (one whose shutdown hangs or loses its SIGTERM is killed 3 s later).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -60,6 +61,9 @@ def serve(config: EnvServerConfig) -> None:
     if config.parent_pid is not None:
         watch_parent(config.parent_pid)
     logger.info(f"serving '{env.id}' with {config.workers} worker(s) on {config.address}")
+    if config.workers == 1:
+        serve_one(env_config, config, _SayAddress(env.id))
+        return
     serve_env(
         max_workers=config.workers,
         address=config.address,
@@ -67,6 +71,31 @@ def serve(config: EnvServerConfig) -> None:
         config=env_config,
         max_concurrent=config.max_concurrent,
     )
+
+
+def serve_one(env_config, config: EnvServerConfig, address_queue: _SayAddress) -> None:
+    """One in-process verifiers `EnvServer` (what `serve_env` runs for one worker) whose SIGTERM/SIGINT cancel its
+    serving task from the event loop. `serve_env` instead raises KeyboardInterrupt from a signal handler, at
+    whatever line is running: inside a finalizer (aiohttp's `ClientResponse.__del__`, when a Ctrl-C stops
+    episodes mid-request) Python prints and drops it, the handler has already ignored further SIGTERMs, and the
+    server never shuts down (seen ~1 run in 6 under load; the parent watch then killed it, uncleanly)."""
+    from verifiers.v1.serve.server import EnvServer
+
+    server = EnvServer(config=env_config, address=config.address, max_concurrent=config.max_concurrent)
+    address_queue.put(server.address)
+    asyncio.run(_until_signalled(server.run()))
+
+
+async def _until_signalled(serving) -> None:
+    """Run `serving` until it ends or SIGTERM/SIGINT cancels it (its own finally then closes the server)."""
+    task = asyncio.ensure_future(serving)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
 
 
 def watch_parent(pid: int) -> None:
