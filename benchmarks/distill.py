@@ -142,7 +142,7 @@ def run_one(recipe: str, seed: int, models: tuple[Path, Path], args: argparse.Na
     cmd += ["--trainer.seed", str(seed), "--orchestrator.seed", str(seed), "--inference.server.port", str(args.port)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     start = time.time()
-    run(cmd + RECIPES[recipe], d / "rl.log", env)
+    run(cmd + RECIPES[recipe] + args.rl_args.split(), d / "rl.log", env)
     wall = time.time() - start
     weights = sorted((d / "run" / "weights").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
     weights = [w for w in weights if int(w.name.split("_")[1]) % args.eval_every == 0]
@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
     ap.add_argument("--eval-every", type=int, default=10, help="held-out of the weights every N steps")
     ap.add_argument("--lr", type=float, default=1e-4, help="RL learning rate (the bench job's)")
+    ap.add_argument("--rl-args", default="", help="more rl flags for every run, e.g. '--trainer.scheduler.warmup-steps 10'")
     ap.add_argument("--student-step", type=int, default=250, help="the student: weights after this many SFT steps")
     ap.add_argument("--teacher-step", type=int, default=400, help="the teacher: weights after this many SFT steps")
     ap.add_argument("--sft-lr", type=float, default=5e-4)

@@ -1,8 +1,9 @@
 """On-policy distillation end to end: the `orchestrator` runs 2 steps against the shared `inference` server (the
 student, the tiny model) with a second embedded `inference` server as the teacher (another tiny model with the
 same tokenizer, behind an API key). Every loss token's advantage in the written batches must be the teacher's
-logprob of that token (a fresh transformers forward of the teacher) minus the sampler's; the metrics carry the
-teacher KL. Skipped while our server does not answer `prompt_logprobs` (probed once)."""
+logprob of that token (a fresh transformers forward of the teacher) minus the sampler's, plus the position's
+baseline (`distill.top_k` = 5: the reverse KL from both models' top 5, the student's scored by its own server);
+the metrics carry the teacher KL. Skipped while our server does not answer `prompt_logprobs` (probed once)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def test_two_distillation_steps_against_real_servers(shared_inference_process, t
     asyncio.run(orchestrate(config))
 
     model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
+    student = AutoModelForCausalLM.from_pretrained(shared_inference_process.model, dtype=torch.float32)
     records = [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     assert all(
@@ -88,10 +90,29 @@ def test_two_distillation_steps_against_real_servers(shared_inference_process, t
                 if not mask.any():
                     continue
                 samples += 1
-                with torch.no_grad():
-                    logits = model(input_ids=ids[None]).logits[0].float()
-                lp = torch.cat([torch.zeros(1), torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]])
-                want = (lp - mb["inference_logprobs"][a:b])[mask]
+                t_dist, s_dist = (log_dists(m, ids) for m in (model, student))
+                lp = torch.cat([torch.zeros(1), t_dist.gather(-1, ids[1:, None])[:, 0]])
+                kl = torch.tensor(
+                    [0.0] + [top_k_kl(s_dist[t], t_dist[t], int(ids[t + 1])) for t in range(len(ids) - 1)]
+                )
+                want = (lp - mb["inference_logprobs"][a:b] + kl)[mask]
                 max_err = max(max_err, (mb["advantages"][a:b][mask] - want).abs().max().item())
                 assert (mb["advantages"][a:b][~mask] == 0).all()
     assert samples == 8 and max_err < 1e-3
+
+
+def log_dists(model, ids: torch.Tensor) -> torch.Tensor:
+    """[len(ids) - 1, V]: row t is the model's log-distribution of the token at position t + 1."""
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].float(), -1)
+
+
+def top_k_kl(s_row: torch.Tensor, t_row: torch.Tensor, token: int, k: int = 5) -> float:
+    """The baseline at one position: over the student's top k and the token, s(x)(log s(x) - log t(x)), where a
+    token outside the teacher's top k and the token takes the teacher's lowest listed logprob."""
+    listed_s = set(s_row.topk(k).indices.tolist()) | {token}
+    listed_t = set(t_row.topk(k).indices.tolist()) | {token}
+    floor = min(t_row[x].item() for x in listed_t)
+    return sum(
+        s_row[x].exp().item() * (s_row[x].item() - (t_row[x].item() if x in listed_t else floor)) for x in listed_s
+    )

@@ -150,6 +150,20 @@ class DistillConfig(BaseConfig):
     weight: float = Field(
         1.0, ge=0, description="weight of the per-token distillation advantage teacher_lp - sampler_lp (with a teacher)"
     )
+    top_k: int = Field(
+        5,
+        ge=0,
+        le=20,
+        description="per-position baseline: the reverse KL at each position, estimated from the teacher's and the "
+        "student's top-k prompt logprobs (the student's from its own server: one more scoring request per sample), "
+        "is added to each token's advantage; unbiased, and far less noisy (0: off, the plain sampled-token signal)",
+    )
+    clip: float | None = Field(
+        None,
+        gt=0,
+        description="clamp each token's distillation term to [-clip, clip] (a sampled token the teacher all but "
+        "rules out gives a rare, huge push; None: no clamp)",
+    )
 
 
 class RewardConfig(BaseConfig):

@@ -12,7 +12,11 @@ w times its mean reward; a group that earns nothing is not pushed toward short w
 On-policy distillation (a teacher) makes advantages per token (`token_advantages`): on each loss token t
 A_t = distill_weight * (teacher_lp_t - sampler_lp_t) + reward_weight * A (A: the sample's advantage above),
 the reverse KL to the teacher on the sampled token; tokens that are not loss tokens get 0, and so do the
-distillation terms of loss tokens the teacher did not score (its list is shorter than the sample).
+distillation terms of loss tokens the teacher did not score (its list is shorter than the sample). With a
+baseline (`distill.top_k`), KL_t, the reverse KL at position t estimated from both models' top-k logprobs, is
+added to the distillation term: teacher_lp_t - sampler_lp_t + KL_t. KL_t depends on the tokens before t only,
+so the expected gradient is unchanged while the term's average over the sampled token is ~0. `distill.clip`
+clamps the distillation term (baseline included) to [-clip, clip].
 """
 
 from __future__ import annotations
@@ -76,11 +80,17 @@ def token_advantages(
     reward_advantage: float,
     distill_weight: float,
     reward_weight: float,
+    baseline: Sequence[float] | None = None,
+    clip: float | None = None,
 ) -> list[float]:
-    """A_t per token of one sample (see the module docstring)."""
+    """A_t per token of one sample (see the module docstring); `baseline[t]` (the estimated reverse KL at
+    position t) is added to the distillation term where given, and the term is clamped to [-clip, clip]."""
     base = reward_weight * reward_advantage
     scored = len(teacher_logprobs)
-    return [
-        (base + (distill_weight * (teacher_logprobs[t] - sampler_logprobs[t]) if t < scored else 0.0)) if m else 0.0
-        for t, m in enumerate(loss_mask)
-    ]
+    kl = baseline if baseline is not None else [0.0] * scored
+    bound = math.inf if clip is None else clip
+
+    def distill(t: int) -> float:
+        return distill_weight * max(-bound, min(bound, teacher_logprobs[t] - sampler_logprobs[t] + kl[t]))
+
+    return [(base + (distill(t) if t < scored else 0.0)) if m else 0.0 for t, m in enumerate(loss_mask)]

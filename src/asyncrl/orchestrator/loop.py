@@ -47,7 +47,7 @@ from asyncrl.orchestrator.metrics import (
 from asyncrl.orchestrator.packing import PackItem, PackStats, pack
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts
 from asyncrl.orchestrator.samples import TrajectoryConverter
-from asyncrl.orchestrator.teacher import PROBE, TeacherClient
+from asyncrl.orchestrator.teacher import PROBE, TeacherClient, with_student
 from asyncrl.transport.batch import MicroBatch, write_batch
 from asyncrl.transport.layout import ADAPTER, RunLayout, trainer_world_size
 from asyncrl.transport.weights import weights_problem
@@ -141,6 +141,8 @@ class Orchestrator:
         else:
             await self.server.update_weights(policy.path)
         self.loaded_policy = policy.step
+        if self.teacher is not None and self.teacher.student is not None:
+            self.teacher.student.model = self.served_model  # the baseline's scores name what the rollouts name
         logger.debug(f"server now serves policy {policy.step} ({policy.path or 'base model'})")
         return time.perf_counter() - start
 
@@ -199,7 +201,10 @@ class Orchestrator:
                     item = PackItem(s, r.advantage if rw == 1.0 else rw * r.advantage, temperature, group=i)
                     if scores is not None:
                         lps = next(scores)
-                        item.token_advantages = token_advantages(s.loss_mask, s.logprobs, lps, r.advantage, dw, rw)
+                        baseline = getattr(lps, "baseline", None)
+                        item.token_advantages = token_advantages(
+                            s.loss_mask, s.logprobs, lps, r.advantage, dw, rw, baseline, self.config.distill.clip
+                        )
                     items.append(item)
         return items
 
@@ -465,7 +470,9 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
     if config.eval is not None and not config.bench:
         eval_mixture = EnvMixture.load(config.eval.env or config.env, config.seq_len, config.seed, eval_split=True)
     server = InferenceClient(config.client)
-    teacher = TeacherClient(config.teacher, config.seq_len) if config.teacher is not None and not config.bench else None
+    teacher = None
+    if config.teacher is not None and not config.bench:
+        teacher = with_student(config.teacher, config.seq_len, config.distill.top_k, config.client, config.model.name)
     runners = None
     try:
         await server.wait_healthy(timeout=config.client.health_timeout)

@@ -12,6 +12,12 @@ aligned with the sample: element t is log p_teacher(token t | tokens < t), eleme
 it). Only the part the trainer sees is scored: up to the last loss token, at most `seq_len` tokens, and at most
 the teacher's context less the one token it generates; tokens past what was scored get no teacher logprob (the
 list is shorter than the sample) and so no distillation signal. At most `max_concurrent` requests are in flight.
+With `top_k` > 0 (`distill.top_k`) each score also carries a per-position baseline (`TeacherScores.baseline`):
+the reverse KL at position t estimated from the teacher's and the student's top-k logprobs there (the student's
+from its own server, the same prompt-logprobs request), sum over the student's top tokens x of
+s(x) (log s(x) - log t(x)), a token outside the teacher's top k taking the teacher's k-th logprob. It depends on
+the tokens before t only, so subtracting it from the sampled token's advantage keeps the gradient unbiased and
+takes out most of its variance (every sampled token is no longer pushed down by the average KL).
 Connection errors and 5xx answers are retried with backoff; a 4xx answer, a malformed one, or a teacher still
 unreachable after the retries is a UserError naming the teacher's URL and what it answered.
 """
@@ -25,7 +31,7 @@ from typing import Any
 import httpx
 from loguru import logger
 
-from asyncrl.config.orchestrator import TeacherConfig
+from asyncrl.config.orchestrator import EndpointConfig, TeacherConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.client import key_refused, root_client, server_root, wait_healthy
 from asyncrl.orchestrator.filtering import Group
@@ -45,11 +51,22 @@ def teacher_hint(url: str) -> str:
     )
 
 
-class TeacherClient:
-    """Async client of the teacher server: connect (checks), then score samples."""
+class TeacherScores(list):
+    """The teacher's logprobs of one sample's tokens (a list, element 0 is 0.0) and, with top_k, `baseline`:
+    the estimated reverse KL at each of those positions (element 0 is 0.0)."""
 
-    def __init__(self, config: TeacherConfig, seq_len: int):
+    baseline: list[float] | None = None
+
+
+class TeacherClient:
+    """Async client of the teacher server: connect (checks), then score samples. `student` (with top_k > 0): a
+    client of the student's own server, scored the same way for the baseline (module docstring)."""
+
+    def __init__(self, config: TeacherConfig, seq_len: int, top_k: int = 0, student: TeacherClient | None = None):
         self.config = config
+        self.top_k = top_k
+        self.student = student
+        self.role, self.key_option = "teacher", "orchestrator.teacher.api_key_var"  # a student client: its own
         self.url = config.url
         self.root = server_root(config.url)
         self.seq_len = seq_len
@@ -62,6 +79,8 @@ class TeacherClient:
 
     async def close(self) -> None:
         await self._http.aclose()
+        if self.student is not None:
+            await self.student.close()
 
     # ---- connect: health, key, model, tokenizer ---------------------------------------------------------------
     async def connect(self, student_tokens: list[int], student_model: str, student_vocab: int | None = None) -> None:
@@ -94,6 +113,10 @@ class TeacherClient:
             f"teacher {self.model!r} at {self.root} (context {self.max_model_len or 'unknown'}): same tokenizer "
             "as the student"
         )
+        if self.student is not None:  # its context bounds what the baseline's request may send
+            cards = (await self.student._get_json("/v1/models")).get("data") or []
+            lens = [_positive_int(m.get("max_model_len")) for m in cards if isinstance(m, dict)]
+            self.student.max_model_len = min((n for n in lens if n), default=None)
 
     async def wait_healthy(self, poll: float = 0.2) -> None:
         await wait_healthy(
@@ -110,8 +133,9 @@ class TeacherClient:
             n = min(n, self.max_model_len - 1)
         return max(n, 0)
 
-    async def score(self, sample: TokenSample) -> list[float]:
-        """The teacher's logprob of each of the sample's first `scored_length` tokens (element 0: 0.0)."""
+    async def score(self, sample: TokenSample) -> TeacherScores:
+        """The teacher's logprob of each of the sample's first `scored_length` tokens (element 0: 0.0), with the
+        baseline when top_k > 0."""
         n = self.scored_length(sample)
         cut = sum(sample.loss_mask[n : self.seq_len])
         if cut:
@@ -123,17 +147,31 @@ class TeacherClient:
                 )
             self.unscored_tokens += cut
         if n < 2:
-            return [0.0] * n
+            return TeacherScores([0.0] * n)
         ids = sample.input_ids[:n]
-        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-        answer = await self._post_json("/v1/completions", body, retry=True)
-        return self._logprobs(answer, ids)
+        if not self.top_k or self.student is None:
+            return TeacherScores(self._logprobs(await self.prompt_logprobs(ids, 0), ids))
+        limit = self.student.max_model_len
+        own = ids[: limit - 1] if limit else ids  # the student's context, less the token a request generates
+        teacher, student = await gather_all(
+            [self.prompt_logprobs(ids, self.top_k), self.student.prompt_logprobs(own, self.top_k)]
+        )
+        scores = TeacherScores(self._logprobs(teacher, ids))
+        kl = reverse_kl(self.student._entries(student, own), self._entries(teacher, ids))
+        scores.baseline = kl + [0.0] * (n - len(kl))  # past the student's context: no baseline
+        return scores
+
+    async def prompt_logprobs(self, ids: list[int], k: int) -> dict:
+        """The server's answer to a prompt-logprobs request for `ids` (plus the top k at each position)."""
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": k}
+        return await self._post_json("/v1/completions", body, retry=True)
 
     async def score_group(self, group: Group) -> list[list[float]]:
         """The teacher's logprobs of every sample of the group's valid rollouts, in order."""
         return await gather_all([self.score(s) for r in group.valid for s in r.samples])
 
-    def _logprobs(self, answer: dict, ids: list[int]) -> list[float]:
+    def _entries(self, answer: dict, ids: list[int]) -> list:
+        """The answer's prompt_logprobs: one entry per token of `ids` (a UserError if it has not)."""
         try:
             entries = answer["choices"][0]["prompt_logprobs"]
         except (KeyError, IndexError, TypeError):
@@ -141,9 +179,13 @@ class TeacherClient:
         if not isinstance(entries, list) or len(entries) != len(ids):
             got = "none" if entries is None else f"{len(entries) if isinstance(entries, list) else type(entries)}"
             raise UserError(
-                f"teacher at {self.root} answered no usable prompt_logprobs (wanted {len(ids)}, got {got}): it must "
-                "answer /v1/completions with prompt_logprobs (asyncrl's `inference`, or vLLM)"
+                f"{self.role} at {self.root} answered no usable prompt_logprobs (wanted {len(ids)}, got {got}): it "
+                "must answer /v1/completions with prompt_logprobs (asyncrl's `inference`, or vLLM)"
             )
+        return entries
+
+    def _logprobs(self, answer: dict, ids: list[int]) -> list[float]:
+        entries = self._entries(answer, ids)
         out = [0.0]
         for t in range(1, len(ids)):
             entry = entries[t] if isinstance(entries[t], dict) else {}
@@ -151,7 +193,7 @@ class TeacherClient:
             lp = value.get("logprob") if isinstance(value, dict) else None
             if not isinstance(lp, (int, float)) or math.isnan(lp):
                 raise UserError(
-                    f"teacher at {self.root} gave no logprob for prompt token {t} (id {ids[t]}): "
+                    f"{self.role} at {self.root} gave no logprob for prompt token {t} (id {ids[t]}): "
                     f"{str(entries[t])[:200]}"
                 )
             out.append(max(float(lp), -1e4))  # -inf (a token the teacher rules out): a large finite penalty
@@ -182,11 +224,13 @@ class TeacherClient:
                 last = f"HTTP {response.status_code}: {_message(response)}"
                 continue
             if response.status_code in (401, 403):
-                option, status = "orchestrator.teacher.api_key_var", response.status_code
-                raise key_refused("teacher server", "teacher", self.root, status, self.api_key_var, option)
+                status = response.status_code
+                raise key_refused(
+                    f"{self.role} server", self.role, self.root, status, self.api_key_var, self.key_option
+                )
             if response.status_code != 200:
                 raise UserError(
-                    f"teacher server at {self.root} refused {method} {path} ({response.status_code}): "
+                    f"{self.role} server at {self.root} refused {method} {path} ({response.status_code}): "
                     f"{_message(response)}"
                 )
             try:
@@ -194,12 +238,46 @@ class TeacherClient:
             except ValueError:
                 answer = None
             if not isinstance(answer, dict):
-                raise UserError(f"teacher at {self.root} answered {path} with no JSON object: {_message(response)}")
+                raise UserError(f"{self.role} at {self.root} answered {path} with no JSON object: {_message(response)}")
             return answer
         raise UserError(
-            f"teacher server at {self.root} stopped answering {method} {path} ({last}, {RETRIES if retry else 1} "
+            f"{self.role} server at {self.root} stopped answering {method} {path} ({last}, {RETRIES if retry else 1} "
             f"tries); {teacher_hint(self.url)}"
         )
+
+
+def with_student(config: TeacherConfig, seq_len: int, top_k: int, client: EndpointConfig, model: str) -> TeacherClient:
+    """The teacher's client; with top_k > 0 it also scores on the student's server (`client`, naming `model`)."""
+    if not top_k:
+        return TeacherClient(config, seq_len)
+    fields = client.model_dump(include=set(EndpointConfig.model_fields))
+    student = TeacherClient(TeacherConfig(**fields, model=model, max_concurrent=config.max_concurrent), seq_len)
+    student.role, student.key_option = "student", "orchestrator.client.api_key_var"
+    return TeacherClient(config, seq_len, top_k, student)
+
+
+def reverse_kl(student: list, teacher: list) -> list[float]:
+    """Per position, sum over the student's listed tokens x of s(x) (log s(x) - log t(x)); a token the teacher's
+    entry lacks takes its lowest listed logprob (an upper bound on t(x)). Entries are vLLM's prompt_logprobs
+    ({"<id>": {"logprob": ...}}; the first is None); position 0 gets 0.0."""
+    out = [0.0]
+    for s_entry, t_entry in zip(student[1:], teacher[1:]):
+        s_lp, t_lp = _top(s_entry), _top(t_entry)
+        floor = min(t_lp.values(), default=-1e4)
+        out.append(sum(math.exp(lp) * (lp - t_lp.get(x, floor)) for x, lp in s_lp.items()))
+    return out
+
+
+def _top(entry: Any) -> dict[str, float]:
+    """{token id: logprob} of one prompt_logprobs entry (finite logprobs only)."""
+    if not isinstance(entry, dict):
+        return {}
+    out = {}
+    for x, v in entry.items():
+        lp = v.get("logprob") if isinstance(v, dict) else None
+        if isinstance(lp, (int, float)) and math.isfinite(lp):
+            out[x] = float(lp)
+    return out
 
 
 def _message(response: httpx.Response) -> str:

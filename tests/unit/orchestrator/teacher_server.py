@@ -49,10 +49,14 @@ class TeacherServer:
 
     def logprobs(self, ids: list[int]) -> list[float]:
         """log p(ids[t] | ids[:t]) for t >= 1 under the model (what the server answers), element 0 = 0.0."""
+        lp = self.distributions(ids).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        return [0.0] + lp.tolist()
+
+    def distributions(self, ids: list[int]) -> torch.Tensor:
+        """[len(ids) - 1, V]: row t - 1 is the log-distribution of the token at position t."""
         with torch.no_grad():
             logits = self.model(input_ids=torch.tensor([ids])).logits[0].float()
-        lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-        return [0.0] + lp.tolist()
+        return torch.log_softmax(logits[:-1], -1)
 
     def _app(self) -> FastAPI:
         app, server = FastAPI(), self
@@ -95,11 +99,14 @@ class TeacherServer:
             if server.refuse:
                 msg = f"This model's maximum context length is {server.max_model_len} tokens"
                 return JSONResponse({"error": {"message": msg, "code": 400}}, status_code=400)
-            lps = server.logprobs(ids)
-            entries = [None] + [
-                {str(i): {"logprob": lp, "rank": 1, "decoded_token": server.tok.decode([i])}}
-                for i, lp in zip(ids[1:], lps[1:])
-            ]
+            dists, k = server.distributions(ids), int(body.get("prompt_logprobs") or 0)
+            entries: list = [None]
+            for i, dist in zip(ids[1:], dists):  # the prompt's token, then the top k (vLLM's shape)
+                vals, top_ids = dist.topk(k) if k else (torch.zeros(0), torch.zeros(0, dtype=torch.long))
+                top = [(i, dist[i].item())] + list(zip(top_ids.tolist(), vals.tolist()))
+                entries.append(
+                    {str(x): {"logprob": lp, "rank": 1, "decoded_token": server.tok.decode([x])} for x, lp in top}
+                )
             choice = {"index": 0, "text": "x", "finish_reason": "length", "prompt_logprobs": entries}
             return {"id": "cmpl-1", "object": "text_completion", "model": server.name, "choices": [choice]}
 

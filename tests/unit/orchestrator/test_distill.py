@@ -114,6 +114,36 @@ def test_token_advantages_pure_mixed_and_masked():
     assert short == [0.0, 0.0, 1.0, 0.0, 0.0, 0.5]  # unscored tail: the reward term alone
 
 
+def test_the_baseline_is_added_to_the_distillation_term_only():
+    mask = [False, True, True]
+    sampler, teacher, kl = [0.0, -1.0, -2.0], [0.0, -0.5, -2.5], [0.0, 0.25, 0.75]
+    got = token_advantages(mask, sampler, teacher, 0.5, distill_weight=2.0, reward_weight=1.0, baseline=kl)
+    assert got == [0.0, 2.0 * (0.5 + 0.25) + 0.5, 2.0 * (-0.5 + 0.75) + 0.5]
+
+
+def test_the_distillation_term_is_clamped_not_the_reward_term():
+    mask = [False, True, True]
+    sampler, teacher = [0.0, -0.1, -0.2], [0.0, -9.1, -0.7]
+    got = token_advantages(mask, sampler, teacher, 0.5, distill_weight=1.0, reward_weight=1.0, clip=3.0)
+    assert got == pytest.approx([0.0, -3.0 + 0.5, -0.5 + 0.5])
+
+
+def test_reverse_kl_from_both_top_k():
+    """sum over the student's listed tokens of s(x)(log s(x) - log t(x)); one the teacher lacks takes its floor."""
+    import math
+
+    def entry(**lps):
+        return {x.removeprefix("t"): {"logprob": lp, "rank": 1} for x, lp in lps.items()}
+
+    ln = math.log
+    student = [None, entry(t1=ln(0.6), t2=ln(0.4)), entry(t1=ln(0.9), t3=ln(0.1))]
+    teacher = [None, entry(t1=ln(0.99), t2=ln(0.01)), entry(t1=ln(0.5), t2=ln(0.2), t4=float("-inf"))]
+    got = teacher_mod.reverse_kl(student, teacher)
+    first = 0.6 * ln(0.6 / 0.99) + 0.4 * ln(0.4 / 0.01)
+    second = 0.9 * ln(0.9 / 0.5) + 0.1 * ln(0.1 / 0.2)  # token 3: the teacher's lowest finite listed logprob
+    assert got == pytest.approx([0.0, first, second])
+
+
 def test_per_token_advantages_survive_truncation_and_shared_prefixes():
     a = TokenSample([1, 2, 3, 4, 5], [False, False, True, True, True], [0, 0, -1.0, -1.0, -1.0])
     b = TokenSample([1, 2, 3, 7, 8], [False, False, True, True, True], [0, 0, -1.0, -1.0, -1.0])
@@ -166,6 +196,67 @@ def test_connect_discovers_the_model_and_scores_like_the_model(tiny_model_dir, t
         assert srv.requests[0][1] == [5, 6, 7, 8, 9, 10, 11]  # context 8, less the generated token
         assert lps == pytest.approx(srv.logprobs([5, 6, 7, 8, 9, 10, 11]), abs=1e-5)
         assert client.unscored_tokens == 2
+
+
+def test_with_top_k_the_student_server_scores_too_and_gives_the_baseline(tmp_path, tiny_model_dir, tok):
+    from asyncrl.config.orchestrator import ClientConfig
+    from asyncrl.utils.tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "student", hidden_size=64, num_layers=1, seed=1)
+    with TeacherServer(tiny_model_dir) as t, TeacherServer(other, name="the-student") as s:
+        client = teacher_mod.with_student(
+            TeacherConfig(base_url=t.base_url), 64, 5, ClientConfig(base_url=s.base_url), "the-student"
+        )
+        ids = [5, 6, 7, 8, 9, 10]
+        sample = TokenSample(ids, [False] * 2 + [True] * 4, [-1.0] * 6)
+
+        async def go():
+            try:
+                return await client.score(sample), await teacher_mod.with_student(
+                    TeacherConfig(base_url=t.base_url), 64, 0, ClientConfig(base_url=s.base_url), "the-student"
+                ).score(sample)
+            finally:
+                await client.close()
+
+        scores, plain = asyncio.run(go())
+        assert [r[1] for r in s.requests] == [ids] and scores == pytest.approx(t.logprobs(ids), abs=1e-5)
+        assert plain == pytest.approx(scores, abs=1e-6) and plain.baseline is None and len(s.requests) == 1
+        student_lp, teacher_lp = s.distributions(ids), t.distributions(ids)
+        want = [0.0]
+        for pos in range(1, len(ids)):
+            s_row, t_row = student_lp[pos - 1], teacher_lp[pos - 1]
+            listed_s = set(s_row.topk(5).indices.tolist()) | {ids[pos]}
+            listed_t = set(t_row.topk(5).indices.tolist()) | {ids[pos]}
+            floor = min(t_row[x].item() for x in listed_t)
+            want.append(
+                sum(
+                    s_row[x].exp().item() * (s_row[x].item() - (t_row[x].item() if x in listed_t else floor))
+                    for x in listed_s
+                )
+            )
+        assert scores.baseline == pytest.approx(want, abs=1e-5) and all(k > 0 for k in want[1:])
+
+
+def test_the_baseline_keeps_to_the_student_servers_context(tiny_model_dir, tok):
+    from asyncrl.config.orchestrator import ClientConfig
+
+    with TeacherServer(tiny_model_dir) as t, TeacherServer(tiny_model_dir, name="s", max_model_len=5) as s:
+        client = teacher_mod.with_student(
+            TeacherConfig(base_url=t.base_url), 64, 3, ClientConfig(base_url=s.base_url), "s"
+        )
+        ids = [5, 6, 7, 8, 9, 10, 11]
+
+        async def go():
+            try:
+                await client.connect(tok.encode(PROBE, add_special_tokens=True), "student")
+                return await client.score(TokenSample(ids, [False] * 2 + [True] * 5, [-1.0] * 7))
+            finally:
+                await client.close()
+
+        scores = asyncio.run(go())
+    assert client.student.max_model_len == 5 and s.requests[-1][1] == ids[:4] and t.requests[-1][1] == ids
+    assert len(scores) == len(scores.baseline) == 7 and scores.baseline[4:] == [0.0] * 3
+    assert scores.baseline[1:4] == pytest.approx([0.0] * 3, abs=1e-5)  # the same model: no KL where both scored
 
 
 def test_another_tokenizer_is_refused_in_one_line_naming_both_models(tiny_model_dir, tok):
