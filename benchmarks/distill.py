@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
     ap.add_argument("--eval-every", type=int, default=10, help="held-out of the weights every N steps")
     ap.add_argument("--lr", type=float, default=1e-4, help="RL learning rate (the bench job's)")
-    ap.add_argument("--rl-args", default="", help="more rl flags for every run, e.g. '--trainer.scheduler.warmup-steps 10'")
+    ap.add_argument("--rl-args", default="", help="more rl flags for every run ('--trainer.scheduler.warmup-steps 10')")
     ap.add_argument("--student-step", type=int, default=250, help="the student: weights after this many SFT steps")
     ap.add_argument("--teacher-step", type=int, default=400, help="the teacher: weights after this many SFT steps")
     ap.add_argument("--sft-lr", type=float, default=5e-4)
