@@ -8,7 +8,8 @@ gives both models: the **student** is its weights after `--student-step` SFT ste
 - reward:  RL from the environment's reward alone (no teacher);
 - distill: on-policy distillation alone: `[teacher]` = the teacher checkpoint; per-token advantage =
            teacher logprob - student logprob (reward.weight defaults to 0 with a teacher);
-- mixed:   both, `orchestrator.reward.weight = 1`, `orchestrator.distill.weight = 1`.
+- mixed:   both, `orchestrator.reward.weight = 1`, `orchestrator.distill.weight = 1`;
+- plain:   distillation without the per-position baseline (`orchestrator.distill.top_k = 0`).
 
 Every `--eval-every` steps the run keeps its weights (`--ckpt.interval`); each is scored on the held-out words
 with `python -m asyncrl.bench.heldout` (sampled T=1 exact match, 128 words x 4 samples; the same scorer, words
@@ -43,8 +44,9 @@ RECIPES: dict[str, list[str]] = {
     "reward": [],
     "distill": [],  # a teacher, and reward.weight's default with one (0): distillation alone
     "mixed": ["--orchestrator.reward.weight", "1", "--orchestrator.distill.weight", "1"],
+    "plain": ["--orchestrator.distill.top-k", "0"],  # distillation without the per-position baseline
 }
-NEEDS_TEACHER = {"distill", "mixed"}
+NEEDS_TEACHER = {"distill", "mixed", "plain"}
 
 
 def log(msg: str) -> None:

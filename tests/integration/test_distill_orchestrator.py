@@ -61,6 +61,7 @@ def test_two_distillation_steps_against_real_servers(shared_inference_process, t
         model={"name": shared_inference_process.model},
         client={"base_url": shared_inference_process.url},
         teacher={"base_url": teacher_url, "api_key_var": KEY_VAR, "max_concurrent": 4},
+        distill={"top_k": 5},
         env=[{"id": "reverse-text", "args": {"num_train_examples": 20, "num_eval_examples": 2}}],
         batch_size=4,
         rollouts_per_example=2,

@@ -151,12 +151,13 @@ class DistillConfig(BaseConfig):
         1.0, ge=0, description="weight of the per-token distillation advantage teacher_lp - sampler_lp (with a teacher)"
     )
     top_k: int = Field(
-        5,
+        0,
         ge=0,
         le=20,
         description="per-position baseline: the reverse KL at each position, estimated from the teacher's and the "
         "student's top-k prompt logprobs (the student's from its own server: one more scoring request per sample), "
-        "is added to each token's advantage; unbiased, and far less noisy (0: off, the plain sampled-token signal)",
+        "is added to each token's advantage; unbiased (0: off, the plain sampled-token signal; docs/rl.md has what "
+        "it measured)",
     )
     clip: float | None = Field(
         None,
