@@ -95,11 +95,11 @@ def check_json(body: bytes, max_messages: int) -> str | None:
         obj = json.loads(body)
     except ValueError:
         return None
-    if not _valid_unicode(obj):
-        return "request body holds a lone UTF-16 surrogate (e.g. \\ud800): strings must be valid Unicode"
     messages = obj.get("messages") if isinstance(obj, dict) else None
-    if isinstance(messages, list) and len(messages) > max_messages:
+    if isinstance(messages, list) and len(messages) > max_messages:  # first: a count needs no second pass
         return f"messages: {len(messages)} messages; at most {max_messages} (the server's --server.max-messages)"
+    if not _valid_unicode(obj):  # a full json.dumps, holding the GIL (and so the event loop) while it runs
+        return "request body holds a lone UTF-16 surrogate (e.g. \\ud800): strings must be valid Unicode"
     return None
 
 
