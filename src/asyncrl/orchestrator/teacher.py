@@ -41,6 +41,7 @@ from asyncrl.orchestrator.samples import TokenSample
 # ASCII, digits, whitespace runs, accented and CJK characters, emoji: tokenizers that differ anywhere usual differ here
 PROBE = "Hello, World! 0123456789 3.14159\n\n\t  tabs  and   spaces;  café naïve Ærø señor 日本語の文章 中文 🙂🚀👍🏽"
 RETRIES = 5
+KEY_OPTIONS = {"teacher": "orchestrator.teacher.api_key_var", "student": "orchestrator.client.api_key_var"}
 BACKOFF_S = 0.5
 
 
@@ -62,11 +63,19 @@ class TeacherClient:
     """Async client of the teacher server: connect (checks), then score samples. `student` (with top_k > 0): a
     client of the student's own server, scored the same way for the baseline (module docstring)."""
 
-    def __init__(self, config: TeacherConfig, seq_len: int, top_k: int = 0, student: TeacherClient | None = None):
+    def __init__(
+        self,
+        config: TeacherConfig,
+        seq_len: int,
+        top_k: int = 0,
+        student: TeacherClient | None = None,
+        role: str = "teacher",
+    ):
         self.config = config
         self.top_k = top_k
         self.student = student
-        self.role, self.key_option = "teacher", "orchestrator.teacher.api_key_var"  # a student client: its own
+        self.role = role  # "teacher", or "student" for the client of the student's server; named in errors
+        self.key_option = KEY_OPTIONS[role]
         self.url = config.url
         self.root = server_root(config.url)
         self.seq_len = seq_len
@@ -87,10 +96,7 @@ class TeacherClient:
         """Wait for the teacher and check it (module docstring); `student_tokens`: the student server's ids of
         PROBE (`tokenize(PROBE)` there)."""
         await self.wait_healthy()
-        models = await self._get_json("/v1/models")
-        cards = [m for m in models.get("data") or [] if isinstance(m, dict) and "id" in m]
-        if not cards:
-            raise UserError(f"teacher at {self.root} lists no model at /v1/models (answered {str(models)[:200]})")
+        cards = await self._model_cards(required=True)
         if self.model is None:
             self.model = str(cards[0]["id"])
         card = next((m for m in cards if m["id"] == self.model), None)
@@ -114,9 +120,16 @@ class TeacherClient:
             "as the student"
         )
         if self.student is not None:  # its context bounds what the baseline's request may send
-            cards = (await self.student._get_json("/v1/models")).get("data") or []
-            lens = [_positive_int(m.get("max_model_len")) for m in cards if isinstance(m, dict)]
+            lens = [_positive_int(m.get("max_model_len")) for m in await self.student._model_cards(required=False)]
             self.student.max_model_len = min((n for n in lens if n), default=None)
+
+    async def _model_cards(self, required: bool) -> list[dict]:
+        """The server's /v1/models entries (each with an id); `required`: a UserError if it lists none."""
+        models = await self._get_json("/v1/models")
+        cards = [m for m in models.get("data") or [] if isinstance(m, dict) and "id" in m]
+        if required and not cards:
+            raise UserError(f"{self.role} at {self.root} lists no model at /v1/models (answered {str(models)[:200]})")
+        return cards
 
     async def wait_healthy(self, poll: float = 0.2) -> None:
         await wait_healthy(
@@ -251,9 +264,8 @@ def with_student(config: TeacherConfig, seq_len: int, top_k: int, client: Endpoi
     if not top_k:
         return TeacherClient(config, seq_len)
     fields = client.model_dump(include=set(EndpointConfig.model_fields))
-    student = TeacherClient(TeacherConfig(**fields, model=model, max_concurrent=config.max_concurrent), seq_len)
-    student.role, student.key_option = "student", "orchestrator.client.api_key_var"
-    return TeacherClient(config, seq_len, top_k, student)
+    student_config = TeacherConfig(**fields, model=model, max_concurrent=config.max_concurrent)
+    return TeacherClient(config, seq_len, top_k, TeacherClient(student_config, seq_len, role="student"))
 
 
 def reverse_kl(student: list, teacher: list) -> list[float]:
