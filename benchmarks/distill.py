@@ -45,8 +45,12 @@ RECIPES: dict[str, list[str]] = {
     "distill": [],  # a teacher, and reward.weight's default with one (0): distillation alone
     "mixed": ["--orchestrator.reward.weight", "1", "--orchestrator.distill.weight", "1"],
     "plain": ["--orchestrator.distill.top-k", "0"],  # distillation without the per-position baseline
+    # forward KL to the teacher's top-20 at every position (the trainer's cross-entropy term)
+    "forward": ["--orchestrator.distill.kind", "forward_kl", "--orchestrator.distill.top-k", "20"],
+    "fmixed": ["--orchestrator.distill.kind", "forward_kl", "--orchestrator.distill.top-k", "20"]
+    + ["--orchestrator.reward.weight", "1"],
 }
-NEEDS_TEACHER = {"distill", "mixed", "plain"}
+NEEDS_TEACHER = {"distill", "mixed", "plain", "forward", "fmixed"}
 
 
 def log(msg: str) -> None:

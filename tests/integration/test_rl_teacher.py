@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -65,15 +66,18 @@ def test_a_taken_teacher_port_is_one_line_before_anything_starts(tiny_model_dir,
 
 
 def test_rl_distills_from_the_teacher_it_starts(warm_model, tiny_model_dir, tmp_path):
-    """End to end: the orchestrator scores every sample with rl's teacher and logs the teacher-student KL."""
+    """End to end: the orchestrator scores every sample with rl's teacher (its top 5 per position: forward KL) and
+    logs the teacher-student KL; the trainer trains on the teacher's targets and logs their KL too."""
     out, steps = tmp_path / "run", 3
     args = rl_args(tiny_model_dir, out, steps, free_port()) + teacher_args(warm_model, free_port())
-    result = run_rl(args)
+    result = run_rl(args + ["--orchestrator.distill.kind", "forward_kl", "--orchestrator.distill.top-k", "5"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = orchestrator_rows(out)
     assert [r["step"] for r in rows] == list(range(steps))
     assert all(r["distill/teacher_kl"] == r["distill/teacher_kl"] for r in rows)  # present, not NaN
     assert all("time/teacher_s" in r for r in rows)
+    trainer = [json.loads(x) for x in (out / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    assert len(trainer) == steps and all(r["teacher_kl"] > 0 for r in trainer), trainer
     assert_no_processes_left(str(out))
     assert states(out)["teacher"] == "stopped"
     assert "[teacher]" in (out / "configs" / "orchestrator.toml").read_text()

@@ -59,6 +59,19 @@ def _set(field: str, index: int, value) -> Callable[[dict], None]:
     return lambda row: row[field].__setitem__(index, value)
 
 
+def _teacher(length: int, at: int | None = None, ids: int = 1, mass: float = 0.5) -> Callable[[dict], None]:
+    """Forward-KL targets of width 2, `ids` / `mass` at row `at` (None: 1-D fields, a shape error)."""
+
+    def change(row: dict) -> None:
+        if at is None:
+            row.update(teacher_ids=torch.ones(length, dtype=torch.long), teacher_targets=torch.ones(length))
+            return
+        row["teacher_ids"], row["teacher_targets"] = torch.ones(length, 2, dtype=torch.long), torch.zeros(length, 2)
+        row["teacher_ids"][at, 0], row["teacher_targets"][at, 0] = ids, mass
+
+    return change
+
+
 # case -> (what rank_0.pt holds, the words the error must contain)
 BAD_BATCHES = {
     "not_a_dict": (lambda: [good_row()], "holds a list, not a dict"),
@@ -75,6 +88,13 @@ BAD_BATCHES = {
     "nan_sampler_logprob": (with_row(_set("inference_logprobs", 7, float("nan"))), "inference_logprobs[7] = nan"),
     "inf_sampler_logprob": (with_row(_set("inference_logprobs", 9, float("-inf"))), "inference_logprobs[9] = -inf"),
     "zero_temperature": (with_row(_set("temperatures", 0, 0.0)), "temperatures[0] = 0.0"),
+    "teacher_ids_alone": (
+        with_row(lambda r: r.update(teacher_ids=torch.zeros(LENGTH, 2, dtype=torch.long))),
+        "has teacher_ids without teacher_targets",
+    ),
+    "teacher_fields_one_dimensional": (with_row(_teacher(LENGTH, None)), "teacher fields must be (L, K) tensors"),
+    "teacher_id_out_of_vocabulary": (with_row(_teacher(LENGTH, 3, ids=10**6)), "teacher_ids[3] = [1000000"),
+    "negative_teacher_mass": (with_row(_teacher(LENGTH, 5, mass=-0.5)), "teacher_targets[5] = [-0.5"),
     "loss_on_a_shared_prefix": (
         with_row(lambda r: r.update(position_ids=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]))),
         "a shared prefix holds loss tokens",

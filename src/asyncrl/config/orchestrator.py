@@ -147,17 +147,27 @@ class TeacherConfig(EndpointConfig):
 
 
 class DistillConfig(BaseConfig):
+    kind: Literal["reverse_kl", "forward_kl"] = Field(
+        "reverse_kl",
+        description="reverse_kl: per-token advantage teacher_lp - sampler_lp on the sampled token (through the RL "
+        "loss); forward_kl: the teacher's top-k distribution at every completion position travels in the batch and "
+        "the trainer adds weight x cross-entropy to it (GKD's on-policy forward KL; needs top_k >= 1)",
+    )
     weight: float = Field(
-        1.0, ge=0, description="weight of the per-token distillation advantage teacher_lp - sampler_lp (with a teacher)"
+        1.0,
+        ge=0,
+        description="weight of the distillation signal (reverse_kl: of the per-token advantage; forward_kl: of the "
+        "cross-entropy term)",
     )
     top_k: int = Field(
         0,
         ge=0,
         le=20,
-        description="per-position baseline: the reverse KL at each position, estimated from the teacher's and the "
-        "student's top-k prompt logprobs (the student's from its own server: one more scoring request per sample), "
-        "is added to each token's advantage; unbiased (0: off, the plain sampled-token signal; docs/rl.md has what "
-        "it measured)",
+        description="reverse_kl: a per-position baseline, the reverse KL at each position estimated from the "
+        "teacher's and the student's top-k prompt logprobs (the student's from its own server: one more scoring "
+        "request per sample), is added to each token's advantage; unbiased (0: off, the plain sampled-token signal). "
+        "forward_kl: how many of the teacher's top tokens per position make its target distribution. docs/rl.md has "
+        "what each measured",
     )
     clip: float | None = Field(
         None,
@@ -278,6 +288,11 @@ class OrchestratorConfig(BaseConfig):
             raise ValueError(
                 "reward.weight = 0 and no distillation (no [orchestrator.teacher], or distill.weight = 0): nothing "
                 "to learn from; raise reward.weight or set a teacher"
+            )
+        if self.distill.kind == "forward_kl" and self.distill.top_k == 0:
+            raise ValueError(
+                "distill.kind = 'forward_kl' needs the teacher's top tokens at each position: set distill.top_k "
+                "(1-20, e.g. 20)"
             )
         if self.teacher is not None and self.teacher.url == self.client.url and self.lora_name is None:
             raise ValueError(

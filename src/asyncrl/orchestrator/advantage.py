@@ -17,6 +17,11 @@ baseline (`distill.top_k`), KL_t, the reverse KL at position t estimated from bo
 added to the distillation term: teacher_lp_t - sampler_lp_t + KL_t. KL_t depends on the tokens before t only,
 so the expected gradient is unchanged while the term's average over the sampled token is ~0. `distill.clip`
 clamps the distillation term (baseline included) to [-clip, clip].
+
+With `distill.kind = "forward_kl"` the teacher's signal is no advantage: `teacher_targets` gives each loss token
+the teacher's listed tokens at its position, their probabilities renormalized over the list and times the
+distillation weight, the target mass of the trainer's cross-entropy term (token_advantages then get
+distill_weight 0: the reward part only).
 """
 
 from __future__ import annotations
@@ -94,3 +99,18 @@ def token_advantages(
         return distill_weight * max(-bound, min(bound, teacher_logprobs[t] - sampler_logprobs[t] + kl[t]))
 
     return [(base + (distill(t) if t < scored else 0.0)) if m else 0.0 for t, m in enumerate(loss_mask)]
+
+
+def teacher_targets(
+    loss_mask: Sequence[bool], top: Sequence[dict[int, float]], weight: float
+) -> list[dict[int, float]]:
+    """Per token, {token id: weight x the teacher's probability renormalized over its listed tokens} on loss tokens
+    the teacher scored (`top[t]`: {id: logprob}); {} elsewhere."""
+    out: list[dict[int, float]] = []
+    for t, m in enumerate(loss_mask):
+        entry = top[t] if m and t < len(top) else {}
+        peak = max(entry.values(), default=0.0)
+        mass = {x: math.exp(lp - peak) for x, lp in entry.items()}
+        total = sum(mass.values())
+        out.append({x: weight * p / total for x, p in mass.items()} if total > 0 else {})
+    return out

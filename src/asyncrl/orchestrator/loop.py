@@ -24,7 +24,7 @@ from loguru import logger
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator import ckpt
-from asyncrl.orchestrator.advantage import token_advantages
+from asyncrl.orchestrator.advantage import teacher_targets, token_advantages
 from asyncrl.orchestrator.client import InferenceClient, start_hint
 from asyncrl.orchestrator.envs import (
     EnvMixture,
@@ -201,9 +201,19 @@ class Orchestrator:
                     item = PackItem(s, r.advantage if rw == 1.0 else rw * r.advantage, temperature, group=i)
                     if scores is not None:
                         lps = next(scores)
+                        top = getattr(lps, "top", None)
+                        if top is not None:  # forward_kl: the trainer's cross-entropy term carries the teacher
+                            item.teacher_targets = teacher_targets(s.loss_mask, top, dw)
                         baseline = getattr(lps, "baseline", None)
                         item.token_advantages = token_advantages(
-                            s.loss_mask, s.logprobs, lps, r.advantage, dw, rw, baseline, self.config.distill.clip
+                            s.loss_mask,
+                            s.logprobs,
+                            lps,
+                            r.advantage,
+                            0.0 if top is not None else dw,
+                            rw,
+                            baseline,
+                            self.config.distill.clip,
                         )
                     items.append(item)
         return items
@@ -472,7 +482,7 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
     server = InferenceClient(config.client)
     teacher = None
     if config.teacher is not None and not config.bench:
-        teacher = with_student(config.teacher, config.seq_len, config.distill.top_k, config.client, config.model.name)
+        teacher = with_student(config.teacher, config.seq_len, config.distill, config.client, config.model.name)
     runners = None
     try:
         await server.wait_healthy(timeout=config.client.health_timeout)

@@ -20,6 +20,10 @@ in full, then each other one from position P on (positions P, P+1, ...), which t
   with distillation) and temperature; samples share only
   with samples of the same temperature;
 - `share=False` (or no groups) gives exactly the rows of a plain packing.
+
+With forward-KL distillation (items carrying `teacher_targets`), every row of the step also gets `teacher_ids` and
+`teacher_targets` of shape (L, K), K the most tokens any position lists: each token's listed ids and target
+mass, zero-padded (mass 0 contributes nothing).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.orchestrator.samples import TokenSample
-from asyncrl.transport.batch import MicroBatch
+from asyncrl.transport.batch import MicroBatch, masked_copy
 
 
 @dataclass
@@ -42,6 +46,7 @@ class PackItem:
     temperature: float
     group: Hashable | None = None  # samples of one rollout group may share their prompt (None: never)
     token_advantages: list[float] | None = None  # one per token (distillation); None: `advantage` on every token
+    teacher_targets: list[dict[int, float]] | None = None  # one per token (forward_kl): {id: target mass}
 
     def advantages(self, start: int = 0) -> list[float]:
         """The advantages of the sample's tokens from `start` on."""
@@ -82,7 +87,8 @@ def truncate(item: PackItem, seq_len: int) -> tuple[PackItem, bool]:
         return item, False
     cut = TokenSample(s.input_ids[:seq_len], s.loss_mask[:seq_len], s.logprobs[:seq_len])
     per_token = item.token_advantages[:seq_len] if item.token_advantages is not None else None
-    return PackItem(cut, item.advantage, item.temperature, item.group, per_token), True
+    targets = item.teacher_targets[:seq_len] if item.teacher_targets is not None else None
+    return PackItem(cut, item.advantage, item.temperature, item.group, per_token, targets), True
 
 
 def shared_prefix(samples: list[TokenSample]) -> int:
@@ -151,18 +157,19 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def make_row(items: list[PackItem]) -> MicroBatch:
+def make_row(items: list[PackItem], width: int = 0) -> MicroBatch:
     """One packed micro-batch row from samples (in order), each written in full."""
-    return pieces_row([(it, 0) for it in items])
+    return pieces_row([(it, 0) for it in items], width)
 
 
-def units_row(units: list[Unit]) -> MicroBatch:
+def units_row(units: list[Unit], width: int = 0) -> MicroBatch:
     """One packed micro-batch row from units (in order)."""
-    return pieces_row([piece for u in units for piece in u.pieces()])
+    return pieces_row([piece for u in units for piece in u.pieces()], width)
 
 
-def pieces_row(pieces: list[tuple[PackItem, int]]) -> MicroBatch:
-    """A row of samples each written from its given first position on (0: in full)."""
+def pieces_row(pieces: list[tuple[PackItem, int]], width: int = 0) -> MicroBatch:
+    """A row of samples each written from its given first position on (0: in full); with `width` > 0 also the
+    teacher's targets, `width` per token."""
     ids, pos, mask, adv, lps, temps = [], [], [], [], [], []
     for it, start in pieces:
         s = it.sample
@@ -173,7 +180,7 @@ def pieces_row(pieces: list[tuple[PackItem, int]]) -> MicroBatch:
         adv += it.advantages(start)
         lps += [lp if m else 0.0 for lp, m in zip(s.logprobs[start:], s.loss_mask[start:])]
         temps += [it.temperature] * n
-    return {
+    row = {
         "input_ids": torch.tensor(ids, dtype=torch.long),
         "position_ids": torch.tensor(pos, dtype=torch.long),
         "loss_mask": torch.tensor(mask, dtype=torch.bool),
@@ -181,20 +188,26 @@ def pieces_row(pieces: list[tuple[PackItem, int]]) -> MicroBatch:
         "inference_logprobs": torch.tensor(lps, dtype=torch.float32),
         "temperatures": torch.tensor(temps, dtype=torch.float32),
     }
+    return row | (targets_fields(pieces, width) if width else {})
+
+
+def targets_fields(pieces: list[tuple[PackItem, int]], width: int) -> MicroBatch:
+    """`teacher_ids` and `teacher_targets` (L, width) of a row's pieces, zero where a token has none."""
+    per_token = [d for it, start in pieces for d in (it.teacher_targets or [{}] * len(it.sample))[start:]]
+    ids = torch.zeros(len(per_token), width, dtype=torch.long)
+    targets = torch.zeros(len(per_token), width, dtype=torch.float32)
+    for t, d in enumerate(per_token):
+        if d:
+            ids[t, : len(d)] = torch.tensor(list(d.keys()), dtype=torch.long)
+            targets[t, : len(d)] = torch.tensor(list(d.values()), dtype=torch.float32)
+    return {"teacher_ids": ids, "teacher_targets": targets}
 
 
 def dummy_row(template: MicroBatch | None, temperature: float = 1.0) -> MicroBatch:
     """A row that contributes nothing to the loss (the template's tokens, everything masked)."""
     if template is None:
         template = make_row([PackItem(TokenSample([0], [False], [0.0]), 0.0, temperature)])
-    return {
-        "input_ids": template["input_ids"].clone(),
-        "position_ids": template["position_ids"].clone(),
-        "loss_mask": torch.zeros_like(template["loss_mask"]),
-        "advantages": torch.zeros_like(template["advantages"]),
-        "inference_logprobs": torch.zeros_like(template["inference_logprobs"]),
-        "temperatures": template["temperatures"].clone(),
-    }
+    return masked_copy(template)
 
 
 def pack(
@@ -212,7 +225,8 @@ def pack(
         cut_items.append(cut)
     units = make_units(cut_items, seq_len, share)
     bins = first_fit_decreasing([len(u) for u in units], seq_len)
-    rows = [units_row([units[i] for i in b]) for b in bins]
+    width = targets_width(cut_items)
+    rows = [units_row([units[i] for i in b], width) for b in bins]
     stats.num_rows = len(rows)
     stats.num_tokens = sum(len(u) for u in units)
     stats.num_tokens_unshared = sum(len(it.sample) for it in cut_items)
@@ -225,6 +239,12 @@ def pack(
             mbs.append(dummy_row(template, temperature))
             stats.num_dummies += 1
     return per_rank, stats
+
+
+def targets_width(items: list[PackItem]) -> int:
+    """The most tokens a position lists among the items' teacher targets (at least 1 when any item has them), or 0."""
+    lists = [it.teacher_targets for it in items if it.teacher_targets is not None]
+    return max((len(d) for targets in lists for d in targets), default=1) if lists else 0
 
 
 def slots_per_rank(num_rows: int, num_ranks: int) -> int:

@@ -18,6 +18,9 @@ from its own server, the same prompt-logprobs request), sum over the student's t
 s(x) (log s(x) - log t(x)), a token outside the teacher's top k taking the teacher's k-th logprob. It depends on
 the tokens before t only, so subtracting it from the sampled token's advantage keeps the gradient unbiased and
 takes out most of its variance (every sampled token is no longer pushed down by the average KL).
+With `dense` (`distill.kind = "forward_kl"`) each score instead carries the teacher's top-k at every position
+(`TeacherScores.top`: {token id: logprob}, the sampled token included), the target distribution the trainer's
+cross-entropy term pulls the student toward; the student's server is not asked.
 Connection errors and 5xx answers are retried with backoff; a 4xx answer, a malformed one, or a teacher still
 unreachable after the retries is a UserError naming the teacher's URL and what it answered.
 """
@@ -31,7 +34,7 @@ from typing import Any
 import httpx
 from loguru import logger
 
-from asyncrl.config.orchestrator import EndpointConfig, TeacherConfig
+from asyncrl.config.orchestrator import DistillConfig, EndpointConfig, TeacherConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.client import key_refused, root_client, server_root, wait_healthy
 from asyncrl.orchestrator.filtering import Group
@@ -54,9 +57,11 @@ def teacher_hint(url: str) -> str:
 
 class TeacherScores(list):
     """The teacher's logprobs of one sample's tokens (a list, element 0 is 0.0) and, with top_k, `baseline`:
-    the estimated reverse KL at each of those positions (element 0 is 0.0)."""
+    the estimated reverse KL at each of those positions (element 0 is 0.0), or with `dense`, `top`: the teacher's
+    listed tokens at each position ({token id: logprob}; element 0 is empty)."""
 
     baseline: list[float] | None = None
+    top: list[dict[int, float]] | None = None
 
 
 class TeacherClient:
@@ -70,9 +75,11 @@ class TeacherClient:
         top_k: int = 0,
         student: TeacherClient | None = None,
         role: str = "teacher",
+        dense: bool = False,
     ):
         self.config = config
         self.top_k = top_k
+        self.dense = dense  # forward_kl: the teacher's top-k per position travels with its scores
         self.student = student
         self.role = role  # "teacher", or "student" for the client of the student's server; named in errors
         self.key_option = KEY_OPTIONS[role]
@@ -162,6 +169,11 @@ class TeacherClient:
         if n < 2:
             return TeacherScores([0.0] * n)
         ids = sample.input_ids[:n]
+        if self.dense:
+            answer = await self.prompt_logprobs(ids, self.top_k)
+            scores = TeacherScores(self._logprobs(answer, ids))
+            scores.top = [{}] + [{int(x): lp for x, lp in _top(e).items()} for e in self._entries(answer, ids)[1:]]
+            return scores
         if not self.top_k or self.student is None:
             return TeacherScores(self._logprobs(await self.prompt_logprobs(ids, 0), ids))
         limit = self.student.max_model_len
@@ -259,8 +271,14 @@ class TeacherClient:
         )
 
 
-def with_student(config: TeacherConfig, seq_len: int, top_k: int, client: EndpointConfig, model: str) -> TeacherClient:
-    """The teacher's client; with top_k > 0 it also scores on the student's server (`client`, naming `model`)."""
+def with_student(
+    config: TeacherConfig, seq_len: int, distill: DistillConfig, client: EndpointConfig, model: str
+) -> TeacherClient:
+    """The teacher's client: with forward_kl it lists its top-k per position; with reverse_kl and top_k > 0 it also
+    scores on the student's server (`client`, naming `model`) for the baseline."""
+    top_k = distill.top_k
+    if distill.kind == "forward_kl":
+        return TeacherClient(config, seq_len, top_k, dense=True)
     if not top_k:
         return TeacherClient(config, seq_len)
     fields = client.model_dump(include=set(EndpointConfig.model_fields))

@@ -25,6 +25,11 @@ All built-ins drop whole samples whose geometric-mean ratio leaves [sequence_mas
 min(1, cap/r) / min(1, cap/s) (token / sequence TIS: the importance weight is truncated at the cap).
 Every loss, custom included, then gets `kl_tau`·(logπ - logμ)² (a pull toward the sampler) and, with
 reference logprobs, `ref_kl`·k3(π‖π_ref) = ref_kl·(π_ref/π - log(π_ref/π) - 1) (a pull toward the start).
+
+Forward-KL distillation adds, outside the objective, `teacher_cross_entropy`: at every position with teacher
+targets w (the distillation weight times the teacher's top-k probabilities, renormalized), -Σ_k w_k·logπ(x_k),
+the student's distribution there (temperature-scaled, like logπ) pulled toward the teacher's; its gradient is
+that of weight·KL(teacher‖student) over the listed tokens.
 """
 
 from __future__ import annotations
@@ -94,6 +99,35 @@ def _parent_logprobs(logits, input_ids, temperatures, parents) -> torch.Tensor:
     picked = scaled.gather(-1, input_ids.flatten()[:, None]).squeeze(-1)
     lp = picked - torch.logsumexp(scaled, dim=-1)
     return torch.where(parents.flatten() >= 0, lp, 0.0).view(parents.shape)
+
+
+def teacher_cross_entropy(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_targets: torch.Tensor,
+    parents: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ over positions of -Σ_k w_k·logπ(x_k), with the gradient; Σ over positions of KL(q‖π) over the listed
+    tokens, q = w / Σw, no gradient), over the positions with any target mass. Shapes as `token_logprobs`, the
+    teacher's (..., T, K); a token is predicted by the logits at t-1, or at parents[t]. Only those positions'
+    logits rows are copied (one (n, V) float32 copy)."""
+    targets = teacher_targets.flatten(0, -2).float()
+    where = (targets.sum(-1) > 0).nonzero().squeeze(1)
+    if parents is None:
+        source = where - 1  # position 0 of a row never has targets: every sample starts with prompt
+    else:
+        length = parents.shape[-1]
+        flat = parents.flatten()
+        source = flat[where] + torch.div(where, length, rounding_mode="floor") * length
+    rows = logits.flatten(0, -2).index_select(0, source).float() / temperatures.flatten()[where, None].float()
+    picked = torch.log_softmax(rows, dim=-1).gather(-1, teacher_ids.flatten(0, -2)[where])
+    w = targets[where]
+    ce = -(w * picked).sum()
+    with torch.no_grad():
+        q = w / w.sum(-1, keepdim=True)
+        kl = torch.where(q > 0, q * (q.clamp(min=1e-30).log() - picked), 0.0).sum()
+    return ce, kl
 
 
 @torch.no_grad()

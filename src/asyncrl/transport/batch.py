@@ -14,6 +14,10 @@ dict of 1-D tensors of one equal length L (one packed row of up to seq_len token
     inference_logprobs (float32; logprob of the token under the sampler, 0 where loss_mask is False),
     temperatures (float32; sampling temperature of the sample each token belongs to)
 
+and, with forward-KL distillation only, two (L, K) fields: teacher_ids (int64; the teacher's listed tokens at
+each position, zero-padded) and teacher_targets (float32 >= 0; their target mass, the distillation weight times
+the teacher's renormalized probability; 0 on padding and on tokens without a teacher signal).
+
 A row may also share prefixes: samples of one group that start with the same prompt carry it once, each
 later sample (a continuation) written as only its own tokens with positions going on from where it forks
 (neither +1 nor a restart at 0). `transport.prefix` reads groups, samples, logit parents and the attention
@@ -49,6 +53,13 @@ MicroBatch = dict[str, torch.Tensor]
 FIELDS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")
 INTEGER_FIELDS = ("input_ids", "position_ids")
 FLOAT_FIELDS = ("advantages", "inference_logprobs", "temperatures")
+TEACHER_FIELDS = ("teacher_ids", "teacher_targets")  # optional, both or neither: (L, K)
+
+
+def masked_copy(row: MicroBatch) -> MicroBatch:
+    """`row` with nothing to train on (loss mask, advantages, logprobs and teacher targets zeroed): a filler."""
+    keep = ("input_ids", "position_ids", "temperatures", "teacher_ids")
+    return {k: v.clone() if k in keep else torch.zeros_like(v) for k, v in row.items()}
 
 
 def check_micro_batch(mb: MicroBatch) -> None:
@@ -58,6 +69,8 @@ def check_micro_batch(mb: MicroBatch) -> None:
     lengths = {k: mb[k].shape for k in FIELDS}
     if len({tuple(s) for s in lengths.values()}) != 1 or mb["input_ids"].dim() != 1:
         raise ValueError(f"micro-batch fields must be 1-D tensors of one length, got {lengths}")
+    if (problem := _teacher_shape_problem(mb)) is not None:
+        raise ValueError(f"micro-batch {problem}")
 
 
 def write_batch(layout: RunLayout, step: int, per_rank: list[list[MicroBatch]], meta: dict | None = None) -> Path:
@@ -166,7 +179,44 @@ def micro_batch_problem(mb: object, vocab_size: int | None = None) -> str | None
     shapes = {k: tuple(mb[k].shape) for k in FIELDS}
     if len(set(shapes.values())) != 1 or mb["input_ids"].dim() != 1 or mb["input_ids"].numel() == 0:
         return f"the fields must be non-empty 1-D tensors of one length, got shapes {shapes}"
-    return _dtype_problem(mb) or _value_problem(mb, vocab_size)
+    return (
+        _teacher_shape_problem(mb)
+        or _dtype_problem(mb)
+        or _value_problem(mb, vocab_size)
+        or _teacher_problem(mb, vocab_size)
+    )
+
+
+def _teacher_shape_problem(mb: dict) -> str | None:
+    """The teacher fields, when present: both, tensors of shape (L, K >= 1), L the row's length."""
+    present = [k for k in TEACHER_FIELDS if k in mb]
+    if not present:
+        return None
+    if len(present) == 1:
+        return f"has {present[0]} without {[k for k in TEACHER_FIELDS if k not in mb][0]} (both or neither)"
+    if not all(isinstance(mb[k], torch.Tensor) for k in TEACHER_FIELDS):
+        return "teacher_ids / teacher_targets are not tensors"
+    shapes = {k: tuple(mb[k].shape) for k in TEACHER_FIELDS}
+    length = mb["input_ids"].shape[0]
+    if len(set(shapes.values())) != 1 or len(shapes["teacher_ids"]) != 2 or shapes["teacher_ids"][0] != length:
+        return f"teacher fields must be (L, K) tensors of one shape with L = {length} tokens, got {shapes}"
+    if shapes["teacher_ids"][1] < 1:
+        return "teacher fields list no token per position (K = 0)"
+    return None
+
+
+def _teacher_problem(mb: MicroBatch, vocab_size: int | None) -> str | None:
+    if "teacher_ids" not in mb:
+        return None
+    ids, targets = mb["teacher_ids"], mb["teacher_targets"]
+    if ids.is_floating_point() or ids.dtype == torch.bool or not targets.is_floating_point():
+        return f"wrong dtypes teacher_ids {ids.dtype}, teacher_targets {targets.dtype} (integer ids, float targets)"
+    high = vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max
+    if (bad := _first((~((ids >= 0) & (ids < high))).any(-1))) is not None:
+        return f"teacher_ids[{bad}] = {ids[bad].tolist()} lists a token outside the model's vocabulary"
+    if (bad := _first((~(targets.isfinite() & (targets >= 0))).any(-1))) is not None:
+        return f"teacher_targets[{bad}] = {targets[bad].tolist()} (target mass must be finite and >= 0)"
+    return None
 
 
 def _dtype_problem(mb: MicroBatch) -> str | None:

@@ -12,10 +12,16 @@ from orch_fakes import FakeRunner, FakeServer, fake_mixture
 from teacher_server import TeacherServer
 
 from asyncrl.config.base import CkptConfig
-from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig, OrchestratorConfig, TeacherConfig
+from asyncrl.config.orchestrator import (
+    AdvantageConfig,
+    BufferConfig,
+    DistillConfig,
+    OrchestratorConfig,
+    TeacherConfig,
+)
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator import teacher as teacher_mod
-from asyncrl.orchestrator.advantage import token_advantages
+from asyncrl.orchestrator.advantage import teacher_targets, token_advantages
 from asyncrl.orchestrator.loop import Orchestrator
 from asyncrl.orchestrator.packing import PackItem, pack
 from asyncrl.orchestrator.rollouts import GroupCollector
@@ -82,6 +88,8 @@ def test_config_weights_and_errors():
         OrchestratorConfig(teacher={})
     with pytest.raises(ValueError, match="greater than or equal to 0"):
         OrchestratorConfig(teacher={"port": 8001}, reward={"weight": -1})
+    with pytest.raises(ValueError, match=r"forward_kl' needs .* set distill.top_k"):
+        OrchestratorConfig(teacher={"port": 8001}, distill={"kind": "forward_kl"})
     # a config dumped and read back (rl hands the orchestrator its config so) stays valid
     assert OrchestratorConfig.model_validate(plain.model_dump(mode="json")).reward_weight == 1.0
 
@@ -142,6 +150,36 @@ def test_reverse_kl_from_both_top_k():
     first = 0.6 * ln(0.6 / 0.99) + 0.4 * ln(0.4 / 0.01)
     second = 0.9 * ln(0.9 / 0.5) + 0.1 * ln(0.1 / 0.2)  # token 3: the teacher's lowest finite listed logprob
     assert got == pytest.approx([0.0, first, second])
+
+
+def test_teacher_targets_renormalize_the_listed_tokens_on_loss_tokens_only():
+    import math
+
+    top = [{}, {3: math.log(0.6), 4: math.log(0.2)}, {5: 0.0}, {6: -1.0}]
+    got = teacher_targets([False, True, True, False], top, weight=2.0)
+    assert got[0] == {} and got[3] == {}  # not loss tokens
+    assert got[1] == pytest.approx({3: 1.5, 4: 0.5}) and got[2] == pytest.approx({5: 2.0})
+    assert teacher_targets([False, True, True], top[:2], 1.0)[2] == {}  # past what the teacher scored
+
+
+def test_teacher_targets_survive_truncation_shared_prefixes_and_fillers():
+    a = TokenSample([1, 2, 3, 4], [False, False, True, True], [0, 0, -1.0, -1.0])
+    b = TokenSample([1, 2, 3, 7], [False, False, True, True], [0, 0, -1.0, -1.0])
+    ta = [{}, {}, {3: 0.5, 9: 0.5}, {4: 1.0}]
+    tb = [{}, {}, {3: 1.0}, {7: 0.25, 8: 0.25, 9: 0.5}]
+    items = [PackItem(a, 0.0, 1.0, group=0, teacher_targets=ta), PackItem(b, 0.0, 1.0, group=0, teacher_targets=tb)]
+    rows, stats = pack(items, seq_len=16, num_ranks=2, share=True)
+    assert stats.num_tokens < stats.num_tokens_unshared and stats.num_dummies == 1
+    full = expand(rows[0][0])
+    assert full["teacher_ids"].shape == (8, 3)  # the widest position lists 3
+    mass = {(t, int(i)): float(w) for t in range(8) for i, w in zip(full["teacher_ids"][t], full["teacher_targets"][t])}
+    assert {k: v for k, v in mass.items() if v} == {(2, 3): 0.5, (2, 9): 0.5, (3, 4): 1.0, (6, 3): 1.0,
+                                                      (7, 7): 0.25, (7, 8): 0.25, (7, 9): 0.5}  # fmt: skip
+    assert not rows[1][0]["teacher_targets"].any() and rows[1][0]["teacher_ids"].shape[1] == 3  # the filler
+    cut, _ = pack(items[:1], seq_len=3)
+    assert cut[0][0]["teacher_targets"].sum(-1).tolist() == [0, 0, 1.0]
+    plain, _ = pack([PackItem(a, 0.0, 1.0)], seq_len=16)
+    assert "teacher_ids" not in plain[0][0]  # reverse_kl and reward batches: the fields of before
 
 
 def test_per_token_advantages_survive_truncation_and_shared_prefixes():
@@ -205,7 +243,11 @@ def test_with_top_k_the_student_server_scores_too_and_gives_the_baseline(tmp_pat
     other = build_tiny_model(tmp_path / "student", hidden_size=64, num_layers=1, seed=1)
     with TeacherServer(tiny_model_dir) as t, TeacherServer(other, name="the-student") as s:
         client = teacher_mod.with_student(
-            TeacherConfig(base_url=t.base_url), 64, 5, ClientConfig(base_url=s.base_url), "the-student"
+            TeacherConfig(base_url=t.base_url),
+            64,
+            DistillConfig(top_k=5),
+            ClientConfig(base_url=s.base_url),
+            "the-student",
         )
         ids = [5, 6, 7, 8, 9, 10]
         sample = TokenSample(ids, [False] * 2 + [True] * 4, [-1.0] * 6)
@@ -213,7 +255,11 @@ def test_with_top_k_the_student_server_scores_too_and_gives_the_baseline(tmp_pat
         async def go():
             try:
                 return await client.score(sample), await teacher_mod.with_student(
-                    TeacherConfig(base_url=t.base_url), 64, 0, ClientConfig(base_url=s.base_url), "the-student"
+                    TeacherConfig(base_url=t.base_url),
+                    64,
+                    DistillConfig(),
+                    ClientConfig(base_url=s.base_url),
+                    "the-student",
                 ).score(sample)
             finally:
                 await client.close()
@@ -242,7 +288,7 @@ def test_the_baseline_keeps_to_the_student_servers_context(tiny_model_dir, tok):
 
     with TeacherServer(tiny_model_dir) as t, TeacherServer(tiny_model_dir, name="s", max_model_len=5) as s:
         client = teacher_mod.with_student(
-            TeacherConfig(base_url=t.base_url), 64, 3, ClientConfig(base_url=s.base_url), "s"
+            TeacherConfig(base_url=t.base_url), 64, DistillConfig(top_k=3), ClientConfig(base_url=s.base_url), "s"
         )
         ids = [5, 6, 7, 8, 9, 10, 11]
 
@@ -257,6 +303,30 @@ def test_the_baseline_keeps_to_the_student_servers_context(tiny_model_dir, tok):
     assert client.student.max_model_len == 5 and s.requests[-1][1] == ids[:4] and t.requests[-1][1] == ids
     assert len(scores) == len(scores.baseline) == 7 and scores.baseline[4:] == [0.0] * 3
     assert scores.baseline[1:4] == pytest.approx([0.0] * 3, abs=1e-5)  # the same model: no KL where both scored
+
+
+def test_forward_kl_lists_the_teachers_top_k_and_asks_no_student(tiny_model_dir):
+    with TeacherServer(tiny_model_dir) as t:
+        client = teacher_mod.with_student(
+            TeacherConfig(base_url=t.base_url), 64, DistillConfig(kind="forward_kl", top_k=3), None, "unused"
+        )
+        ids = [5, 6, 7, 8, 9]
+        sample = TokenSample(ids, [False] * 2 + [True] * 3, [-1.0] * 5)
+
+        async def go():
+            try:
+                return await client.score(sample)
+            finally:
+                await client.close()
+
+        scores = asyncio.run(go())
+        dist = t.distributions(ids)
+    assert client.student is None and scores == pytest.approx(t.logprobs(ids), abs=1e-5) and scores.top[0] == {}
+    for pos in range(1, len(ids)):
+        row = dist[pos - 1]
+        want = set(row.topk(3).indices.tolist()) | {ids[pos]}
+        assert set(scores.top[pos]) == want
+        assert all(lp == pytest.approx(row[x].item(), abs=1e-5) for x, lp in scores.top[pos].items())
 
 
 def test_another_tokenizer_is_refused_in_one_line_naming_both_models(tiny_model_dir, tok):
@@ -342,6 +412,34 @@ def test_distillation_steps_write_teacher_advantages_and_metrics(tmp_path, tiny_
     both = [(r["distill/teacher_kl"], r["distill/teacher_lp"]) for r in records]
     assert sum(k for k, _ in both) / 2 == pytest.approx(sum(kls) / len(kls), rel=1e-4)
     assert sum(lp for _, lp in both) / 2 == pytest.approx(sum(lps) / len(lps), rel=1e-4)
+
+
+def test_forward_kl_steps_write_the_teachers_targets_and_no_distillation_advantage(tmp_path, tiny_model_dir, tok):
+    import math
+
+    with TeacherServer(tiny_model_dir) as srv:
+        cfg = _config(tmp_path, srv.base_url, max_steps=1, distill={"kind": "forward_kl", "top_k": 2, "weight": 0.5})
+        teacher = teacher_mod.with_student(cfg.teacher, cfg.seq_len, cfg.distill, cfg.client, "student")
+        orch = Orchestrator(cfg, fake_mixture(), FakeRunner(turns=2), StudentServer(tok), teacher=teacher)
+        asyncio.run(orch.run())
+        checked = 0
+        for mb in read_batch(RunLayout(tmp_path), 0, 0):
+            mb = expand(mb)
+            assert not mb["advantages"].any()  # reward weight 0: the teacher's signal is all in the targets
+            starts = (mb["position_ids"] == 0).nonzero().flatten().tolist() + [len(mb["input_ids"])]
+            for a, b in zip(starts, starts[1:]):
+                ids, mask = mb["input_ids"][a:b].tolist(), mb["loss_mask"][a:b]
+                mass = mb["teacher_targets"][a:b]
+                assert not mass[~mask].any()
+                dist = srv.distributions(ids)
+                for t in mask.nonzero().flatten().tolist():
+                    listed = set(dist[t - 1].topk(2).indices.tolist()) | {ids[t]}
+                    z = sum(math.exp(dist[t - 1][x].item()) for x in listed)
+                    got = {int(i): float(w) for i, w in zip(mb["teacher_ids"][a + t], mass[t]) if w > 0}
+                    want = {x: 0.5 * math.exp(dist[t - 1][x].item()) / z for x in listed}
+                    assert got == pytest.approx(want, abs=1e-5)
+                    checked += 1
+    assert checked > 0 and _records(tmp_path)[0]["distill/teacher_kl"] != 0
 
 
 def test_groups_are_scored_while_others_still_generate(tiny_model_dir):

@@ -81,3 +81,30 @@ def test_a_batch_packed_for_another_rank_count_is_dealt_out_again():
     assert not ranks[1][1]["loss_mask"].any() and not ranks[1][1]["advantages"].any()  # a masked copy
     assert sum(int(mb["loss_mask"].sum()) for mbs in ranks for mb in mbs) == 8 + 4 + 6  # every real token, once
     assert len(deal_rows(packed_for_one, 1, 0)) == 3
+
+
+def with_targets(mb: dict, width: int, mass: float = 1.0) -> dict:
+    n = len(mb["input_ids"])
+    ids = torch.arange(n * width).view(n, width) % 7
+    targets = torch.where(mb["loss_mask"][:, None], torch.full((n, width), mass), 0.0)
+    return {**mb, "teacher_ids": ids, "teacher_targets": targets}
+
+
+def test_forward_kl_targets_travel_through_stacking_padding_and_concatenation():
+    """Rows with targets of widths 2 and 3 and one without: joined at width 3, padding and the missing row mass 0."""
+    from asyncrl.trainer.rl.data import micro_batches
+
+    rows = [prepare(mb, torch.device("cpu")) for mb in (with_targets(row([5]), 2), with_targets(row([3]), 3), row([2]))]
+    stacked, joined = micro_batches(rows, 3, stack=True)[0], micro_batches(rows, 3, stack=False)[0]
+    assert stacked.teacher_ids.shape == (3, 5, 3) and joined.teacher_targets.shape == (1, 10, 3)
+    mass = stacked.teacher_targets.sum(-1)
+    assert mass.tolist() == [[0, 2, 2, 2, 2], [0, 3, 3, 0, 0], [0, 0, 0, 0, 0]]
+    assert joined.teacher_targets.sum().item() == mass.sum().item()
+    assert micro_batches([rows[2]], 1)[0].teacher_ids is None  # no targets anywhere: no term
+
+
+def test_a_filler_copy_has_no_teacher_mass():
+    from asyncrl.trainer.rl.data import deal_rows
+
+    dealt = deal_rows([with_targets(row([4]), 2)], 2, 1)
+    assert dealt[0]["teacher_ids"].shape == (4, 2) and not dealt[0]["teacher_targets"].any()

@@ -14,6 +14,7 @@ from asyncrl.trainer.loss import (
     entropy_with_grad,
     get_loss_fn,
     mismatch_kl_sum,
+    teacher_cross_entropy,
     token_entropy,
     token_logprobs,
 )
@@ -275,3 +276,40 @@ def test_same_weights_give_ratio_one_and_zero_kl(tiny_model):
     assert torch.equal(ratio, torch.ones_like(ratio))
     assert mismatch_kl_sum(x).item() == 0
     assert BUILTIN["aipo"](x, LossConfig()).metrics["masked_frac"].item() == 0
+
+
+def test_teacher_cross_entropy_hand_computed_and_its_gradient_lowers_the_kl():
+    """Row [p, c, c]: targets at positions 1 and 2 (predicted by the logits at 0 and 1), weight 2."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6, requires_grad=True)
+    temps = torch.tensor([1.0, 2.0, 2.0])
+    ids = torch.tensor([[0, 0], [1, 4], [3, 0]])
+    q1, q2 = torch.tensor([0.75, 0.25]), torch.tensor([1.0, 0.0])  # position 2 lists one token (padding: 0)
+    targets = torch.stack([torch.zeros(2), 2 * q1, 2 * q2])
+    ce, kl = teacher_cross_entropy(logits, temps, ids, targets)
+    lp0, lp1 = (torch.log_softmax(logits[i].detach() / 2.0, -1) for i in (0, 1))
+    want_ce = -(2 * (0.75 * lp0[1] + 0.25 * lp0[4]) + 2 * lp1[3])
+    want_kl = 0.75 * (math.log(0.75) - lp0[1]) + 0.25 * (math.log(0.25) - lp0[4]) + (0.0 - lp1[3])
+    assert ce.item() == pytest.approx(want_ce.item(), rel=1e-5) and kl.item() == pytest.approx(want_kl.item(), rel=1e-5)
+    ce.backward()
+    assert logits.grad[2].abs().sum() == 0  # the last position predicts nothing
+    with torch.no_grad():
+        _, after = teacher_cross_entropy(logits - 0.5 * logits.grad, temps, ids, targets)
+    assert after < kl
+
+
+def test_teacher_cross_entropy_reads_logit_parents_and_stacked_rows():
+    """Rows stacked [2, L, V]: the same value as one row at a time; with parents, the parent's logits."""
+    torch.manual_seed(1)
+    logits = torch.randn(2, 4, 5)
+    temps = torch.ones(2, 4)
+    ids = torch.randint(0, 5, (2, 4, 3))
+    targets = torch.rand(2, 4, 3) * torch.tensor([0.0, 1.0, 1.0, 1.0])[None, :, None]
+    both = teacher_cross_entropy(logits, temps, ids, targets)
+    alone = [teacher_cross_entropy(logits[r], temps[r], ids[r], targets[r]) for r in range(2)]
+    assert both[0].item() == pytest.approx(sum(a[0].item() for a in alone), rel=1e-5)
+    parents = torch.tensor([[-1, 0, 1, 2], [-1, 0, 0, 0]])  # row 1: every token predicted by position 0
+    shared, _ = teacher_cross_entropy(logits, temps, ids, targets, parents)
+    lp = torch.log_softmax(logits[1, 0], -1)
+    row1 = -sum((targets[1, t] * lp[ids[1, t]]).sum() for t in (1, 2, 3))
+    assert shared.item() == pytest.approx(alone[0][0].item() + row1.item(), rel=1e-5)

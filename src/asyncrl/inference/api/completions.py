@@ -344,7 +344,9 @@ async def completions(body: CompletionRequest, request: Request, backend: Backen
     run = _CompletionRun(body, prompts, body.model or backend.model_name, TokenText.for_tokenizer(backend.tokenizer))
     if body.stream:
         return StreamingResponse(_stream_completions(streams, run), media_type="text/event-stream")
-    return run.response(await asyncio.gather(*[collect(request, s, body.n) for s in streams]))
+    # a JSONResponse, not a dict: FastAPI would walk a returned dict with jsonable_encoder first, which costs
+    # ~10x the json.dumps itself on prompt logprobs with top-k (a teacher's answers: ~100 KB each)
+    return JSONResponse(run.response(await asyncio.gather(*[collect(request, s, body.n) for s in streams])))
 
 
 def _completion_prompts(backend: Backend, body: CompletionRequest) -> list[list[int]]:

@@ -16,6 +16,9 @@ continuation is a sample of its own, and when any row of a batch is shared the b
 `parents` (the token whose logits score each token, row-local; -1: none) and a [rows, 1, L, L] bool
 `attention_mask` (concatenated rows: block-diagonal). Batches of plain rows carry neither, and the
 forward pass is exactly the plain one. Attention that takes no such mask gets `expand`ed rows instead.
+
+Forward-KL distillation rows also carry `teacher_ids` / `teacher_targets` ([rows, length, K]; padding and rows
+without them: mass 0); a batch without them carries None and its loss has no cross-entropy term.
 """
 
 from __future__ import annotations
@@ -31,7 +34,16 @@ from loguru import logger
 from asyncrl.config.base import BenchDataConfig
 from asyncrl.core.errors import UserError
 from asyncrl.trainer.loss import LossInputs
-from asyncrl.transport.batch import FIELDS, MicroBatch, check_micro_batch, read_batch, read_meta, wait_for_batch
+from asyncrl.transport.batch import (
+    FIELDS,
+    TEACHER_FIELDS,
+    MicroBatch,
+    check_micro_batch,
+    masked_copy,
+    read_batch,
+    read_meta,
+    wait_for_batch,
+)
 from asyncrl.transport.layout import RunLayout
 from asyncrl.transport.prefix import attention_mask, check_shared, segments
 
@@ -49,6 +61,8 @@ class PackedRow:
     sample_lengths: torch.Tensor  # CPU, for FLOP counting: tokens computed per sample (a continuation's own)
     parents: torch.Tensor  # row-local index of the token whose logits score each token; -1: none
     shared: bool  # some sample continues another's prefix (needs parents and a mask in the forward)
+    teacher_ids: torch.Tensor | None = None  # (L, K) forward-KL targets' token ids (transport.batch)
+    teacher_targets: torch.Tensor | None = None  # (L, K) their target mass
 
 
 def prepare(mb: MicroBatch, device: torch.device) -> PackedRow:
@@ -70,6 +84,7 @@ def prepare(mb: MicroBatch, device: torch.device) -> PackedRow:
         sample_lengths=lengths,
         parents=seg.parents.to(device),
         shared=seg.shared,
+        **{k: mb[k].to(device, non_blocking=True) for k in TEACHER_FIELDS if k in mb},
     )
 
 
@@ -87,6 +102,8 @@ class RowBatch:
     num_samples: int
     parents: torch.Tensor | None = None  # [rows, length], only when some row is shared
     attention_mask: torch.Tensor | None = None  # [rows, 1, length, length] bool, True: attend; likewise
+    teacher_ids: torch.Tensor | None = None  # [rows, length, K], only when some row has forward-KL targets
+    teacher_targets: torch.Tensor | None = None  # likewise
 
     def loss_inputs(self, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None) -> LossInputs:
         """The loss's per-token view: every row's tokens one after another."""
@@ -101,7 +118,8 @@ class RowBatch:
         )
 
 
-TOKEN_FIELDS = [f.name for f in fields(RowBatch) if f.name not in ("num_samples", "parents", "attention_mask")]
+OPTIONAL = ("num_samples", "parents", "attention_mask", *TEACHER_FIELDS)
+TOKEN_FIELDS = [f.name for f in fields(RowBatch) if f.name not in OPTIONAL]
 
 
 def pad_row(row: PackedRow, length: int) -> PackedRow:
@@ -119,6 +137,8 @@ def pad_row(row: PackedRow, length: int) -> PackedRow:
         "sample_ids": torch.full((k,), row.num_samples),
         "parents": torch.arange(length - k - 1, length - 1).index_fill(0, torch.tensor([0]), -1),
     }
+    if row.teacher_ids is not None:
+        tail |= {f: torch.zeros(k, getattr(row, f).shape[1], dtype=getattr(row, f).dtype) for f in TEACHER_FIELDS}
     grown = {f: torch.cat([getattr(row, f), t.to(row.input_ids.device)]) for f, t in tail.items()}
     return replace(row, **grown, num_samples=row.num_samples + 1)
 
@@ -132,8 +152,22 @@ def stack_rows(rows: list[PackedRow], stack: bool = True) -> RowBatch:
     starts = torch.tensor([0] + [r.num_samples for r in rows]).cumsum(0).tolist()
     out = {f: join([getattr(r, f) for r in rows]) for f in TOKEN_FIELDS if f != "sample_ids"}
     sample_ids = join([r.sample_ids + s for r, s in zip(rows, starts)])
-    batch = RowBatch(**out, sample_ids=sample_ids, num_samples=starts[-1])
+    batch = RowBatch(**out, sample_ids=sample_ids, num_samples=starts[-1], **_teacher_fields(rows, join))
     return _with_sharing(batch, rows, stack) if any(r.shared for r in rows) else batch
+
+
+def _teacher_fields(rows: list[PackedRow], join: Callable) -> dict[str, torch.Tensor]:
+    """The rows' forward-KL targets joined like the other fields (a row without them, or narrower: mass 0), or {}."""
+    width = max((r.teacher_ids.shape[1] for r in rows if r.teacher_ids is not None), default=0)
+    if not width:
+        return {}
+
+    def widened(row: PackedRow, f: str) -> torch.Tensor:
+        n, dtype = row.input_ids.numel(), torch.long if f == "teacher_ids" else torch.float32
+        have = getattr(row, f) if row.teacher_ids is not None else row.input_ids.new_zeros(n, 0, dtype=dtype)
+        return torch.cat([have, have.new_zeros(n, width - have.shape[1])], dim=1)
+
+    return {f: join([widened(r, f) for r in rows]) for f in TEACHER_FIELDS}
 
 
 def _with_sharing(batch: RowBatch, rows: list[PackedRow], stack: bool) -> RowBatch:
@@ -198,9 +232,7 @@ def deal_rows(rows: list[MicroBatch], ranks: int, rank: int) -> list[MicroBatch]
     real = sorted((r for r in rows if r["loss_mask"].any()), key=lambda r: -r["input_ids"].numel()) or rows[:1]
     mine, slots = real[rank::ranks], max(1, -(-len(real) // ranks))
     shortest = min(real, key=lambda r: r["input_ids"].numel())
-    keep = ("input_ids", "position_ids", "temperatures")
-    masked = lambda: {k: v.clone() if k in keep else torch.zeros_like(v) for k, v in shortest.items()}  # noqa: E731
-    return mine + [masked() for _ in range(slots - len(mine))]
+    return mine + [masked_copy(shortest) for _ in range(slots - len(mine))]
 
 
 def check_seq_len(rows: list[MicroBatch], seq_len: int | None, step: int) -> list[MicroBatch]:

@@ -37,7 +37,14 @@ from asyncrl.core import failpoint
 from asyncrl.core.errors import UserError
 from asyncrl.trainer.ckpt import complete_steps
 from asyncrl.trainer.lora import adapters_off
-from asyncrl.trainer.loss import entropy_with_grad, get_loss_fn, mismatch_kl_sum, token_entropy, token_logprobs
+from asyncrl.trainer.loss import (
+    entropy_with_grad,
+    get_loss_fn,
+    mismatch_kl_sum,
+    teacher_cross_entropy,
+    token_entropy,
+    token_logprobs,
+)
 from asyncrl.trainer.model import DTYPES, load_model
 from asyncrl.trainer.perf import format_mfu
 from asyncrl.trainer.rl.data import (
@@ -184,6 +191,10 @@ class RLLoop(Loop):
         if loss_cfg.entropy_coef > 0:  # the bonus needs the entropy's gradient: computed before backward
             entropy = self._entropy_sum(logits, mb, entropy_with_grad)
             loss = loss - loss_cfg.entropy_coef * entropy
+        if mb.teacher_ids is not None:  # forward-KL distillation: the teacher's targets at every loss token
+            ce, kl = teacher_cross_entropy(logits, mb.temperatures, mb.teacher_ids, mb.teacher_targets, mb.parents)
+            loss = loss + ce
+            out.metrics["teacher_kl"] = kl
         (loss * scale).backward()
         sums = {
             "loss": loss.detach().float(),
