@@ -10,6 +10,9 @@ gives both models: the **student** is its weights after `--student-step` SFT ste
            teacher logprob - student logprob (reward.weight defaults to 0 with a teacher);
 - mixed:   both, `orchestrator.reward.weight = 1`, `orchestrator.distill.weight = 1`;
 - plain:   distillation without the per-position baseline (`orchestrator.distill.top_k = 0`).
+- forward: dense distillation alone, `distill.kind = "forward_kl"`, `top_k = 20`: the trainer pulls the student
+           toward the teacher's top 20 at every position (cross-entropy);
+- fmixed:  forward plus the reward (`reward.weight = 1`).
 
 Every `--eval-every` steps the run keeps its weights (`--ckpt.interval`); each is scored on the held-out words
 with `python -m asyncrl.bench.heldout` (sampled T=1 exact match, 128 words x 4 samples; the same scorer, words
@@ -17,8 +20,8 @@ and sampling for teacher, student and every checkpoint). One table: recipe, seed
 step, wall time, and the first scored step (and seconds into the run) at which held-out reaches the teacher's
 minus 2 points. Numbers in `{out}/distill.json`; finished runs under `{out}/runs/` are reused.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/distill.py --seeds 2 --steps 40 --eval-every 10 \\
-        [--recipes reward,distill,mixed] [--out outputs/distill-bench]
+    PYTHONPATH=src .venv/bin/python benchmarks/distill.py --seeds 3 --steps 100 --eval-every 20 --lr 3e-4 \\
+        --recipes reward,forward,fmixed --rl-args "--trainer.scheduler.warmup-steps 10" [--out outputs/distill-bench]
 
 Recipes that need the orchestrator's `teacher` (distill, mixed) are skipped, said so, where it lacks it.
 """

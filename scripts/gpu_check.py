@@ -136,7 +136,13 @@ def teacher_scores(work: Path, _: list[str]) -> str:
     assert kl, "no step has a distill/teacher_kl (did the teacher score any sample?)"
     assert all(0 <= k < 1e3 for k in kl), f"teacher KL out of range: {kl}"
     early, late = sum(kl[:3]) / len(kl[:3]), sum(kl[-3:]) / len(kl[-3:])
-    return f"{len(kl)} steps scored by the teacher on GPU 0, teacher-student KL {early:.3f} -> {late:.3f}"
+    trained = [json.loads(x) for x in (work / "distill" / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    dense = [r["teacher_kl"] for r in trained if "teacher_kl" in r]  # the example's forward KL, on CUDA
+    assert dense and all(0 <= k < 1e3 for k in dense), f"trainer's forward KL to the teacher: {dense}"
+    return (
+        f"{len(kl)} steps scored by the teacher on GPU 0, teacher-student KL {early:.3f} -> {late:.3f}; "
+        f"trainer's forward KL {dense[0]:.3f} -> {dense[-1]:.3f}"
+    )
 
 
 IMPORTS = """

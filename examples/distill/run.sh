@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On-policy distillation on CPU: a tiny student learns from a tiny teacher on its own samples.
 #
-# What it does (everything lands in outputs/distill/; ~10 minutes on 2 cores):
+# What it does (everything lands in outputs/distill/; ~12 minutes on 2 cores):
 #   1. builds the tiny model (random init, byte tokenizer; the bench job's size) and 10k reverse-text SFT rows
 #      (the bench job's task: bare 5-8 letter words);
 #   2. one SFT run (examples/distill/sft.toml): the student is its weights after 250 steps, the teacher after 400;
@@ -9,8 +9,8 @@
 #      exact match, greedy and sampled at T=1); measured: student 0.51, teacher 0.89 sampled;
 #   4. `rl @ examples/distill/rl.toml`: rl starts the inference server (the student), the teacher server
 #      ([teacher], logs/teacher.log, port 8001), orchestrator and trainer; the orchestrator asks the teacher for
-#      the logprobs of every sampled completion (prompt logprobs, no sampling) and the per-token advantage is
-#      teacher logprob - student logprob; the metrics show distill/teacher_kl per step;
+#      its top 20 tokens at every position of every sampled completion (prompt logprobs, no sampling) and the
+#      trainer pulls the student toward them (forward KL), beside the reward; the metrics show the teacher KL;
 #   5. scores the distilled student on the same held-out words.
 #
 # The teacher can be any server `inference` runs (embedded or vLLM, here or on another host) with the student's
@@ -38,5 +38,5 @@ python -m asyncrl.bench.heldout "$out/sft/weights/step_250" "$out/sft/weights/st
 echo "== 4/5 on-policy distillation: rl @ examples/distill/rl.toml -> $out/rl"
 rl @ examples/distill/rl.toml
 echo "== 5/5 held-out exact match of the distilled student"
-python -m asyncrl.bench.heldout "$out/rl/weights/step_40" 2>/dev/null
+python -m asyncrl.bench.heldout "$out/rl/weights/step_100" 2>/dev/null
 echo "== done in $(( $(date +%s) - start ))s; look at it: asyncrl status $out/rl, $out/rl/report.html"

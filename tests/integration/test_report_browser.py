@@ -85,6 +85,7 @@ def make_run(run: Path) -> Path:
                 "entropy": 1.8 - 0.03 * s,
                 "grad_norm": 0.4 + 0.1 * (s % 4),
                 "mismatch_kl": 1e-3 * (1 + s % 5),
+                "teacher_kl": 0.05 * (1 - 0.5 * s / STEPS),  # forward-KL distillation
                 "masked_frac": 0.02 * (s % 3),
                 "token_masked_high_frac": 0.01 * (s % 3),
                 "importance_ratio/p01": 0.9 - 0.01 * (s % 3),

@@ -81,6 +81,7 @@ PLOTS = [
     Plot(
         "KL to the sampler (mismatch_kl) and to the start weights (ref_kl)", "trainer", named("mismatch_kl", "ref_kl")
     ),
+    Plot("forward-KL distillation: KL(teacher's top-k ‖ student)", "trainer", named("teacher_kl")),
     Plot("importance ratio π/μ (quantiles, max)", "trainer", prefixed("importance_ratio/")),
     Plot("masked / clipped / truncated fraction, by side", "trainer", masked_fractions),
     Plot("trainer step time (s)", "trainer", named("step_time_s", "wait_s", "publish_s")),

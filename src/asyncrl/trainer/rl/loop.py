@@ -311,6 +311,7 @@ class RLLoop(Loop):
             f"grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
             f"{m['step_time_s']:.2f}s {m['tokens_per_s']:,.0f} tok/s | mfu {format_mfu(m['mfu'])} | "
             f"mem {m['peak_mem_gib']:.2f} GiB | wait {m['wait_s']:.2f}s"
+            + (f" | teacher_kl {m['teacher_kl']:.4f}" if "teacher_kl" in m else "")
         )
 
     def bench_header(self) -> str:
