@@ -172,7 +172,7 @@ class TeacherClient:
         if self.dense:
             answer = await self.prompt_logprobs(ids, self.top_k)
             scores = TeacherScores(self._logprobs(answer, ids))
-            scores.top = [{}] + [{int(x): lp for x, lp in _top(e).items()} for e in self._entries(answer, ids)[1:]]
+            scores.top = [{}] + [self._listed(e, t) for t, e in enumerate(self._entries(answer, ids)) if t]
             return scores
         if not self.top_k or self.student is None:
             return TeacherScores(self._logprobs(await self.prompt_logprobs(ids, 0), ids))
@@ -208,6 +208,16 @@ class TeacherClient:
                 "must answer /v1/completions with prompt_logprobs (asyncrl's `inference`, or vLLM)"
             )
         return entries
+
+    def _listed(self, entry: Any, t: int) -> dict[int, float]:
+        """{token id: logprob} of one position's prompt_logprobs entry (a UserError for an id that is no integer)."""
+        try:
+            return {int(x): lp for x, lp in _top(entry).items()}
+        except ValueError:
+            raise UserError(
+                f"{self.role} at {self.root} listed a token id that is no integer at prompt position {t}: "
+                f"{str(entry)[:200]} (prompt_logprobs keys are token ids, as vLLM and asyncrl's `inference` give them)"
+            ) from None
 
     def _logprobs(self, answer: dict, ids: list[int]) -> list[float]:
         entries = self._entries(answer, ids)

@@ -329,6 +329,16 @@ def test_forward_kl_lists_the_teachers_top_k_and_asks_no_student(tiny_model_dir)
         assert all(lp == pytest.approx(row[x].item(), abs=1e-5) for x, lp in scores.top[pos].items())
 
 
+def test_a_teacher_listing_a_non_integer_token_id_is_one_line():
+    client = TeacherClient(TeacherConfig(base_url="http://127.0.0.1:9/v1"), 64, 3, dense=True)
+    try:
+        assert client._listed({"7": {"logprob": -0.5}, "9": {"logprob": float("-inf")}}, 1) == {7: -0.5}
+        with pytest.raises(UserError, match=r"no integer at prompt position 2: \{'abc'"):
+            client._listed({"abc": {"logprob": -1.0}}, 2)
+    finally:
+        asyncio.run(client.close())
+
+
 def test_another_tokenizer_is_refused_in_one_line_naming_both_models(tiny_model_dir, tok):
     with TeacherServer(tiny_model_dir, name="big-teacher", vocab_shift=1) as srv:
         client = TeacherClient(TeacherConfig(base_url=srv.base_url), seq_len=64)
