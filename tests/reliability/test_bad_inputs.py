@@ -94,6 +94,10 @@ BAD_BATCHES = {
     ),
     "teacher_fields_one_dimensional": (with_row(_teacher(LENGTH, None)), "teacher fields must be (L, K) tensors"),
     "teacher_id_out_of_vocabulary": (with_row(_teacher(LENGTH, 3, ids=10**6)), "teacher_ids[3] = [1000000"),
+    "float_teacher_ids": (
+        with_row(lambda r: r.update(teacher_ids=torch.ones(LENGTH, 2), teacher_targets=torch.zeros(LENGTH, 2))),
+        "wrong dtypes {'teacher_ids': 'float32'}",
+    ),
     "negative_teacher_mass": (with_row(_teacher(LENGTH, 5, mass=-0.5)), "teacher_targets[5] = [-0.5"),
     "loss_on_a_shared_prefix": (
         with_row(lambda r: r.update(position_ids=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]))),

@@ -85,13 +85,17 @@ def token_logprobs(
     return torch.cat([lp.new_zeros(*lp.shape[:-1], 1), lp], dim=-1)
 
 
+def _parent_index(parents: torch.Tensor) -> torch.Tensor:
+    """(N,): the flat index (over all rows' positions) of every token's parent (its row's 0 where it has none)."""
+    length = parents.shape[-1]
+    row_start = torch.arange(0, parents.numel(), length, device=parents.device).view(*parents.shape[:-1], 1)
+    return (parents.clamp(min=0) + row_start).flatten()
+
+
 def _parent_rows(logits: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """(N, V) float32: the logits row of every token's parent (row 0 of its row where it has none)."""
-    length = logits.shape[-2]
-    row_start = torch.arange(0, parents.numel(), length, device=parents.device).view(*parents.shape[:-1], 1)
-    index = (parents.clamp(min=0) + row_start).flatten()
     # index_select makes the one (N, V) copy; the scaling happens in place on it (or on its float32 cast)
-    return logits.flatten(0, -2).index_select(0, index).float()
+    return logits.flatten(0, -2).index_select(0, _parent_index(parents)).float()
 
 
 def _parent_logprobs(logits, input_ids, temperatures, parents) -> torch.Tensor:
@@ -114,12 +118,8 @@ def teacher_cross_entropy(
     logits rows are copied (one (n, V) float32 copy)."""
     targets = teacher_targets.flatten(0, -2).float()
     where = (targets.sum(-1) > 0).nonzero().squeeze(1)
-    if parents is None:
-        source = where - 1  # position 0 of a row never has targets: every sample starts with prompt
-    else:
-        length = parents.shape[-1]
-        flat = parents.flatten()
-        source = flat[where] + torch.div(where, length, rounding_mode="floor") * length
+    # position 0 of a row never has targets (every sample starts with prompt), so t-1 stays in its row
+    source = where - 1 if parents is None else _parent_index(parents)[where]
     rows = logits.flatten(0, -2).index_select(0, source).float() / temperatures.flatten()[where, None].float()
     picked = torch.log_softmax(rows, dim=-1).gather(-1, teacher_ids.flatten(0, -2)[where])
     w = targets[where]

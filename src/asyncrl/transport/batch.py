@@ -208,9 +208,7 @@ def _teacher_shape_problem(mb: dict) -> str | None:
 def _teacher_problem(mb: MicroBatch, vocab_size: int | None) -> str | None:
     if "teacher_ids" not in mb:
         return None
-    ids, targets = mb["teacher_ids"], mb["teacher_targets"]
-    if ids.is_floating_point() or ids.dtype == torch.bool or not targets.is_floating_point():
-        return f"wrong dtypes teacher_ids {ids.dtype}, teacher_targets {targets.dtype} (integer ids, float targets)"
+    ids, targets = mb["teacher_ids"], mb["teacher_targets"]  # dtypes checked by _dtype_problem
     high = vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max
     if (bad := _first((~((ids >= 0) & (ids < high))).any(-1))) is not None:
         return f"teacher_ids[{bad}] = {ids[bad].tolist()} lists a token outside the model's vocabulary"
@@ -220,12 +218,15 @@ def _teacher_problem(mb: MicroBatch, vocab_size: int | None) -> str | None:
 
 
 def _dtype_problem(mb: MicroBatch) -> str | None:
-    wrong = [k for k in INTEGER_FIELDS if mb[k].is_floating_point() or mb[k].is_complex() or mb[k].dtype == torch.bool]
-    wrong += [k for k in FLOAT_FIELDS if not mb[k].is_floating_point()]
+    """Integer ids and positions (and teacher_ids), a bool loss mask, float for the rest (teacher_targets too)."""
+    integer = [k for k in (*INTEGER_FIELDS, "teacher_ids") if k in mb]
+    wrong = [k for k in integer if mb[k].is_floating_point() or mb[k].is_complex() or mb[k].dtype == torch.bool]
+    wrong += [k for k in (*FLOAT_FIELDS, "teacher_targets") if k in mb and not mb[k].is_floating_point()]
     wrong += ["loss_mask"] if mb["loss_mask"].dtype != torch.bool else []
     if wrong:
         dtypes = {k: str(mb[k].dtype).removeprefix("torch.") for k in wrong}
-        return f"wrong dtypes {dtypes} (input_ids, position_ids: integer; loss_mask: bool; the rest: float)"
+        ints = "input_ids, position_ids, teacher_ids"
+        return f"wrong dtypes {dtypes} ({ints}: integer; loss_mask: bool; the rest: float)"
     return None
 
 

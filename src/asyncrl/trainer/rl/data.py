@@ -118,8 +118,8 @@ class RowBatch:
         )
 
 
-OPTIONAL = ("num_samples", "parents", "attention_mask", *TEACHER_FIELDS)
-TOKEN_FIELDS = [f.name for f in fields(RowBatch) if f.name not in OPTIONAL]
+NOT_JOINED = ("num_samples", "parents", "attention_mask", *TEACHER_FIELDS)  # built apart from the token fields
+TOKEN_FIELDS = [f.name for f in fields(RowBatch) if f.name not in NOT_JOINED]
 
 
 def pad_row(row: PackedRow, length: int) -> PackedRow:
