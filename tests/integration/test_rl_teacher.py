@@ -67,9 +67,12 @@ def test_a_taken_teacher_port_is_one_line_before_anything_starts(tiny_model_dir,
 
 def test_rl_distills_from_the_teacher_it_starts(warm_model, tiny_model_dir, tmp_path):
     """End to end: the orchestrator scores every sample with rl's teacher (its top 5 per position: forward KL) and
-    logs the teacher-student KL; the trainer trains on the teacher's targets and logs their KL too."""
+    logs the teacher-student KL; the trainer trains on the teacher's targets and logs their KL too. The teacher
+    requires an API key, which rl hands the orchestrator in the variable its client reads."""
     out, steps = tmp_path / "run", 3
     args = rl_args(tiny_model_dir, out, steps, free_port()) + teacher_args(warm_model, free_port())
+    args += ["--teacher.api-key", "t-key", "--orchestrator.teacher.api-key-var", "ASYNCRL_TEST_TEACHER_KEY"]
+    assert "ASYNCRL_TEST_TEACHER_KEY" not in os.environ
     result = run_rl(args + ["--orchestrator.distill.kind", "forward_kl", "--orchestrator.distill.top-k", "5"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = orchestrator_rows(out)

@@ -155,7 +155,30 @@ class RLConfig(BaseConfig):
                 )
         if self.teacher is not None:
             self._check_teacher()
+        self.orchestrator_keys()
         return self
+
+    def orchestrator_keys(self) -> dict[str, str]:
+        """{variable: key}: the `api_key` of each server rl starts with one that the orchestrator reaches at rl's
+        address (no `base_url`), in the variable its client reads (`api_key_var`); rl sets them in the
+        orchestrator's environment. A ValueError when two keys would share one variable."""
+        keys: dict[str, tuple[str, str]] = {}
+        pairs = [
+            ("inference", self.inference, self.orchestrator.client),
+            ("teacher", self.teacher, self.orchestrator.teacher),
+        ]
+        for role, server, client in pairs:
+            if server is None or not server.api_key or client is None or client.base_url is not None:
+                continue
+            var = client.api_key_var
+            if var in keys and keys[var][1] != server.api_key:
+                raise ValueError(
+                    f"the {keys[var][0]} and {role} servers rl starts have different api_key values, but the "
+                    f"orchestrator reads both from ${var}: give the teacher's its own variable "
+                    "(--orchestrator.teacher.api-key-var TEACHER_API_KEY) or use one key"
+                )
+            keys[var] = (role, server.api_key)
+        return {var: key for var, (_, key) in keys.items()}
 
     def _check_teacher(self) -> None:
         port = self.teacher.server.port

@@ -206,6 +206,10 @@ class Launcher:
         self.children.append(child)
         return child
 
+    def _orchestrator_env(self) -> dict[str, str]:
+        """The placement's environment plus the API keys of the servers rl starts (`RLConfig.orchestrator_keys`)."""
+        return {**self.placement.orchestrator_env(), **self.config.orchestrator_keys()}
+
     def _server_url(self) -> str:
         client = self.config.orchestrator.client
         return client.url.rstrip("/").removesuffix("/v1")
@@ -341,7 +345,7 @@ class Launcher:
         for run, path in orchestrators.items():
             name = "orchestrator" if run is None else f"orchestrator-{run}"
             cmd = [py, "-m", "asyncrl.entrypoints.orchestrator", "@", str(path)]
-            self._spawn(name, cmd, self.placement.orchestrator_env(), run=run)
+            self._spawn(name, cmd, self._orchestrator_env(), run=run)
         self._spawn("trainer", self._trainer_cmd(paths["trainer"]), self.placement.trainer_env(), stream=True)
         if not self.placement.servers_share_trainer_gpu:
             self._wait_for_servers()

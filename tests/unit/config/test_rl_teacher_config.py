@@ -131,3 +131,20 @@ def test_vllm_teacher_serves_on_all_its_gpus():
     from asyncrl.config.rl import vllm_data_parallel
 
     assert vllm_data_parallel(raw)["teacher"]["data_parallel_size"] == 2
+
+
+def test_keys_of_the_servers_rl_starts_reach_the_orchestrator():
+    """`[inference] api_key` / `[teacher] api_key`: the orchestrator gets each in the variable its client reads."""
+    assert rl("--inference", "--teacher.model.name", "t").orchestrator_keys() == {}
+    cfg = rl(
+        "--inference.api-key", "k1", "--teacher.model.name", "t", "--teacher.api-key", "k2",
+        "--orchestrator.teacher.api-key-var", "TEACHER_KEY",
+    )  # fmt: skip
+    assert cfg.orchestrator_keys() == {"OPENAI_API_KEY": "k1", "TEACHER_KEY": "k2"}
+    same = rl("--inference.api-key", "k", "--teacher.model.name", "t", "--teacher.api-key", "k")
+    assert same.orchestrator_keys() == {"OPENAI_API_KEY": "k"}
+    elsewhere = rl("--inference.api-key", "k", "--orchestrator.client.base-url", "http://10.0.0.2:8000/v1")
+    assert elsewhere.orchestrator_keys() == {}  # a server of the user's: its key is the user's business
+    with pytest.raises(UserError, match=r"reads both from \$OPENAI_API_KEY.*api-key-var") as e:
+        rl("--inference.api-key", "k1", "--teacher.model.name", "t", "--teacher.api-key", "k2")
+    assert "\n" not in str(e.value)
