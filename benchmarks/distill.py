@@ -20,8 +20,9 @@ and sampling for teacher, student and every checkpoint). One table: recipe, seed
 step, wall time, and the first scored step (and seconds into the run) at which held-out reaches the teacher's
 minus 2 points. Numbers in `{out}/distill.json`; finished runs under `{out}/runs/` are reused.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/distill.py --seeds 3 --steps 100 --eval-every 20 --lr 3e-4 \\
-        --recipes reward,forward,fmixed --rl-args "--trainer.scheduler.warmup-steps 10" [--out outputs/distill-bench]
+    PYTHONPATH=src .venv/bin/python benchmarks/distill.py --seeds 3 --steps 200 --eval-every 20 --lr 5e-4 \\
+        --lr-for reward=3e-4 --recipes reward,forward,fmixed --rl-args "--trainer.scheduler.warmup-steps 10" \\
+        [--out outputs/distill-bench]
 
 Recipes that need the orchestrator's `teacher` (distill, mixed) are skipped, said so, where it lacks it.
 """
@@ -142,10 +143,13 @@ def run_one(recipe: str, seed: int, models: tuple[Path, Path], args: argparse.Na
     d = args.out / "runs" / f"{recipe}-s{seed}"
     done = d / "result.json"
     if done.exists():
-        return json.loads(done.read_text())
+        result = json.loads(done.read_text())
+        result.setdefault("s_per_step", steady_period(d / "run"))  # results of before the column
+        return result
     subprocess.run(["rm", "-rf", str(d)], check=True)
     d.mkdir(parents=True)
-    config = rl_config(student, teacher if recipe in NEEDS_TEACHER else None, args.steps, args.eval_every, args.lr)
+    lr = recipe_lrs(args.lr_for).get(recipe, args.lr)
+    config = rl_config(student, teacher if recipe in NEEDS_TEACHER else None, args.steps, args.eval_every, lr)
     (d / "rl.toml").write_text(tomli_w.dumps(config))
     cmd = [sys.executable, "-m", "asyncrl.entrypoints.rl", "@", str(d / "rl.toml"), "--output-dir", str(d / "run")]
     cmd += ["--trainer.seed", str(seed), "--orchestrator.seed", str(seed), "--inference.server.port", str(args.port)]
@@ -161,12 +165,36 @@ def run_one(recipe: str, seed: int, models: tuple[Path, Path], args: argparse.Na
     result = {
         "recipe": recipe,
         "seed": seed,
+        "lr": lr,
         "heldout": {w.name.split("_")[1]: scores[str(w)] for w in weights},
         "seconds_at": {w.name.split("_")[1]: finished.get(int(w.name.split("_")[1])) for w in weights},
         "wall_s": wall,
+        "s_per_step": steady_period(d / "run"),
     }
     done.write_text(json.dumps(result, indent=1))
     return result
+
+
+def steady_period(run_dir: Path) -> float | None:
+    """Seconds per step once running: between the trainer's steps after its first 10 (start-up left out)."""
+    path = run_dir / "metrics" / "trainer.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    steady = sorted(r["time"] for r in rows if "time" in r)[10:]
+    return (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else None
+
+
+def recipe_lrs(spec: str) -> dict[str, float]:
+    """{recipe: lr} from 'reward=3e-4,fmixed=5e-4' (exits with a one-line error on a malformed entry)."""
+    out = {}
+    for part in filter(None, spec.split(",")):
+        name, _, value = part.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            sys.exit(f"error: --lr-for entry {part!r} is not RECIPE=LR (e.g. reward=3e-4)")
+        if name not in RECIPES:
+            sys.exit(f"error: --lr-for names unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+    return out
 
 
 def reaching(result: dict[str, Any], target: float) -> tuple[int | None, float | None]:
@@ -180,26 +208,39 @@ def reaching(result: dict[str, Any], target: float) -> tuple[int | None, float |
 # ---- the table ----------------------------------------------------------------------------------------
 
 
+def _mean(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def _num(x: float | None, width: int, places: int) -> str:
+    return f"{x:>{width}.{places}f}" if x is not None else f"{'-':>{width}}"
+
+
 def table(results: list[dict], steps: list[int], student: float, teacher: float) -> str:
     target = teacher - TEACHER_MARGIN
     head = f"{'recipe':<8} {'seed':>4}  " + "  ".join(f"{'@' + str(s):>6}" for s in [0, *steps])
-    head += f"  {'wall s':>7}  {f'steps to {target:.3f}':>16}  {'s to it':>7}"
+    head += f"  {'wall s':>7}  {'s/step':>6}  {f'steps to {target:.3f}':>16}  {'s to it':>7}"
     lines = [f"teacher held-out {teacher:.3f}, student {student:.3f} (sampled T=1 exact match)", head, "-" * len(head)]
     for r in results:
         cells = [student] + [r["heldout"].get(str(s)) for s in steps]
         at, secs = reaching(r, target)
+        reached = at if at is not None else "not reached"
         lines.append(
             f"{r['recipe']:<8} {r['seed']:>4}  "
-            + "  ".join(f"{c:>6.3f}" if c is not None else f"{'-':>6}" for c in cells)
-            + f"  {r['wall_s']:>7.0f}  {at if at is not None else 'not reached':>16}  "
-            + (f"{secs:>7.0f}" if secs is not None else f"{'-':>7}")
+            + "  ".join(_num(c, 6, 3) for c in cells)
+            + f"  {r['wall_s']:>7.0f}  {_num(r.get('s_per_step'), 6, 2)}  {reached:>16}  {_num(secs, 7, 0)}"
         )
     for recipe in dict.fromkeys(r["recipe"] for r in results):
         rs = [r for r in results if r["recipe"] == recipe]
-        last = [r["heldout"].get(str(steps[-1])) for r in rs]
-        last = [x for x in last if x is not None]
-        if last:
-            lines.append(f"{recipe:<8} mean  held-out at {steps[-1]}: {statistics.fmean(last):.3f} over {len(last)}")
+        means = [student] + [_mean([r["heldout"].get(str(s)) for r in rs]) for s in steps]
+        lr = ", ".join(sorted({f"{r['lr']:g}" for r in rs if "lr" in r}))
+        lines.append(
+            f"{recipe:<8} {'mean':>4}  "
+            + "  ".join(_num(c, 6, 3) for c in means)
+            + f"  {statistics.fmean(r['wall_s'] for r in rs):>7.0f}  "
+            + f"{_num(_mean([r.get('s_per_step') for r in rs]), 6, 2)}  ({len(rs)} seeds, lr {lr or '?'})"
+        )
     return "\n".join(lines)
 
 
@@ -211,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
     ap.add_argument("--eval-every", type=int, default=10, help="held-out of the weights every N steps")
     ap.add_argument("--lr", type=float, default=1e-4, help="RL learning rate (the bench job's)")
+    ap.add_argument("--lr-for", default="", help="per-recipe learning rates over --lr: 'reward=3e-4,fmixed=5e-4'")
     ap.add_argument("--rl-args", default="", help="more rl flags for every run ('--trainer.scheduler.warmup-steps 10')")
     ap.add_argument("--student-step", type=int, default=250, help="the student: weights after this many SFT steps")
     ap.add_argument("--teacher-step", type=int, default=400, help="the teacher: weights after this many SFT steps")
@@ -221,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     recipes = args.recipes.split(",")
     if bad := [r for r in recipes if r not in RECIPES]:
         sys.exit(f"error: unknown recipe {bad[0]!r}; choose from {', '.join(RECIPES)}")
+    recipe_lrs(args.lr_for)  # a malformed --lr-for fails before any run
     if args.steps % args.eval_every:
         sys.exit(f"error: --steps {args.steps} is not a multiple of --eval-every {args.eval_every}")
     if not orchestrator_has_teacher() and (skipped := [r for r in recipes if r in NEEDS_TEACHER]):

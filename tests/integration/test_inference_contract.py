@@ -400,6 +400,33 @@ def test_prompt_logprobs_of_a_token_prompt(server, http, model_dir, tokenizer):
     assert_prompt_scores(prompt_logprobs(http, server, "hello there"), text_ids, ref, tol)
     one = prompt_logprobs(http, server, [42])
     assert one == [None]
+    # asyncrl's logprob_start_len (a teacher scoring a completion): the positions before it are null, the rest as
+    # without it; past the prompt's end: all null. vLLM ignores the field: every position, as without it
+    full = prompt_logprobs(http, server, prompt, k=3)
+    trimmed = prompt_logprobs(http, server, prompt, k=3, logprob_start_len=4)
+    if server.backend == "vllm":
+        assert_same_entries(trimmed, full, tol)
+        return
+    assert trimmed[:4] == [None] * 4
+    assert_same_entries(trimmed[4:], full[4:], tol)
+    assert prompt_logprobs(http, server, prompt, logprob_start_len=len(prompt) + 5) == [None] * len(prompt)
+    # a batch of prompts (a teacher's request per group): a choice each, as each alone
+    body = {"model": server.model, "prompt": [prompt, text_ids], "max_tokens": 1, "prompt_logprobs": 3}
+    pair = http.post("/v1/completions", json={**body, "logprob_start_len": 4}).json()["choices"]
+    assert [c["index"] for c in pair] == [0, 1]
+    assert_same_entries(pair[0]["prompt_logprobs"], trimmed, tol)
+    assert_same_entries(
+        pair[1]["prompt_logprobs"], prompt_logprobs(http, server, text_ids, k=3, logprob_start_len=4), tol
+    )
+
+
+def assert_same_entries(got: list, want: list, tol: float) -> None:
+    """Two prompt_logprobs lists agree: the same None positions, tokens, ranks, and logprobs within `tol`."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert g.keys() == w.keys() and all(abs(g[t]["logprob"] - w[t]["logprob"]) < tol for t in g), (g, w)
 
 
 def test_prompt_logprobs_bad_values_are_400(server, http):
@@ -410,6 +437,10 @@ def test_prompt_logprobs_bad_values_are_400(server, http):
     for value in bad:
         assert_error(http.post("/v1/completions", json={**body, "prompt_logprobs": value}))
     assert_error(http.post("/v1/completions", json={**body, "prompt_logprobs": 2, "stream": True}))
+    if server.backend == "embedded":  # asyncrl's field (vLLM ignores it)
+        for value in [-1, 1.5, "2", True, [2]]:
+            assert_error(http.post("/v1/completions", json={**body, "prompt_logprobs": 0, "logprob_start_len": value}))
+        assert_error(http.post("/v1/completions", json={**body, "logprob_start_len": 2}))  # no prompt_logprobs
     assert_alive(http, server)
 
 

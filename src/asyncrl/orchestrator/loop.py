@@ -10,13 +10,21 @@ while the trainer trains on step n, so generation and training overlap within th
 With a teacher (on-policy distillation), the teacher is checked at every start (a resumed run too), each
 accepted group is scored by it while the step's other groups generate, and the batch's advantages are per
 token (advantage.token_advantages); the step logs `distill/teacher_kl`, `distill/teacher_lp` and
-`time/teacher_s` (the wait for scores after the rollouts were done).
+`time/teacher_s` (the wait for scores after the rollouts were done). That wait overlaps the next step's
+generation (`overlaps_scoring`): step n+1 starts generating as soon as step n's rollouts are done, while
+step n is scored, packed and written; batches are still written in step order, at most one step is finishing
+at a time, and a checkpoint holds the buffer and sampler state of when its step's rollouts were done. Step
+n+1's weights gate needs batch n-k trained: written already for k >= 1, the one finishing alongside for
+k = 0, so this never deadlocks. `time/step` is then a step's latency (start to batch written), and steps
+overlap by up to the scoring wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 from loguru import logger
@@ -35,6 +43,7 @@ from asyncrl.orchestrator.envs import (
     sampling_args,
 )
 from asyncrl.orchestrator.evaluation import evaluate_policy
+from asyncrl.orchestrator.filtering import Group
 from asyncrl.orchestrator.gating import Policy, PolicyGate, checkpoint_policy
 from asyncrl.orchestrator.metrics import (
     distill_metrics,
@@ -45,13 +54,34 @@ from asyncrl.orchestrator.metrics import (
     rollout_metrics,
 )
 from asyncrl.orchestrator.packing import PackItem, PackStats, pack
-from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts
+from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts, gather_all
 from asyncrl.orchestrator.samples import TrajectoryConverter
 from asyncrl.orchestrator.teacher import PROBE, TeacherClient, with_student
 from asyncrl.transport.batch import MicroBatch, write_batch
 from asyncrl.transport.layout import ADAPTER, RunLayout, trainer_world_size
 from asyncrl.transport.weights import weights_problem
 from asyncrl.utils.monitor import MetricsSink, drop_rows_from
+
+
+@dataclass
+class Generated:
+    """A step whose rollouts are done: what `_finish` needs to score, pack, write and checkpoint it."""
+
+    step: int
+    t0: float
+    policy: Policy
+    waited: float
+    t_update: float
+    got: StepRollouts
+    buffer: list[Group]  # the collector's buffer when the rollouts were done (what the step's checkpoint holds)
+    sampler: dict  # the env sampler's state then
+
+
+async def alongside(work: Awaitable, finishing: asyncio.Future | None) -> Any:
+    """`work`'s result, with the previous step's finishing (if any) done too; the first to fail cancels the other."""
+    if finishing is None:
+        return await work
+    return (await gather_all([work, finishing]))[0]
 
 
 class Orchestrator:
@@ -235,7 +265,15 @@ class Orchestrator:
             logger.info(f"packing batches for {ranks} trainer rank(s) ({said})")
         self._trainer_ranks = ranks
 
-    async def step(self, step: int, gate: PolicyGate) -> dict[str, Any]:
+    @property
+    def overlaps_scoring(self) -> bool:
+        """Whether a step's teacher scoring may run on while the next step generates: with a teacher that is
+        not the student's own server and asks nothing of it (a baseline scores on the student's server, which
+        must not change weights under it)."""
+        t = self.teacher
+        return t is not None and t.student is None and t.root != self.server.root
+
+    async def _generate(self, step: int, gate: PolicyGate) -> Generated:
         t0 = time.perf_counter()
         policy, waited = await gate.wait(step, timeout=self.config.weights_timeout)
         if waited > 0.05:
@@ -245,6 +283,13 @@ class Orchestrator:
         got = await self.collector.collect(
             step, policy.step, self.config.max_async_level, self.problems, self.in_flight, self.args
         )
+        # what a checkpoint of this step holds, as it stands before the next step draws and buffers
+        return Generated(step, t0, policy, waited, t_update, got, list(self.collector.buffer), self.mixture.state())
+
+    async def _finish(self, gen: Generated) -> dict[str, Any]:
+        """Wait for the step's teacher scores, pack and write its batch, log it, checkpoint when due."""
+        step, policy, got = gen.step, gen.policy, gen.got
+        await self.collector.await_scores(got)
         min_policy = min(g.policy_step for g in got.groups)
         self._learn_trainer_ranks()
         t_pack = time.perf_counter()
@@ -267,7 +312,7 @@ class Orchestrator:
         p.total_tokens += stats.num_tokens
         p.total_samples += stats.num_samples
         p.total_problems += len(got.groups)
-        p.sampler = self.mixture.state()
+        p.sampler = gen.sampler
         used = [r for g in got.groups for r in g.valid]
         gen_tokens = sum(r.completion_len for g in got.finished for r in g.valid)
         gen_rollouts = sum(len(g.valid) for g in got.finished)
@@ -297,12 +342,12 @@ class Orchestrator:
             "trajectory/prefix_fallbacks_total": self.converter.fallbacks,
             "perf/gen_tokens_per_s": gen_tokens / max(got.seconds, 1e-9),
             "perf/rollouts_per_s": gen_rollouts / max(got.seconds, 1e-9),
-            "time/wait_weights": waited,
-            "time/update_weights": t_update,
+            "time/wait_weights": gen.waited,
+            "time/update_weights": gen.t_update,
             "time/rollouts": got.seconds,
             **self._distill_record(got, items),
             "time/pack_write": t_write,
-            "time/step": time.perf_counter() - t0,
+            "time/step": time.perf_counter() - gen.t0,
             "progress/total_tokens": p.total_tokens,
             "progress/total_samples": p.total_samples,
             "progress/total_problems": p.total_problems,
@@ -319,7 +364,7 @@ class Orchestrator:
             log_samples(self.layout.samples, step, used)
         cfg = self.config.ckpt
         if cfg is not None and (p.step % cfg.interval == 0 or p.step == self.config.max_steps):
-            path = ckpt.save(self.layout, p, self.collector.buffer)
+            path = ckpt.save(self.layout, p, gen.buffer)
             ckpt.prune(self.layout, cfg)
             logger.info(f"saved orchestrator checkpoint {path}")
         return record
@@ -363,12 +408,17 @@ class Orchestrator:
             f"orchestrator: steps {start}..{'' if end is None else end - 1}, {self.problems} prompts x "
             f"{self.config.rollouts_per_example} rollouts per step, async level {self.config.max_async_level}"
         )
-        step = start
+        step, finishing = start, None
         try:
             await self._connect_teacher()
             while end is None or step < end:
-                await self.step(step, gate)
+                generated = await alongside(self._generate(step, gate), finishing)
+                finishing = asyncio.ensure_future(self._finish(generated))
+                if not self.overlaps_scoring:
+                    await finishing
                 step += 1
+            if finishing is not None:
+                await finishing
             if end is not None:
                 await self._final_eval(end)
         except RolloutFailure as e:
@@ -382,6 +432,9 @@ class Orchestrator:
                 "that collapsed to empty replies: lower the learning rate, resume from an earlier checkpoint)"
             ) from e
         finally:
+            if finishing is not None and not finishing.done():
+                finishing.cancel()
+                await asyncio.gather(finishing, return_exceptions=True)
             await self.collector.close()
             self.sink.close()
         logger.success(f"orchestrator finished {step - start} steps ({self.progress.total_samples} samples in total)")

@@ -8,8 +8,9 @@ update; accepted groups that finished beyond the need wait in a buffer for the n
 takes them only while they stay within the async bound.
 
 With a teacher (`scorer`), each accepted group's scoring starts the moment the group finishes, while the
-step's other groups are still generating; the step then waits only for the scores still out once its
-rollouts are done (`StepRollouts.teacher_seconds`). A buffered group keeps its scoring going into the next
+step's other groups are still generating; `collect` returns once the rollouts are done and `await_scores`
+waits for the scores still out (`StepRollouts.teacher_seconds`), so the caller can start the next step's
+generation first. A buffered group keeps its scoring going into the next
 step; a group dropped as stale has its scoring cancelled. Scores are never checkpointed: a buffered group
 restored on resume is scored again by the teacher of the resumed run.
 """
@@ -210,8 +211,13 @@ class GroupCollector:
                 self.last_error,
             )
         result.seconds = time.perf_counter() - start
-        if self.scorer is not None:
-            done = time.perf_counter()
-            result.teacher = await self._scores(result.groups)
-            result.teacher_seconds = time.perf_counter() - done
         return result
+
+    async def await_scores(self, result: StepRollouts) -> None:
+        """Fill `result.teacher` with the teacher's scores of its groups (no-op without a teacher); the wait is
+        `result.teacher_seconds`. The caller may generate the next step meanwhile: the scoring is under way."""
+        if self.scorer is None:
+            return
+        done = time.perf_counter()
+        result.teacher = await self._scores(result.groups)
+        result.teacher_seconds = time.perf_counter() - done

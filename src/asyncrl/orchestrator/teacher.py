@@ -7,11 +7,16 @@ says it): distilling through another tokenizer would compare logprobs of unrelat
 refused in one line naming both models.
 
 `score(sample)` asks for the teacher's logprob of each of the sample's own tokens (vLLM's wire shape: POST
-/v1/completions with the token ids as the prompt, `prompt_logprobs = 0`, `max_tokens = 1`), and returns them
-aligned with the sample: element t is log p_teacher(token t | tokens < t), element 0 is 0.0 (nothing precedes
-it). Only the part the trainer sees is scored: up to the last loss token, at most `seq_len` tokens, and at most
-the teacher's context less the one token it generates; tokens past what was scored get no teacher logprob (the
-list is shorter than the sample) and so no distillation signal. At most `max_concurrent` requests are in flight.
+/v1/completions with the token ids as the prompt, `prompt_logprobs = 0`, `max_tokens = 1`; `score_group` sends
+a group's samples as one request, a batch of id lists with a choice each), and returns them
+aligned with the sample: element t is log p_teacher(token t | tokens < t) from the sample's first loss token on,
+0.0 before it (the prompt is never trained on). An asyncrl teacher (its /v1/models card says `owned_by:
+asyncrl`) is asked with `logprob_start_len` = that position and lists nothing before it, so a short completion
+after a long prompt does not ship the prompt's top k (vLLM ignores the field and lists every position; the
+client reads the same positions either way). Only the part the trainer sees is scored: up to the last loss
+token, at most `seq_len` tokens, and at most the teacher's context less the one token it generates; tokens past
+what was scored get no teacher logprob (the list is shorter than the sample) and so no distillation signal. At
+most `max_concurrent` requests are in flight.
 With `top_k` > 0 (`distill.top_k`) each score also carries a per-position baseline (`TeacherScores.baseline`):
 the reverse KL at position t estimated from the teacher's and the student's top-k logprobs there (the student's
 from its own server, the same prompt-logprobs request), sum over the student's top tokens x of
@@ -56,9 +61,9 @@ def teacher_hint(url: str) -> str:
 
 
 class TeacherScores(list):
-    """The teacher's logprobs of one sample's tokens (a list, element 0 is 0.0) and, with top_k, `baseline`:
-    the estimated reverse KL at each of those positions (element 0 is 0.0), or with `dense`, `top`: the teacher's
-    listed tokens at each position ({token id: logprob}; element 0 is empty)."""
+    """The teacher's logprobs of one sample's tokens (a list; 0.0 before its first loss token) and, with top_k,
+    `baseline`: the estimated reverse KL at each of those positions (0.0 there too), or with `dense`, `top`: the
+    teacher's listed tokens at each position ({token id: logprob}; empty there)."""
 
     baseline: list[float] | None = None
     top: list[dict[int, float]] | None = None
@@ -91,6 +96,7 @@ class TeacherClient:
         self._slots = asyncio.Semaphore(config.max_concurrent) if config.max_concurrent else None
         self.model: str | None = config.model
         self.max_model_len: int | None = None
+        self.trims = False  # the server is asyncrl's: it lists prompt logprobs only from `logprob_start_len` on
         self.unscored_tokens = 0  # loss tokens past the teacher's context (counted, warned about once)
 
     async def close(self) -> None:
@@ -113,6 +119,7 @@ class TeacherClient:
                 "set orchestrator.teacher.model to one of them (or leave it unset for the first)"
             )
         self.max_model_len = _positive_int(card.get("max_model_len"))
+        self.trims = card.get("owned_by") == "asyncrl"
         answer = await self._post_json("/tokenize", {"model": self.model, "prompt": PROBE})
         tokens, vocab = answer.get("tokens"), _positive_int(answer.get("vocab_size") or card.get("vocab_size"))
         if tokens != student_tokens or (vocab is not None and student_vocab is not None and vocab != student_vocab):
@@ -127,8 +134,11 @@ class TeacherClient:
             "as the student"
         )
         if self.student is not None:  # its context bounds what the baseline's request may send
-            lens = [_positive_int(m.get("max_model_len")) for m in await self.student._model_cards(required=False)]
-            self.student.max_model_len = min((n for n in lens if n), default=None)
+            cards = await self.student._model_cards(required=False)
+            self.student.max_model_len = min(
+                (n for m in cards if (n := _positive_int(m.get("max_model_len")))), default=None
+            )
+            self.student.trims = bool(cards) and all(m.get("owned_by") == "asyncrl" for m in cards)
 
     async def _model_cards(self, required: bool) -> list[dict]:
         """The server's /v1/models entries (each with an id); `required`: a UserError if it lists none."""
@@ -153,9 +163,9 @@ class TeacherClient:
             n = min(n, self.max_model_len - 1)
         return max(n, 0)
 
-    async def score(self, sample: TokenSample) -> TeacherScores:
-        """The teacher's logprob of each of the sample's first `scored_length` tokens (element 0: 0.0), with the
-        baseline when top_k > 0."""
+    def _plan(self, sample: TokenSample) -> tuple[list[int], int]:
+        """(the ids to send, the first position trained on) for one sample; counts (and warns once about) loss
+        tokens past the teacher's context."""
         n = self.scored_length(sample)
         cut = sum(sample.loss_mask[n : self.seq_len])
         if cut:
@@ -166,40 +176,60 @@ class TeacherClient:
                     f"teacher with max_model_len >= seq_len + 1 = {self.seq_len + 1}"
                 )
             self.unscored_tokens += cut
-        if n < 2:
-            return TeacherScores([0.0] * n)
-        ids = sample.input_ids[:n]
-        if self.dense:
-            answer = await self.prompt_logprobs(ids, self.top_k)
-            scores = TeacherScores(self._logprobs(answer, ids))
-            scores.top = [{}] + [self._listed(e, t) for t, e in enumerate(self._entries(answer, ids)) if t]
-            return scores
-        if not self.top_k or self.student is None:
-            return TeacherScores(self._logprobs(await self.prompt_logprobs(ids, 0), ids))
-        limit = self.student.max_model_len
-        own = ids[: limit - 1] if limit else ids  # the student's context, less the token a request generates
-        teacher, student = await gather_all(
-            [self.prompt_logprobs(ids, self.top_k), self.student.prompt_logprobs(own, self.top_k)]
-        )
-        scores = TeacherScores(self._logprobs(teacher, ids))
-        kl = reverse_kl(self.student._entries(student, own), self._entries(teacher, ids))
-        scores.baseline = kl + [0.0] * (n - len(kl))  # past the student's context: no baseline
-        return scores
+        return sample.input_ids[:n], max(1, sample.loss_mask.index(True)) if n else 1
 
-    async def prompt_logprobs(self, ids: list[int], k: int) -> dict:
-        """The server's answer to a prompt-logprobs request for `ids` (plus the top k at each position)."""
-        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": k}
+    async def score(self, sample: TokenSample) -> TeacherScores:
+        """The teacher's logprob of each of the sample's first `scored_length` tokens (module docstring)."""
+        return (await self.score_many([sample]))[0]
+
+    async def score_group(self, group: Group) -> list[TeacherScores]:
+        """The teacher's scores of every sample of the group's valid rollouts, in order."""
+        return await self.score_many([s for r in group.valid for s in r.samples])
+
+    async def score_many(self, samples: list[TokenSample]) -> list[TeacherScores]:
+        """`score` of each sample, all in one request to the teacher (and one to the student's server for the
+        baseline): a group's samples share their prompt, and one request of 8 prompts costs both ends far less
+        than 8 requests."""
+        plans = [self._plan(s) for s in samples]
+        out = [TeacherScores([0.0] * len(ids)) for ids, _ in plans]
+        todo = [i for i, (ids, _) in enumerate(plans) if len(ids) >= 2]
+        if not todo:
+            return out
+        prompts, starts = [plans[i][0] for i in todo], [plans[i][1] for i in todo]
+        baseline = not self.dense and self.top_k > 0 and self.student is not None
+        k = self.top_k if self.dense or baseline else 0
+        asks = [self.prompt_logprobs(prompts, k, min(starts))]
+        if baseline:
+            limit = self.student.max_model_len  # the student's context, less the token a request generates
+            own = [ids[: limit - 1] if limit else ids for ids in prompts]
+            asks.append(self.student.prompt_logprobs(own, k, min(starts)))
+        answers = await gather_all(asks)
+        for j, (i, ids, start) in enumerate(zip(todo, prompts, starts)):
+            entries = self._entries(answers[0], ids, j)
+            scores = out[i] = TeacherScores(self._logprobs(entries, ids, start))
+            if self.dense:
+                scores.top = [self._listed(e, t) if t >= start else {} for t, e in enumerate(entries)]
+            elif baseline:
+                kl = reverse_kl(self.student._entries(answers[1], own[j], j), entries, start)
+                scores.baseline = kl + [0.0] * (len(ids) - len(kl))  # past the student's context: no baseline
+        return out
+
+    async def prompt_logprobs(self, prompts: list[list[int]], k: int, start: int = 1) -> dict:
+        """The server's answer to one prompt-logprobs request for the token-id `prompts` (plus the top k at each
+        position; a choice per prompt), wanted from position `start` on: asyncrl's server then lists nothing
+        before it (others list every position)."""
+        body = {"model": self.model, "prompt": prompts, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": k}
+        if self.trims and start > 1:
+            body["logprob_start_len"] = start
         return await self._post_json("/v1/completions", body, retry=True)
 
-    async def score_group(self, group: Group) -> list[list[float]]:
-        """The teacher's logprobs of every sample of the group's valid rollouts, in order."""
-        return await gather_all([self.score(s) for r in group.valid for s in r.samples])
-
-    def _entries(self, answer: dict, ids: list[int]) -> list:
-        """The answer's prompt_logprobs: one entry per token of `ids` (a UserError if it has not)."""
+    def _entries(self, answer: dict, ids: list[int], index: int = 0) -> list:
+        """The prompt_logprobs of the answer's choice for prompt `index`: one entry per token of `ids` (a
+        UserError if it has not)."""
         try:
-            entries = answer["choices"][0]["prompt_logprobs"]
-        except (KeyError, IndexError, TypeError):
+            choices = {c.get("index", j): c for j, c in enumerate(answer["choices"])}
+            entries = choices[index]["prompt_logprobs"]
+        except (KeyError, IndexError, TypeError, AttributeError):
             entries = None
         if not isinstance(entries, list) or len(entries) != len(ids):
             got = "none" if entries is None else f"{len(entries) if isinstance(entries, list) else type(entries)}"
@@ -219,10 +249,11 @@ class TeacherClient:
                 f"{str(entry)[:200]} (prompt_logprobs keys are token ids, as vLLM and asyncrl's `inference` give them)"
             ) from None
 
-    def _logprobs(self, answer: dict, ids: list[int]) -> list[float]:
-        entries = self._entries(answer, ids)
-        out = [0.0]
-        for t in range(1, len(ids)):
+    def _logprobs(self, entries: list, ids: list[int], start: int = 1) -> list[float]:
+        """The teacher's logprob of each of `ids` from position `start` on (earlier positions: 0.0), from its
+        prompt_logprobs `entries`."""
+        out = [0.0] * min(start, len(ids))
+        for t in range(len(out), len(ids)):
             entry = entries[t] if isinstance(entries[t], dict) else {}
             value = entry.get(str(ids[t]))
             lp = value.get("logprob") if isinstance(value, dict) else None
@@ -296,12 +327,12 @@ def with_student(
     return TeacherClient(config, seq_len, top_k, TeacherClient(student_config, seq_len, role="student"))
 
 
-def reverse_kl(student: list, teacher: list) -> list[float]:
+def reverse_kl(student: list, teacher: list, start: int = 1) -> list[float]:
     """Per position, sum over the student's listed tokens x of s(x) (log s(x) - log t(x)); a token the teacher's
     entry lacks takes its lowest listed logprob (an upper bound on t(x)). Entries are vLLM's prompt_logprobs
-    ({"<id>": {"logprob": ...}}; the first is None); position 0 gets 0.0."""
-    out = [0.0]
-    for s_entry, t_entry in zip(student[1:], teacher[1:]):
+    ({"<id>": {"logprob": ...}}; the first is None); positions before `start` (at least 0) get 0.0."""
+    out = [0.0] * min(start, len(student), len(teacher))
+    for s_entry, t_entry in zip(student[len(out) :], teacher[len(out) :]):
         s_lp, t_lp = _top(s_entry), _top(t_entry)
         floor = min(t_lp.values(), default=-1e4)
         out.append(sum(math.exp(lp) * (lp - t_lp.get(x, floor)) for x, lp in s_lp.items()))

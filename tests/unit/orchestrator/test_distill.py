@@ -232,7 +232,8 @@ def test_connect_discovers_the_model_and_scores_like_the_model(tiny_model_dir, t
         lps = asyncio.run(go())
         assert client.model == "the-teacher" and client.max_model_len == 8
         assert srv.requests[0][1] == [5, 6, 7, 8, 9, 10, 11]  # context 8, less the generated token
-        assert lps == pytest.approx(srv.logprobs([5, 6, 7, 8, 9, 10, 11]), abs=1e-5)
+        want = srv.logprobs([5, 6, 7, 8, 9, 10, 11])
+        assert lps == pytest.approx([0.0] * 3 + want[3:], abs=1e-5)  # from the first loss token on
         assert client.unscored_tokens == 2
 
 
@@ -265,11 +266,12 @@ def test_with_top_k_the_student_server_scores_too_and_gives_the_baseline(tmp_pat
                 await client.close()
 
         scores, plain = asyncio.run(go())
-        assert [r[1] for r in s.requests] == [ids] and scores == pytest.approx(t.logprobs(ids), abs=1e-5)
+        want_lp = [0.0] * 2 + t.logprobs(ids)[2:]  # from the first loss token on
+        assert [r[1] for r in s.requests] == [ids] and scores == pytest.approx(want_lp, abs=1e-5)
         assert plain == pytest.approx(scores, abs=1e-6) and plain.baseline is None and len(s.requests) == 1
         student_lp, teacher_lp = s.distributions(ids), t.distributions(ids)
-        want = [0.0]
-        for pos in range(1, len(ids)):
+        want = [0.0] * 2
+        for pos in range(2, len(ids)):
             s_row, t_row = student_lp[pos - 1], teacher_lp[pos - 1]
             listed_s = set(s_row.topk(5).indices.tolist()) | {ids[pos]}
             listed_t = set(t_row.topk(5).indices.tolist()) | {ids[pos]}
@@ -280,7 +282,7 @@ def test_with_top_k_the_student_server_scores_too_and_gives_the_baseline(tmp_pat
                     for x in listed_s
                 )
             )
-        assert scores.baseline == pytest.approx(want, abs=1e-5) and all(k > 0 for k in want[1:])
+        assert scores.baseline == pytest.approx(want, abs=1e-5) and all(k > 0 for k in want[2:])
 
 
 def test_the_baseline_keeps_to_the_student_servers_context(tiny_model_dir, tok):
@@ -321,8 +323,9 @@ def test_forward_kl_lists_the_teachers_top_k_and_asks_no_student(tiny_model_dir)
 
         scores = asyncio.run(go())
         dist = t.distributions(ids)
-    assert client.student is None and scores == pytest.approx(t.logprobs(ids), abs=1e-5) and scores.top[0] == {}
-    for pos in range(1, len(ids)):
+    assert client.student is None and scores == pytest.approx([0.0] * 2 + t.logprobs(ids)[2:], abs=1e-5)
+    assert scores.top[:2] == [{}, {}]  # the prompt is not trained on
+    for pos in range(2, len(ids)):
         row = dist[pos - 1]
         want = set(row.topk(3).indices.tolist()) | {ids[pos]}
         assert set(scores.top[pos]) == want
@@ -452,6 +455,32 @@ def test_forward_kl_steps_write_the_teachers_targets_and_no_distillation_advanta
     assert checked > 0 and _records(tmp_path)[0]["distill/teacher_kl"] != 0
 
 
+def test_an_asyncrl_teacher_ships_only_the_trained_positions(tiny_model_dir, tok):
+    """Against asyncrl's server the client asks for prompt logprobs from the first loss token on
+    (`logprob_start_len`); against one that lists every position (vLLM) it reads the same positions: equal scores."""
+    sample = TokenSample(list(range(5, 17)), [False] * 9 + [True] * 3, [-1.0] * 12)
+    got = {}
+    for owner in ("asyncrl", None):
+        with TeacherServer(tiny_model_dir, owned_by=owner) as srv:
+            client = TeacherClient(TeacherConfig(base_url=srv.base_url), seq_len=64, top_k=4, dense=True)
+
+            async def go(client=client):
+                try:
+                    await client.connect(tok.encode(PROBE, add_special_tokens=True), "student")
+                    return await client.score(sample)
+                finally:
+                    await client.close()
+
+            got[owner] = asyncio.run(go())
+            scored = [b for b in srv.bodies if b.get("prompt") == [sample.input_ids]]
+            assert [b.get("logprob_start_len") for b in scored] == [9 if owner else None]
+            want = srv.logprobs(sample.input_ids)
+    trimmed, full = got["asyncrl"], got[None]
+    assert list(trimmed) == list(full) and trimmed.top == full.top
+    assert trimmed[:9] == [0.0] * 9 and trimmed.top[:9] == [{}] * 9  # the prompt: never trained on, not shipped
+    assert trimmed[9:] == pytest.approx(want[9:], abs=1e-5) and all(len(t) >= 4 for t in trimmed.top[9:])
+
+
 def test_groups_are_scored_while_others_still_generate(tiny_model_dir):
     """Scoring starts as each group finishes, not after the step's last rollout."""
     finished: list[float] = []
@@ -471,16 +500,63 @@ def test_groups_are_scored_while_others_still_generate(tiny_model_dir):
     collector = GroupCollector(
         fake_mixture(), run_group, TrajectoryConverter(), 4, BufferConfig(), AdvantageConfig(), 8, scorer=scorer
     )
-    got = asyncio.run(collector.collect(0, 0, 1, problems=4, in_flight=4, args={}))
+
+    async def collect_and_score():
+        got = await collector.collect(0, 0, 1, problems=4, in_flight=4, args={})
+        assert got.teacher is None  # collect returns with the rollouts: the caller may generate on meanwhile
+        await collector.await_scores(got)
+        return got
+
+    got = asyncio.run(collect_and_score())
     assert len(got.teacher) == 4 and len(started) == 4
     assert min(started) < max(finished)  # the first group's scoring overlapped the others' generation
     assert got.teacher_seconds < 0.15  # the step waited only for the last group's scoring
 
 
+def test_the_next_step_generates_while_a_step_is_scored(tmp_path, tiny_model_dir, tok):
+    """A slow teacher: step n+1's rollouts start before step n's batch is written; batches stay whole and in order."""
+    starts: list[float] = []
+    runner = FakeRunner(delay=0.05)
+
+    async def run_group(slot, inputs, args):
+        starts.append(time.monotonic())
+        return await runner(slot, inputs, args)
+
+    written: dict[int, float] = {}
+    with TeacherServer(tiny_model_dir) as srv:
+        cfg = _config(tmp_path, srv.base_url, max_steps=3, max_async_level=2)
+        orch = Orchestrator(cfg, fake_mixture(), run_group, StudentServer(tok), teacher=_teacher(cfg))
+        score, finish = orch.collector.scorer, orch._finish
+
+        async def slow_score(group):
+            await asyncio.sleep(0.4)
+            return await score(group)
+
+        async def timed_finish(gen):
+            record = await finish(gen)
+            written[gen.step] = time.monotonic()
+            return record
+
+        orch.collector.scorer, orch._finish = slow_score, timed_finish
+        asyncio.run(orch.run())
+    assert orch.overlaps_scoring and orch.problems == 2 and len(starts) == 6  # 2 groups a step, none wasted
+    assert starts[2] < written[0] and starts[4] < written[1]  # steps 1 and 2 generated while the last was scored
+    assert written[0] < written[1] < written[2]
+    assert len(srv.bodies) == 6 and all(len(b["prompt"]) == 4 for b in srv.bodies)  # a request per group
+    assert [r["step"] for r in _records(tmp_path)] == [0, 1, 2]
+    for step in range(3):
+        assert len(read_batch(RunLayout(tmp_path), step, 0)) >= 1  # every batch whole
+    orch.teacher.student = orch.teacher  # a baseline on the student's server: its weights must hold still
+    assert not orch.overlaps_scoring
+    orch.teacher.student, orch.teacher.root = None, orch.server.root  # the teacher is the student's own server
+    assert not orch.overlaps_scoring
+
+
 def test_teacher_dying_mid_run_is_one_clear_error(tmp_path, tiny_model_dir, tok, quick_retries):
-    with TeacherServer(tiny_model_dir, die_after=10) as srv:
+    with TeacherServer(tiny_model_dir, die_after=2) as srv:  # a request per group: step 0's 2 groups
         cfg = _config(tmp_path, srv.base_url, max_steps=4, max_async_level=2)
-        orch = Orchestrator(cfg, fake_mixture(), FakeRunner(), StudentServer(tok), teacher=_teacher(cfg))
+        # rollouts that take a while: step 0's scoring (which overlaps step 1's generation) is done first
+        orch = Orchestrator(cfg, fake_mixture(), FakeRunner(delay=0.3), StudentServer(tok), teacher=_teacher(cfg))
         with pytest.raises(UserError) as e:
             asyncio.run(orch.run())
     message = str(e.value)

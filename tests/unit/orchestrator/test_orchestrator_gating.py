@@ -55,15 +55,15 @@ def run_orchestrator_with_trainer(tmp_path, k, steps, train_s, gen_delay):
     trainer.start()
     written: dict[int, float] = {}
     metas: dict[int, dict] = {}
-    original = orch.step
+    original = orch._finish  # a step's batch is written when its finishing returns
 
-    async def timed_step(step, gate):
-        record = await original(step, gate)
-        written[step] = time.monotonic()
-        metas[step] = read_meta(RunLayout(tmp_path), step)  # before a later step prunes consumed batches
+    async def timed_finish(gen):
+        record = await original(gen)
+        written[gen.step] = time.monotonic()
+        metas[gen.step] = read_meta(RunLayout(tmp_path), gen.step)  # before a later step prunes consumed batches
         return record
 
-    orch.step = timed_step
+    orch._finish = timed_finish
     try:
         asyncio.run(orch.run())
     finally:

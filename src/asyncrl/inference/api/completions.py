@@ -302,17 +302,18 @@ def _completion_logprobs(text: TokenText, r: ChoiceResult, as_ids: bool) -> dict
 
 
 def prompt_logprobs_json(
-    text: TokenText, prompt: list[int], scores: PromptLogprobs, as_ids: bool
+    text: TokenText, prompt: list[int], scores: PromptLogprobs, as_ids: bool, start: int = 0
 ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: None for the first token, then per token {"<id>": {logprob, rank,
     decoded_token}} holding the prompt's own token first, then the top k (ranks 1..k; a prompt token among
-    them keeps its place and takes its top-k entry, as in vLLM)."""
+    them keeps its place and takes its top-k entry, as in vLLM). Positions before `start` (the request's
+    `logprob_start_len`) are None too."""
 
     def entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
         return {"logprob": finite_logprob(logprob), "rank": rank, "decoded_token": token_str(text, token_id, as_ids)}
 
-    out: list[dict[str, dict[str, Any]] | None] = [None]
-    for i, token_id in enumerate(prompt[1:]):
+    out: list[dict[str, dict[str, Any]] | None] = [None] * min(max(start, 1), len(prompt))
+    for i, token_id in enumerate(prompt[len(out) :], len(out) - 1):
         position = {str(token_id): entry(token_id, scores.logprobs[i], scores.ranks[i])}
         for rank, (top_id, logprob) in enumerate(scores.top[i] if scores.top else [], 1):
             position[str(top_id)] = entry(top_id, logprob, rank)
@@ -416,7 +417,10 @@ class _CompletionRun:
                     choice["prompt_token_ids"] = ids
                 if self.body.prompt_logprobs is not None:
                     scores = r.prompt_logprobs
-                    choice["prompt_logprobs"] = scores and prompt_logprobs_json(self.text, ids, scores, self.as_ids)
+                    start = self.body.logprob_start_len or 0
+                    choice["prompt_logprobs"] = scores and prompt_logprobs_json(
+                        self.text, ids, scores, self.as_ids, start
+                    )
                 choices.append(choice)
         completion_tokens = sum(len(r.token_ids) for rs in results for r in rs)
         return {

@@ -238,6 +238,9 @@ class CompletionRequest(SamplingFields):
     return_token_ids: bool = False
     add_special_tokens: bool = True
     prompt_logprobs: int | None = None  # vLLM's: the prompt's own logprobs (+ the top k), e.g. for a teacher
+    # asyncrl's (SGLang's name): prompt_logprobs only from this prompt position on (earlier entries: null), so a
+    # teacher scoring a completion does not ship its prompt's top k; vLLM ignores the field
+    logprob_start_len: int | None = None
 
     @field_validator("prompt_logprobs", mode="before")
     @classmethod
@@ -246,12 +249,21 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"prompt_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {v!r}")
         return v
 
+    @field_validator("logprob_start_len", mode="before")
+    @classmethod
+    def _logprob_start_len(cls, v: Any) -> Any:
+        if v is not None and (type(v) is not int or v < 0):
+            raise ValueError(f"logprob_start_len must be a non-negative integer (a prompt position), got {v!r}")
+        return v
+
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo is not supported")
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs are not available with stream=true; send a non-streaming request")
+        if self.logprob_start_len is not None and self.prompt_logprobs is None:
+            raise ValueError("logprob_start_len says where prompt_logprobs start: it needs prompt_logprobs")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise ValueError("prompt must not be empty")
         return self
