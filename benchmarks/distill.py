@@ -144,11 +144,11 @@ def run_one(recipe: str, seed: int, models: tuple[Path, Path], args: argparse.Na
     done = d / "result.json"
     if done.exists():
         result = json.loads(done.read_text())
-        result.setdefault("s_per_step", steady_period(d / "run"))  # results of before the column
+        result.setdefault("s_per_step", steady_period(trainer_rows(d / "run")))  # results of before the column
         return result
     subprocess.run(["rm", "-rf", str(d)], check=True)
     d.mkdir(parents=True)
-    lr = recipe_lrs(args.lr_for).get(recipe, args.lr)
+    lr = args.lrs.get(recipe, args.lr)
     config = rl_config(student, teacher if recipe in NEEDS_TEACHER else None, args.steps, args.eval_every, lr)
     (d / "rl.toml").write_text(tomli_w.dumps(config))
     cmd = [sys.executable, "-m", "asyncrl.entrypoints.rl", "@", str(d / "rl.toml"), "--output-dir", str(d / "run")]
@@ -160,7 +160,7 @@ def run_one(recipe: str, seed: int, models: tuple[Path, Path], args: argparse.Na
     weights = sorted((d / "run" / "weights").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
     weights = [w for w in weights if int(w.name.split("_")[1]) % args.eval_every == 0]
     scores = heldout(weights, d / "heldout.json")
-    trainer = [json.loads(x) for x in (d / "run" / "metrics" / "trainer.jsonl").read_text().splitlines() if x.strip()]
+    trainer = trainer_rows(d / "run")
     finished = {r["step"] + 1: r["time"] - start for r in trainer if "time" in r}  # weights step_N: after step N-1
     result = {
         "recipe": recipe,
@@ -169,17 +169,21 @@ def run_one(recipe: str, seed: int, models: tuple[Path, Path], args: argparse.Na
         "heldout": {w.name.split("_")[1]: scores[str(w)] for w in weights},
         "seconds_at": {w.name.split("_")[1]: finished.get(int(w.name.split("_")[1])) for w in weights},
         "wall_s": wall,
-        "s_per_step": steady_period(d / "run"),
+        "s_per_step": steady_period(trainer),
     }
     done.write_text(json.dumps(result, indent=1))
     return result
 
 
-def steady_period(run_dir: Path) -> float | None:
-    """Seconds per step once running: between the trainer's steps after its first 10 (start-up left out)."""
+def trainer_rows(run_dir: Path) -> list[dict]:
+    """The trainer's metrics rows of a run (none if it wrote none)."""
     path = run_dir / "metrics" / "trainer.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    steady = sorted(r["time"] for r in rows if "time" in r)[10:]
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def steady_period(trainer: list[dict]) -> float | None:
+    """Seconds per step once running: between the trainer's steps after its first 10 (start-up left out)."""
+    steady = sorted(r["time"] for r in trainer if "time" in r)[10:]
     return (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else None
 
 
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     recipes = args.recipes.split(",")
     if bad := [r for r in recipes if r not in RECIPES]:
         sys.exit(f"error: unknown recipe {bad[0]!r}; choose from {', '.join(RECIPES)}")
-    recipe_lrs(args.lr_for)  # a malformed --lr-for fails before any run
+    args.lrs = recipe_lrs(args.lr_for)  # a malformed --lr-for fails before any run
     if args.steps % args.eval_every:
         sys.exit(f"error: --steps {args.steps} is not a multiple of --eval-every {args.eval_every}")
     if not orchestrator_has_teacher() and (skipped := [r for r in recipes if r in NEEDS_TEACHER]):

@@ -119,7 +119,7 @@ class TeacherClient:
                 "set orchestrator.teacher.model to one of them (or leave it unset for the first)"
             )
         self.max_model_len = _positive_int(card.get("max_model_len"))
-        self.trims = card.get("owned_by") == "asyncrl"
+        self.trims = _asyncrl([card])
         answer = await self._post_json("/tokenize", {"model": self.model, "prompt": PROBE})
         tokens, vocab = answer.get("tokens"), _positive_int(answer.get("vocab_size") or card.get("vocab_size"))
         if tokens != student_tokens or (vocab is not None and student_vocab is not None and vocab != student_vocab):
@@ -138,7 +138,7 @@ class TeacherClient:
             self.student.max_model_len = min(
                 (n for m in cards if (n := _positive_int(m.get("max_model_len")))), default=None
             )
-            self.student.trims = bool(cards) and all(m.get("owned_by") == "asyncrl" for m in cards)
+            self.student.trims = _asyncrl(cards)
 
     async def _model_cards(self, required: bool) -> list[dict]:
         """The server's /v1/models entries (each with an id); `required`: a UserError if it lists none."""
@@ -204,13 +204,14 @@ class TeacherClient:
             own = [ids[: limit - 1] if limit else ids for ids in prompts]
             asks.append(self.student.prompt_logprobs(own, k, min(starts)))
         answers = await gather_all(asks)
+        teacher = self._entries(answers[0], prompts)
+        student = self.student._entries(answers[1], own) if baseline else None
         for j, (i, ids, start) in enumerate(zip(todo, prompts, starts)):
-            entries = self._entries(answers[0], ids, j)
-            scores = out[i] = TeacherScores(self._logprobs(entries, ids, start))
+            scores = out[i] = TeacherScores(self._logprobs(teacher[j], ids, start))
             if self.dense:
-                scores.top = [self._listed(e, t) if t >= start else {} for t, e in enumerate(entries)]
-            elif baseline:
-                kl = reverse_kl(self.student._entries(answers[1], own[j], j), entries, start)
+                scores.top = [self._listed(e, t) if t >= start else {} for t, e in enumerate(teacher[j])]
+            elif student is not None:
+                kl = reverse_kl(student[j], teacher[j], start)
                 scores.baseline = kl + [0.0] * (len(ids) - len(kl))  # past the student's context: no baseline
         return out
 
@@ -223,21 +224,24 @@ class TeacherClient:
             body["logprob_start_len"] = start
         return await self._post_json("/v1/completions", body, retry=True)
 
-    def _entries(self, answer: dict, ids: list[int], index: int = 0) -> list:
-        """The prompt_logprobs of the answer's choice for prompt `index`: one entry per token of `ids` (a
-        UserError if it has not)."""
+    def _entries(self, answer: dict, prompts: list[list[int]]) -> list[list]:
+        """The prompt_logprobs of the answer's choice for each of `prompts` (by the choices' `index`): one entry
+        per token of that prompt (a UserError where it has not)."""
         try:
             choices = {c.get("index", j): c for j, c in enumerate(answer["choices"])}
-            entries = choices[index]["prompt_logprobs"]
-        except (KeyError, IndexError, TypeError, AttributeError):
-            entries = None
-        if not isinstance(entries, list) or len(entries) != len(ids):
-            got = "none" if entries is None else f"{len(entries) if isinstance(entries, list) else type(entries)}"
-            raise UserError(
-                f"{self.role} at {self.root} answered no usable prompt_logprobs (wanted {len(ids)}, got {got}): it "
-                "must answer /v1/completions with prompt_logprobs (asyncrl's `inference`, or vLLM)"
-            )
-        return entries
+        except (KeyError, TypeError, AttributeError):
+            choices = {}
+        out = []
+        for j, ids in enumerate(prompts):
+            entries = choices[j].get("prompt_logprobs") if isinstance(choices.get(j), dict) else None
+            if not isinstance(entries, list) or len(entries) != len(ids):
+                got = "none" if entries is None else f"{len(entries) if isinstance(entries, list) else type(entries)}"
+                raise UserError(
+                    f"{self.role} at {self.root} answered no usable prompt_logprobs (wanted {len(ids)}, got {got}): "
+                    "it must answer /v1/completions with prompt_logprobs (asyncrl's `inference`, or vLLM)"
+                )
+            out.append(entries)
+        return out
 
     def _listed(self, entry: Any, t: int) -> dict[int, float]:
         """{token id: logprob} of one position's prompt_logprobs entry (a UserError for an id that is no integer)."""
@@ -337,6 +341,11 @@ def reverse_kl(student: list, teacher: list, start: int = 1) -> list[float]:
         floor = min(t_lp.values(), default=-1e4)
         out.append(sum(math.exp(lp) * (lp - t_lp.get(x, floor)) for x, lp in s_lp.items()))
     return out
+
+
+def _asyncrl(cards: list[dict]) -> bool:
+    """Whether /v1/models cards are all asyncrl's server's (`owned_by`): it honours `logprob_start_len`."""
+    return bool(cards) and all(m.get("owned_by") == "asyncrl" for m in cards)
 
 
 def _top(entry: Any) -> dict[str, float]:

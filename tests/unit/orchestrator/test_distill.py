@@ -342,6 +342,23 @@ def test_a_teacher_listing_a_non_integer_token_id_is_one_line():
         asyncio.run(client.close())
 
 
+def test_a_malformed_scoring_answer_is_one_line():
+    """Choices are matched to prompts by their `index`; a missing choice, a short list or no choices is a UserError."""
+    client = TeacherClient(TeacherConfig(base_url="http://127.0.0.1:9/v1"), 64)
+    a, b = [None, {"1": {"logprob": -1.0}}], [None, {"2": {"logprob": -2.0}}, {"3": {"logprob": -3.0}}]
+    try:
+        answer = {"choices": [{"index": 1, "prompt_logprobs": b}, {"index": 0, "prompt_logprobs": a}]}
+        assert client._entries(answer, [[0, 1], [0, 2, 3]]) == [a, b]  # out of order: by index
+        for bad in ({}, {"choices": "x"}, {"choices": [{"index": 0, "prompt_logprobs": a}]}, {"choices": [None]}):
+            with pytest.raises(UserError, match=r"answered no usable prompt_logprobs \(wanted \d+, got") as e:
+                client._entries(bad, [[0, 1], [0, 2, 3]])
+            assert "\n" not in str(e.value)
+        with pytest.raises(UserError, match=r"wanted 3, got 2"):
+            client._entries({"choices": [{"index": 0, "prompt_logprobs": a}]}, [[0, 2, 3]])
+    finally:
+        asyncio.run(client.close())
+
+
 def test_another_tokenizer_is_refused_in_one_line_naming_both_models(tiny_model_dir, tok):
     with TeacherServer(tiny_model_dir, name="big-teacher", vocab_shift=1) as srv:
         client = TeacherClient(TeacherConfig(base_url=srv.base_url), seq_len=64)
