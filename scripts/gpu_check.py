@@ -5,7 +5,8 @@ shared-prefix training on the CUDA attention kernels (the unit test's equal logp
 the expanded rows); the embedded engine on CUDA, its logprobs against the trainer's recomputation and
 its throughput at 64/128/256 concurrent requests; `trainer --bench` at Qwen3-0.6B's shape (random
 init, built here) and 16k tokens, with MFU; a single-GPU `rl` run (engine and trainer sharing GPU 0)
-whose reward rises; two `[[runs]]` LoRA runs on one trainer; `rl` with a `[teacher]` server on the same GPU
+whose reward rises; two `[[runs]]` LoRA runs on one trainer; the multi-run trainer's run-steps/s with 4 and 8
+runs trained together next to 1 (benchmarks/multi_run.py); `rl` with a `[teacher]` server on the same GPU
 (on-policy distillation: the teacher's prompt logprobs on CUDA). vLLM rows say why they did not run.
 
 The rows keep to `--budget` seconds in all (default 480): each has its own time limit, cut to what is
@@ -128,6 +129,14 @@ def runs_train(work: Path, _: list[str]) -> str:
         assert kl < 0.05, f"run {name}: median mismatch KL {kl:.3g} (is the engine serving the run's adapter?)"
         said.append(f"{name} {len(rows)} steps, mismatch KL {kl:.1e}")
     return "; ".join(said)
+
+
+def runs_batched(_: Path, outputs: list[str]) -> str:
+    """The multi-run trainer's run-steps/s with 4 and 8 runs next to 1 (benchmarks/multi_run.py's table)."""
+    ratios = {int(m[1]): float(m[2]) for m in re.finditer(r"^runs(\d+)\s+\d+\s+[\d.]+\s+([\d.]+)", outputs[-1], re.M)}
+    said = ", ".join(f"{n} runs {ratios[n]:.2f}x" for n in sorted(ratios) if n > 1)
+    assert ratios.get(4, 0) >= 2.5 and ratios.get(8, 0) >= 4, f"run-steps/s vs 1 run: {said} (want 4 >= 2.5x, 8 >= 4x)"
+    return f"run-steps/s vs 1 run: {said}"
 
 
 def teacher_scores(work: Path, _: list[str]) -> str:
@@ -307,6 +316,13 @@ CHECKS = [
             ],
         ],
         runs_train,
+        150,
+        ["cuda"],
+    ),  # fmt: skip
+    Check(
+        "multi_run_batched_trainer",
+        lambda w: [[PY, "benchmarks/multi_run.py", "--runs", "1", "4", "8", "--steps", "11", "--multi-only"]],
+        runs_batched,
         150,
         ["cuda"],
     ),  # fmt: skip

@@ -166,6 +166,12 @@ class TrainerConfig(BaseConfig):
     runs: list[str] | None = Field(
         None, description="multi-run: end once these runs have ended (rl sets it; unset: serve runs until stopped)"
     )
+    company_wait: float = Field(
+        1.0,
+        ge=0,
+        description="multi-run: a run whose batch is ready waits up to this many step times (the last round's) for "
+        "the other runs' batches, to train with them in shared forward passes (0: train whatever is ready)",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -10,8 +10,11 @@ same adapter in PEFT's format (`adapter_config.json` + `adapter_model.safetensor
 Multi-run training (`trainer.runs`) uses `MultiLoRALinear` instead: `slots` adapters per layer, allocated
 when the model loads (FSDP2 cannot take parameters added after sharding), one `lora_A.<i>` / `lora_B.<i>`
 parameter pair per slot so each run's optimizer owns its slot's tensors and nothing else. The shared
-`SlotSelector` says which slot every layer applies; a slot whose adapter did not run gets no gradient
-(FSDP2 reduces only parameters that have one).
+`SlotSelector` says which slot every layer applies: one slot for the whole batch, or (a mixed-run forward)
+a slot per row, applied as a gathered batched matmul (each row's A and B picked from the round's slots, one
+`bmm` per projection), so rows of several runs share one forward of the frozen base. A slot that is not in
+the forward gets no gradient (FSDP2 reduces only parameters that have one); in a mixed forward every slot of
+the round gets one (zeros where it has no rows), so every rank reduces the same parameters.
 """
 
 from __future__ import annotations
@@ -96,10 +99,22 @@ def merge_lora_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[
 
 
 class SlotSelector:
-    """The adapter slot every `MultiLoRALinear` of one model applies (one object shared by all layers)."""
+    """The adapter slot(s) every `MultiLoRALinear` of one model applies (one object shared by all layers):
+    `active` for every row, or, inside `mixed`, row i applies slot `slots[rows[i]]`."""
 
     def __init__(self) -> None:
         self.active = 0
+        self.slots: list[int] | None = None
+        self.rows: torch.Tensor | None = None
+
+    @contextmanager
+    def mixed(self, slots: list[int], rows: torch.Tensor) -> Iterator[None]:
+        """Forwards inside apply slot `slots[rows[i]]` to row i of a stacked [rows, length, ...] batch."""
+        self.slots, self.rows = slots, rows
+        try:
+            yield
+        finally:
+            self.slots, self.rows = None, None
 
 
 class MultiLoRALinear(nn.Module):
@@ -116,8 +131,13 @@ class MultiLoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        i = self._sel.active
-        return self.base(x) + F.linear(F.linear(self.dropout(x), self.lora_A[i]), self.lora_B[i]) * self.scale
+        sel = self._sel
+        if sel.rows is None or len(sel.slots) == 1:
+            i = sel.active if sel.rows is None else sel.slots[0]
+            return self.base(x) + F.linear(F.linear(self.dropout(x), self.lora_A[i]), self.lora_B[i]) * self.scale
+        a = torch.stack([self.lora_A[i] for i in sel.slots])[sel.rows]  # [rows, rank, in]: each row's own A
+        b = torch.stack([self.lora_B[i] for i in sel.slots])[sel.rows]  # [rows, out, rank]
+        return self.base(x) + torch.bmm(torch.bmm(self.dropout(x), a.mT), b.mT) * self.scale
 
 
 def apply_multi_lora(

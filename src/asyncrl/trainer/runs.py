@@ -5,8 +5,11 @@ there and serves its adapter under the model name NAME. It appears when `run_NAM
 `config.trainer.RunConfig`) does. The trainer then gives it a free adapter slot (all slots are allocated
 with the model: FSDP2 takes no parameters after sharding) and a `TrainSession` of its own: AdamW over the
 slot, schedule, loss, progress, checkpoints under `run_NAME/checkpoints`, metrics, W&B run and the log
-`run_NAME/logs/trainer.log`. Each round trains one step of every run whose next batch is there; a run's
-policies are its adapter alone (`broadcast/step_N/adapter`, PEFT format).
+`run_NAME/logs/trainer.log`. Each round trains one step of every run whose next batch is there, all of them in
+shared forward passes (`Loop.forward_backward_together`: rows of several runs in one batch, each row through its
+own run's adapter, each run's loss and optimizer its own); a run whose batch is ready waits up to
+`company_wait` round times for the others' so that they train together. A run's policies are its adapter alone
+(`broadcast/step_N/adapter`, PEFT format).
 
 A run ends when its last step is done, when `run_NAME/STOP` appears, or when it fails (a batch it cannot
 read, a non-finite loss or gradient, a bad run.toml or resume step): its slot is freed, `run_status.json`
@@ -40,7 +43,7 @@ from asyncrl.config.trainer import RunConfig, TrainerConfig
 from asyncrl.core.errors import UserError
 from asyncrl.trainer.dist import DistContext
 from asyncrl.trainer.model import load_model
-from asyncrl.trainer.session import AdapterSlot, Loop, TrainSession, in_process_group
+from asyncrl.trainer.session import AdapterSlot, Loop, StepBatch, TrainSession, in_process_group
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RUN_NAME, RunLayout
 
@@ -89,7 +92,9 @@ def run_trainer_config(base: TrainerConfig, layout: RunLayout, name: str, raw: d
         loader.validate(RunConfig, raw)
     except UserError as e:
         raise UserError(f"{layout.run_dir(name) / 'run.toml'}: {e}") from None
-    merged = loader.deep_merge(base.model_dump(mode="json", exclude={"max_concurrent_runs", "runs"}), raw)
+    merged = loader.deep_merge(
+        base.model_dump(mode="json", exclude={"max_concurrent_runs", "runs", "company_wait"}), raw
+    )
     merged["output_dir"] = str(layout.run_dir(name))
     if base.wandb is not None:
         merged["wandb"]["name"] = f"{base.wandb.name or 'trainer'}-{name}"
@@ -149,6 +154,8 @@ class MultiRunTrainer:
         self.free = list(range(len(self.slots)))
         self.runs: dict[str, Run] = {}
         self.results: dict[str, list[dict]] = {}
+        self.round_s = 0.0  # how long the last round's forwards, backwards and optimizer steps took
+        self.ready_since: dict[str, float] = {}  # rank 0: since when a run's next batch has been there
         logger.configure(patcher=_name_the_run)
         if ctx.is_main:
             wanted = f"runs {', '.join(config.runs)}" if config.runs else "runs as they appear"
@@ -174,12 +181,25 @@ class MultiRunTrainer:
             if name not in self.runs and not layout.run(name).run_status.exists():
                 plan.admit.append((name, read_run_config(layout, name)))
                 free -= 1
-        plan.train = [
-            n for n, r in self.runs.items() if n not in plan.stop and r.session.layout.batch_dir(r.step).exists()
-        ]
+        ready = [n for n, r in self.runs.items() if n not in plan.stop and r.session.layout.batch_dir(r.step).exists()]
+        plan.train = self._with_company(ready, plan.stop)
         if not plan and self.config.runs is not None and not self.runs:
             plan.exit = all(layout.run(n).run_status.exists() for n in self.config.runs)
         return plan
+
+    def _with_company(self, ready: list[str], stopping: dict[str, str]) -> list[str]:
+        """The ready runs to train now: all of them once no other run is still waiting for its batch, or once
+        the longest-ready has waited `company_wait` times the last round's duration for the others."""
+        now = time.monotonic()
+        for name in ready:
+            self.ready_since.setdefault(name, now)
+        others = [n for n in self.runs if n not in ready and n not in stopping]
+        waited = now - min((self.ready_since[n] for n in ready), default=now)
+        if ready and others and waited < self.config.company_wait * self.round_s:
+            return []
+        for name in ready:
+            del self.ready_since[name]
+        return ready
 
     # ---- every rank: doing it ----------------------------------------------------------------------
 
@@ -193,9 +213,8 @@ class MultiRunTrainer:
                 self._end(self.runs[name], STOPPED, why)
             for name, raw in plan.admit:
                 self._admit(name, raw)
-            for name in plan.train:
-                if name in self.runs:
-                    self._train(self.runs[name])
+            if ready := [self.runs[n] for n in plan.train if n in self.runs]:
+                self._train(ready)
         if self.ctx.is_main:
             logger.info(f"every run has ended: {', '.join(sorted(self.results)) or 'none'}")
         return self.results
@@ -224,25 +243,55 @@ class MultiRunTrainer:
             logger.info(f"run {name} started in adapter slot {slot} at step {run.step} (max_steps {cfg.max_steps})")
         self.runs[name] = run
 
-    def _train(self, run: Run) -> None:
-        self.lm.selector.active = run.slot
-        with logger.contextualize(run=run.name):
-            try:
-                metrics = run.session.run_step(run.step)
-            except UserError as e:
-                run.session.optimizer.zero_grad(set_to_none=True)
-                self._end(run, FAILED, str(e))
-                return
-        if metrics is not None:
-            run.step += 1
-            run.history.append(metrics)
-        if metrics is None or run.session.is_final(run.step):
+    def _train(self, runs: list[Run]) -> None:
+        """One step of each of `runs`, their rows in shared forward passes (`Loop.forward_backward_together`)."""
+        opened: list[tuple[Run, StepBatch]] = []
+        for run in runs:
+            with logger.contextualize(run=run.name):
+                try:
+                    batch = run.session.open_step(run.step, together=True)
+                except UserError as e:  # an unreadable batch: the run fails before any forward, the others go on
+                    self._end(run, FAILED, str(e))
+                    continue
+            if batch is None:
+                self._end(run, DONE)
+            elif batch.loss_tokens == 0:  # a no-op step (session.empty_step), alike on every rank
+                with logger.contextualize(run=run.name):
+                    self._stepped(run, run.session.empty_step(run.step, batch, time.perf_counter()))
+            else:
+                opened.append((run, batch))
+        if not opened:
+            return
+        start = time.perf_counter()
+        sums = self.loop_cls.forward_backward_together([r.session.loop for r, _ in opened], [b for _, b in opened])
+        for (run, batch), run_sums in zip(opened, sums):
+            with logger.contextualize(run=run.name):
+                try:
+                    metrics = run.session.finish_step(run.step, batch, run_sums, start)
+                except UserError as e:  # a non-finite loss or gradient: this run's alone (its slot's gradients)
+                    run.session.optimizer.zero_grad(set_to_none=True)
+                    self._end(run, FAILED, str(e))
+                    continue
+                metrics["runs_together"] = len(opened)
+                self._stepped(run, metrics)
+        self.round_s = time.perf_counter() - start
+
+    def _stepped(self, run: Run, metrics: dict) -> None:
+        """Run `run` trained its step (`metrics`): its outputs and log, then the next step or its end."""
+        try:
+            run.history.append(run.session.publish_step(run.step, metrics))
+        except UserError as e:
+            self._end(run, FAILED, str(e))
+            return
+        run.step += 1
+        if run.session.is_final(run.step):
             self._end(run, DONE)
 
     def _end(self, run: Run, state: str, error: str | None = None) -> None:
         with logger.contextualize(run=run.name):
             run.session.close(run.history, run.step)
         del self.runs[run.name]
+        self.ready_since.pop(run.name, None)
         self.free.append(run.slot)
         self.results[run.name] = run.history
         self._record(run.name, state, run.step, error, run.log_sink)

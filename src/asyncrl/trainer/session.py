@@ -91,9 +91,16 @@ class Loop:
         """Steps the learning-rate schedule decays over."""
         return self.session.max_steps
 
-    def next_batch(self, step: int) -> StepBatch | None:
-        """Step `step`'s input, or None when the data has ended."""
+    def next_batch(self, step: int, together: bool = False) -> StepBatch | None:
+        """Step `step`'s input, or None when the data has ended. `together` (multi-run): its micro_batches are
+        the step's rows, unplanned, for `forward_backward_together`."""
         raise NotImplementedError
+
+    @classmethod
+    def forward_backward_together(cls, loops: list[Loop], batches: list[StepBatch]) -> list[dict[str, torch.Tensor]]:
+        """Multi-run: forward/backward of one step of each of several runs (`loops`, sharing one model) in shared
+        forward passes; each run's token sums on this rank, as `forward_backward_step`'s."""
+        raise NotImplementedError(f"{cls.__name__} trains one run at a time")
 
     def forward_backward_step(self, micro_batch: Any, scale: float) -> dict[str, torch.Tensor]:
         """Forward, backward of loss * scale; returns detached token sums, `loss` among them."""
@@ -218,15 +225,24 @@ class TrainSession:
 
     def train_step(self, step: int) -> dict | None:
         """Forward/backward every micro-batch of step `step`, clip, step; its metrics (None: data ended)."""
-        torch.manual_seed(self.config.seed + 1_000_003 * step + self.ctx.rank)  # resume-exact dropout (LoRA)
-        batch = self.loop.next_batch(step)
+        batch = self.open_step(step)
         if batch is None:
             return None
-        reset_peak_memory(self.ctx.device)
         start = time.perf_counter()
         if batch.loss_tokens == 0:  # the same on every rank: summed over ranks
-            return self._empty_step(step, batch, start)
-        losses = self._forward_backward(batch)
+            return self.empty_step(step, batch, start)
+        return self.finish_step(step, batch, self._forward_backward(batch), start)
+
+    def open_step(self, step: int, together: bool = False) -> StepBatch | None:
+        """Step `step`'s input (None: the data has ended); `together`: its rows, for `forward_backward_together`."""
+        torch.manual_seed(self.config.seed + 1_000_003 * step + self.ctx.rank)  # resume-exact dropout (LoRA)
+        batch = self.loop.next_batch(step, together) if together else self.loop.next_batch(step)
+        reset_peak_memory(self.ctx.device)
+        return batch
+
+    def finish_step(self, step: int, batch: StepBatch, sums: dict[str, torch.Tensor], start: float) -> dict:
+        """Step `step` after its forward/backward (`sums`: this rank's token sums): check, clip, step; its metrics."""
+        losses = self._reduce(sums, batch.loss_tokens)
         if not math.isfinite(losses["loss"]):
             raise UserError(
                 f"loss is {losses['loss']} at step {step}; stopped before the optimizer step"
@@ -237,7 +253,7 @@ class TrainSession:
         self._advance(step, batch)
         return self._step_metrics(batch, losses, grad_norm, lr, seconds)
 
-    def _empty_step(self, step: int, batch: StepBatch, start: float) -> dict:
+    def empty_step(self, step: int, batch: StepBatch, start: float) -> dict:
         """A step without loss tokens on any rank: warned about, then counted without training (see the module
         docstring). Its loss and grad_norm are 0, `empty_step` is 1, and the loop's token metrics are absent."""
         if self.ctx.is_main:
@@ -254,15 +270,19 @@ class TrainSession:
         losses = {"loss": 0.0, "empty_step": 1.0}  # no entropy or KL: a 0 there would read as a collapse
         return self._step_metrics(batch, losses, 0.0, lr, time.perf_counter() - start)
 
-    def _forward_backward(self, batch: StepBatch) -> dict[str, float]:
-        """Token sums of every micro-batch, summed over ranks, per loss-mask token of the step."""
-        denom = max(batch.loss_tokens, 1)
+    def _forward_backward(self, batch: StepBatch) -> dict[str, torch.Tensor]:
+        """This rank's token sums over every micro-batch."""
+        scale = self.ctx.world_size / max(batch.loss_tokens, 1)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.ctx.device))
         for mb in batch.micro_batches:
-            for key, value in self.loop.forward_backward_step(mb, self.ctx.world_size / denom).items():
+            for key, value in self.loop.forward_backward_step(mb, scale).items():
                 sums[key] += value
-        keys = sorted(sums)
-        totals = self.ctx.all_reduce_sum(torch.stack([sums[k] for k in keys]))
+        return sums
+
+    def _reduce(self, sums: dict[str, torch.Tensor], loss_tokens: int) -> dict[str, float]:
+        """Token sums summed over ranks, per loss-mask token of the step."""
+        denom, keys = max(loss_tokens, 1), sorted(sums)
+        totals = self.ctx.all_reduce_sum(torch.stack([torch.as_tensor(sums[k], device=self.ctx.device) for k in keys]))
         return {k: float(v) / denom for k, v in zip(keys, totals)}
 
     def _advance(self, step: int, batch: StepBatch) -> None:
@@ -358,8 +378,10 @@ class TrainSession:
     def run_step(self, step: int) -> dict | None:
         """Train step `step`, write its outputs and log it; its metrics (None: the data had ended)."""
         metrics = self.train_step(step)
-        if metrics is None:
-            return None
+        return None if metrics is None else self.publish_step(step, metrics)
+
+    def publish_step(self, step: int, metrics: dict) -> dict:
+        """Step `step` is trained: write its outputs (weights, a due checkpoint) and log `metrics`."""
         if not self.config.bench:
             metrics.update(self.loop.end_step(step + 1, self.is_final(step + 1)))
         self._log(step, metrics)

@@ -104,6 +104,20 @@ class RowBatch:
     attention_mask: torch.Tensor | None = None  # [rows, 1, length, length] bool, True: attend; likewise
     teacher_ids: torch.Tensor | None = None  # [rows, length, K], only when some row has forward-KL targets
     teacher_targets: torch.Tensor | None = None  # likewise
+    sample_starts: list[int] | None = None  # stacked rows: row i's samples are ids sample_starts[i]..[i+1]-1
+
+    def rows(self, a: int, b: int, teacher: bool = True) -> RowBatch:
+        """Stacked rows a..b-1 as a batch of their own (views; sample ids from 0), without forward-KL
+        targets unless `teacher`."""
+        s0, s1 = self.sample_starts[a], self.sample_starts[b]
+        cut = {f: getattr(self, f) for f in ("parents", "attention_mask", *(TEACHER_FIELDS if teacher else ()))}
+        return RowBatch(
+            **{f: getattr(self, f)[a:b] for f in TOKEN_FIELDS if f != "sample_ids"},
+            sample_ids=self.sample_ids[a:b] - s0,
+            num_samples=s1 - s0,
+            **{f: None if t is None else t[a:b] for f, t in cut.items()},
+            sample_starts=[s - s0 for s in self.sample_starts[a : b + 1]],
+        )
 
     def loss_inputs(self, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None = None) -> LossInputs:
         """The loss's per-token view: every row's tokens one after another."""
@@ -118,7 +132,13 @@ class RowBatch:
         )
 
 
-NOT_JOINED = ("num_samples", "parents", "attention_mask", *TEACHER_FIELDS)  # built apart from the token fields
+NOT_JOINED = (
+    "num_samples",
+    "parents",
+    "attention_mask",
+    "sample_starts",
+    *TEACHER_FIELDS,
+)  # built apart from the token fields
 TOKEN_FIELDS = [f.name for f in fields(RowBatch) if f.name not in NOT_JOINED]
 
 
@@ -153,6 +173,7 @@ def stack_rows(rows: list[PackedRow], stack: bool = True) -> RowBatch:
     out = {f: join([getattr(r, f) for r in rows]) for f in TOKEN_FIELDS if f != "sample_ids"}
     sample_ids = join([r.sample_ids + s for r, s in zip(rows, starts)])
     batch = RowBatch(**out, sample_ids=sample_ids, num_samples=starts[-1], **_teacher_fields(rows, join))
+    batch.sample_starts = starts if stack else None
     return _with_sharing(batch, rows, stack) if any(r.shared for r in rows) else batch
 
 
@@ -223,6 +244,44 @@ def micro_batches(
         sizes = [min(size, len(rows) - i) for i in range(0, len(rows), size)]
     starts = [0, *itertools.accumulate(sizes)]
     return [stack_rows(rows[a:b], stack) for a, b in zip(starts, starts[1:])]
+
+
+@dataclass
+class Part:
+    """Rows a..b-1 of a mixed-run forward pass are run `run`'s (an index into the round's runs); `teacher`:
+    some of them carry forward-KL targets."""
+
+    run: int
+    a: int
+    b: int
+    teacher: bool
+
+
+def mixed_micro_batches(
+    rows: list[list[PackedRow]], size: int, stack: bool = True, sizes: list[int] | None = None
+) -> list[tuple[RowBatch, list[Part]]]:
+    """Forward passes over several runs' rows (`rows[i]`: run i's): longest first over all runs, as
+    `micro_batches` plans one run's, each pass's rows grouped by run so a run's rows are one slice of it.
+    Rows that cannot be stacked (concatenated into one row) are not mixed: each pass holds one run's rows."""
+    if not stack:
+        return [
+            (mb, [Part(i, 0, 1, mb.teacher_ids is not None)])
+            for i, own in enumerate(rows)
+            for mb in micro_batches(own, size, stack)
+        ]
+    tagged = sorted(((r, i) for i, own in enumerate(rows) for r in own), key=lambda t: -t[0].input_ids.numel())
+    if sizes is None:
+        sizes = [min(size, len(tagged) - i) for i in range(0, len(tagged), size)]
+    starts, out = [0, *itertools.accumulate(sizes)], []
+    for a, b in zip(starts, starts[1:]):
+        group = sorted(tagged[a:b], key=lambda t: t[1])  # stable: longest first within each run
+        parts, at = [], 0
+        for run, members in itertools.groupby(group, key=lambda t: t[1]):
+            members = [r for r, _ in members]
+            parts.append(Part(run, at, at + len(members), any(r.teacher_ids is not None for r in members)))
+            at += len(members)
+        out.append((stack_rows([r for r, _ in group]), parts))
+    return out
 
 
 def deal_rows(rows: list[MicroBatch], ranks: int, rank: int) -> list[MicroBatch]:

@@ -27,6 +27,7 @@ import functools
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from loguru import logger
@@ -50,10 +51,12 @@ from asyncrl.trainer.perf import format_mfu
 from asyncrl.trainer.rl.data import (
     FakeSource,
     PackedRow,
+    Part,
     RolloutSource,
     RowBatch,
     check_seq_len,
     micro_batches,
+    mixed_micro_batches,
     plan_forwards,
     prepare,
     split_to,
@@ -117,7 +120,7 @@ class RLLoop(Loop):
 
     # ---- one step ----------------------------------------------------------------------------------
 
-    def next_batch(self, step: int) -> StepBatch:
+    def next_batch(self, step: int, together: bool = False) -> StepBatch:
         ctx = self.session.ctx
         self._dists = defaultdict(list) if self.session.sink.extras_due(step, "distributions") else None
         start = time.perf_counter()
@@ -133,7 +136,7 @@ class RLLoop(Loop):
         wait_s = time.perf_counter() - start
         loss_tokens, tokens, samples, flops = ctx.all_reduce_sum(self._counts(rows)).tolist()
         size, stack = self.config.data.micro_batch_size, self.session.lm.stackable
-        mbs = micro_batches(rows, size, stack, self._plan(rows) if stack else None)
+        mbs = rows if together else micro_batches(rows, size, stack, self._plan(rows) if stack else None)
         return StepBatch(mbs, int(loss_tokens), int(tokens), int(samples), flops, timing={"wait_s": wait_s})
 
     def _plan(self, rows: list[PackedRow]) -> list[int]:
@@ -181,11 +184,24 @@ class RLLoop(Loop):
         )
 
     def forward_backward_step(self, mb: RowBatch, scale: float) -> dict[str, torch.Tensor]:
-        model, loss_cfg = self.session.model, self.config.loss
+        logits, mask = self._forward(mb)
+        loss, finish = self.loss_terms(logits, mb, self._reference_logprobs(mb, mask))
+        (loss * scale).backward()
+        return finish()
+
+    def _forward(self, mb: RowBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The policy's logits over `mb`, and the attention-mask kwargs they were computed with."""
+        model = self.session.model
         mask = self.mask_kwargs(mb, model.config._attn_implementation)
-        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **mask).logits
+        return model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **mask).logits, mask
+
+    def loss_terms(
+        self, logits: torch.Tensor, mb: RowBatch, ref_logprobs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, Callable[[], dict[str, torch.Tensor]]]:
+        """This run's summed loss over `mb` (its `logits`), and what gives its token sums once backward is done."""
+        loss_cfg = self.config.loss
         logprobs = token_logprobs(logits, mb.input_ids, mb.temperatures, mb.parents)
-        inputs = mb.loss_inputs(logprobs, self._reference_logprobs(mb, mask))
+        inputs = mb.loss_inputs(logprobs, ref_logprobs)
         out = self.loss_fn(inputs, loss_cfg)
         loss, entropy = out.loss, None
         if loss_cfg.entropy_coef > 0:  # the bonus needs the entropy's gradient: computed before backward
@@ -195,21 +211,65 @@ class RLLoop(Loop):
             ce, kl = teacher_cross_entropy(logits, mb.temperatures, mb.teacher_ids, mb.teacher_targets, mb.parents)
             loss = loss + ce
             out.metrics["teacher_kl"] = kl
-        (loss * scale).backward()
-        sums = {
-            "loss": loss.detach().float(),
-            # measured after backward, once the autograd graph is freed
-            "entropy": entropy.detach() if entropy is not None else self._entropy_sum(logits.detach(), mb),
-            "mismatch_kl": mismatch_kl_sum(inputs),
-        }
-        log_ratio = (inputs.logprobs.detach() - inputs.inference_logprobs)[inputs.loss_mask]
-        self._log_ratios.append(log_ratio)  # on the device: one copy to the host per step, in step_summary
-        if self._dists is not None:  # rank 0's loss tokens
-            self._dists["dist/importance_ratio"].append(log_ratio.exp().cpu())
-            self._dists["dist/advantage"].append(inputs.advantages[inputs.loss_mask].cpu())
-        for key, value in out.metrics.items():
-            sums[key] = sums.get(key, 0) + value.detach().float()
+
+        def finish() -> dict[str, torch.Tensor]:
+            sums = {
+                "loss": loss.detach().float(),
+                # measured after backward, once the autograd graph is freed
+                "entropy": entropy.detach() if entropy is not None else self._entropy_sum(logits.detach(), mb),
+                "mismatch_kl": mismatch_kl_sum(inputs),
+            }
+            log_ratio = (inputs.logprobs.detach() - inputs.inference_logprobs)[inputs.loss_mask]
+            self._log_ratios.append(log_ratio)  # on the device: one copy to the host per step, in step_summary
+            if self._dists is not None:  # rank 0's loss tokens
+                self._dists["dist/importance_ratio"].append(log_ratio.exp().cpu())
+                self._dists["dist/advantage"].append(inputs.advantages[inputs.loss_mask].cpu())
+            for key, value in out.metrics.items():
+                sums[key] = sums.get(key, 0) + value.detach().float()
+            return sums
+
+        return loss, finish
+
+    @classmethod
+    def forward_backward_together(cls, loops: list[RLLoop], batches: list[StepBatch]) -> list[dict[str, torch.Tensor]]:
+        """One step of each run in shared forward passes: every run's rows planned together (longest first, as
+        one run's are), each row through its own run's adapter (`SlotSelector.mixed`), each run's loss on its
+        own rows scaled by its own step's loss tokens, one backward per forward. A run's gradient is then what
+        it would be trained alone: its adapter sees only its rows, and its loss only their tokens."""
+        lead = loops[0]
+        s = lead.session
+        scales = [s.ctx.world_size / max(b.loss_tokens, 1) for b in batches]
+        rows = [b.micro_batches for b in batches]
+        sizes = lead._plan([r for rs in rows for r in rs]) if s.lm.stackable else None
+        slots = [loop.session.slot.index for loop in loops]  # every rank: the same slots get gradients
+        sums = [defaultdict(lambda: torch.zeros((), device=s.ctx.device)) for _ in loops]
+        for mb, parts in mixed_micro_batches(rows, lead.config.data.micro_batch_size, s.lm.stackable, sizes):
+            run_of_row = torch.cat([torch.full((p.b - p.a,), p.run) for p in parts]).to(s.ctx.device)
+            with s.lm.selector.mixed(slots, run_of_row):
+                for p, part_sums in zip(parts, cls._forward_backward_parts(loops, mb, parts, scales)):
+                    for key, value in part_sums.items():
+                        sums[p.run][key] += value
         return sums
+
+    @staticmethod
+    def _forward_backward_parts(
+        loops: list[RLLoop], mb: RowBatch, parts: list[Part], scales: list[float]
+    ) -> list[dict[str, torch.Tensor]]:
+        """One forward over rows of several runs, each part's loss from its own run, one backward."""
+        logits, mask = loops[0]._forward(mb)
+        ref = None
+        if any(loops[p.run].reference is not None for p in parts):
+            ref = loops[next(p.run for p in parts if loops[p.run].reference is not None)]._reference_logprobs(mb, mask)
+        total, finishers = 0.0, []
+        for p in parts:
+            loop = loops[p.run]
+            sub = mb if len(parts) == 1 else mb.rows(p.a, p.b, p.teacher)
+            ref_p = None if ref is None or loop.reference is None else ref[p.a : p.b]
+            loss, finish = loop.loss_terms(logits[p.a : p.b], sub, ref_p)
+            total = total + loss * scales[p.run]
+            finishers.append(finish)
+        total.backward()
+        return [finish() for finish in finishers]
 
     @torch.no_grad()
     def _reference_logprobs(self, mb: RowBatch, mask: dict[str, torch.Tensor]) -> torch.Tensor | None:
