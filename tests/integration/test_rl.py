@@ -172,7 +172,8 @@ def test_rl_stops_everything_when_the_trainer_dies(tiny_model_dir, tmp_path):
 
 def test_a_hung_trainer_is_named_and_the_run_stopped(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    args = rl_args(tiny_model_dir, out, 500, free_port()) + ["--stall-timeout", "15"]
+    # the first step must come within the timeout too: on a loaded 2-core machine it has taken over 15 s
+    args = rl_args(tiny_model_dir, out, 500, free_port()) + ["--stall-timeout", "40"]
     proc = start_rl_until(args, out / "metrics" / "trainer.jsonl")
     try:
         trainers = [line.split()[0] for line in own_processes(str(out)) if "entrypoints.trainer" in line]
@@ -182,8 +183,8 @@ def test_a_hung_trainer_is_named_and_the_run_stopped(tiny_model_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 2 and time.monotonic() - stopped < 60
-    assert "(stall_timeout 15s): trainer is stopped (SIGSTOP); stopped the run" in stderr, stderr[-2000:]
+    assert proc.returncode == 2 and time.monotonic() - stopped < 80
+    assert "(stall_timeout 40s): trainer is stopped (SIGSTOP); stopped the run" in stderr, stderr[-2000:]
     assert_no_processes_left(str(out))  # the stopped trainer too
 
 

@@ -17,6 +17,7 @@ CHECKS = [
     "bench_qwen3_0.6b_16k",
     "rl_single_gpu_shared_prefix",
     "rl_multi_run_lora",
+    "multi_run_batched_trainer",
     "rl_distill_teacher",
 ]
 VLLM = ["vllm_update_weights", "rl_multi_run_lora_vllm"]
