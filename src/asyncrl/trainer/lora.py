@@ -99,22 +99,22 @@ def merge_lora_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[
 
 
 class SlotSelector:
-    """The adapter slot(s) every `MultiLoRALinear` of one model applies (one object shared by all layers):
-    `active` for every row, or, inside `mixed`, row i applies slot `slots[rows[i]]`."""
+    """The adapter slot(s) every `MultiLoRALinear` of one model applies (one object shared by all layers): row i
+    of a stacked [rows, length, ...] batch applies slot `slots[rows[i]]`; with one slot every row applies it
+    (outside `mixed`: slot 0)."""
 
     def __init__(self) -> None:
-        self.active = 0
-        self.slots: list[int] | None = None
+        self.slots: list[int] = [0]
         self.rows: torch.Tensor | None = None
 
     @contextmanager
-    def mixed(self, slots: list[int], rows: torch.Tensor) -> Iterator[None]:
-        """Forwards inside apply slot `slots[rows[i]]` to row i of a stacked [rows, length, ...] batch."""
+    def mixed(self, slots: list[int], rows: torch.Tensor | None) -> Iterator[None]:
+        """Forwards inside apply slot `slots[rows[i]]` to row i (`rows` may be None with a single slot)."""
         self.slots, self.rows = slots, rows
         try:
             yield
         finally:
-            self.slots, self.rows = None, None
+            self.slots, self.rows = [0], None
 
 
 class MultiLoRALinear(nn.Module):
@@ -132,8 +132,8 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sel = self._sel
-        if sel.rows is None or len(sel.slots) == 1:
-            i = sel.active if sel.rows is None else sel.slots[0]
+        if len(sel.slots) == 1:
+            i = sel.slots[0]
             return self.base(x) + F.linear(F.linear(self.dropout(x), self.lora_A[i]), self.lora_B[i]) * self.scale
         a = torch.stack([self.lora_A[i] for i in sel.slots])[sel.rows]  # [rows, rank, in]: each row's own A
         b = torch.stack([self.lora_B[i] for i in sel.slots])[sel.rows]  # [rows, out, rank]

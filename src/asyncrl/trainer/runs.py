@@ -154,7 +154,7 @@ class MultiRunTrainer:
         self.free = list(range(len(self.slots)))
         self.runs: dict[str, Run] = {}
         self.results: dict[str, list[dict]] = {}
-        self.round_s = 0.0  # how long the last round's forwards, backwards and optimizer steps took
+        self.round_s = 0.0  # the last round: forwards, backwards, each run's optimizer step and outputs
         self.ready_since: dict[str, float] = {}  # rank 0: since when a run's next batch has been there
         logger.configure(patcher=_name_the_run)
         if ctx.is_main:

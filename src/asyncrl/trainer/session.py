@@ -272,17 +272,22 @@ class TrainSession:
 
     def _forward_backward(self, batch: StepBatch) -> dict[str, torch.Tensor]:
         """This rank's token sums over every micro-batch."""
-        scale = self.ctx.world_size / max(batch.loss_tokens, 1)
+        scale = self.loss_scale(batch)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.ctx.device))
         for mb in batch.micro_batches:
             for key, value in self.loop.forward_backward_step(mb, scale).items():
                 sums[key] += value
         return sums
 
+    def loss_scale(self, batch: StepBatch) -> float:
+        """What a micro-batch's summed token loss is scaled by: world_size / the step's loss tokens on all ranks
+        (FSDP2 averages gradients over ranks), so the gradient is the per-token mean over the step."""
+        return self.ctx.world_size / max(batch.loss_tokens, 1)
+
     def _reduce(self, sums: dict[str, torch.Tensor], loss_tokens: int) -> dict[str, float]:
         """Token sums summed over ranks, per loss-mask token of the step."""
         denom, keys = max(loss_tokens, 1), sorted(sums)
-        totals = self.ctx.all_reduce_sum(torch.stack([torch.as_tensor(sums[k], device=self.ctx.device) for k in keys]))
+        totals = self.ctx.all_reduce_sum(torch.stack([sums[k] for k in keys]))
         return {k: float(v) / denom for k, v in zip(keys, totals)}
 
     def _advance(self, step: int, batch: StepBatch) -> None:

@@ -62,6 +62,7 @@ def loops_for(model, losses: list[dict], size: int, stack: bool) -> list[RLLoop]
         session = SimpleNamespace(
             config=config, model=model, ctx=ctx, lm=lm, flops=flops, slot=SimpleNamespace(index=slot)
         )
+        session.loss_scale = lambda batch: 1.0 / max(batch.loss_tokens, 1)  # TrainSession's, one rank
         loop = RLLoop(session)
         loop.reference = model if loss.get("ref_kl") else None  # LoRA: the base, adapters off
         loops.append(loop)
@@ -79,12 +80,12 @@ def floats(sums: dict) -> dict[str, float]:
 def alone(model, loop: RLLoop, rows: list[PackedRow]) -> tuple[dict, list]:
     """Run `loop`'s step by itself, one run's micro-batches with its slot active (the single-run path)."""
     model.zero_grad(set_to_none=True)
-    model.selector.active = loop.session.slot.index
     scale = 1.0 / sum(int(r.loss_mask.sum()) for r in rows)
     sums: dict = defaultdict(float)
-    for mb in micro_batches(rows, loop.config.data.micro_batch_size, loop.session.lm.stackable):
-        for key, value in loop.forward_backward_step(mb, scale).items():
-            sums[key] += float(value)
+    with model.selector.mixed([loop.session.slot.index], None):
+        for mb in micro_batches(rows, loop.config.data.micro_batch_size, loop.session.lm.stackable):
+            for key, value in loop.forward_backward_step(mb, scale).items():
+                sums[key] += float(value)
     return dict(sums), [g.clone() for g in slot_grads(model, loop.session.slot.index)]
 
 

@@ -238,7 +238,7 @@ class RLLoop(Loop):
         it would be trained alone: its adapter sees only its rows, and its loss only their tokens."""
         lead = loops[0]
         s = lead.session
-        scales = [s.ctx.world_size / max(b.loss_tokens, 1) for b in batches]
+        scales = [loop.session.loss_scale(b) for loop, b in zip(loops, batches)]
         rows = [b.micro_batches for b in batches]
         sizes = lead._plan([r for rs in rows for r in rs]) if s.lm.stackable else None
         slots = [loop.session.slot.index for loop in loops]  # every rank: the same slots get gradients
@@ -257,9 +257,8 @@ class RLLoop(Loop):
     ) -> list[dict[str, torch.Tensor]]:
         """One forward over rows of several runs, each part's loss from its own run, one backward."""
         logits, mask = loops[0]._forward(mb)
-        ref = None
-        if any(loops[p.run].reference is not None for p in parts):
-            ref = loops[next(p.run for p in parts if loops[p.run].reference is not None)]._reference_logprobs(mb, mask)
+        with_ref = [loops[p.run] for p in parts if loops[p.run].reference is not None]
+        ref = with_ref[0]._reference_logprobs(mb, mask) if with_ref else None  # the base: one for every run
         total, finishers = 0.0, []
         for p in parts:
             loop = loops[p.run]
