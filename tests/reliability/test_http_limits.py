@@ -9,6 +9,7 @@ stay responsive while the server works on a large request (worst latency printed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
@@ -20,6 +21,7 @@ import h11
 import httpx
 import pytest
 
+from asyncrl.inference.api.http_server import uvicorn_options
 from asyncrl.utils.process import free_port, serve, stop_group
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
@@ -240,39 +242,91 @@ def test_lone_surrogate_is_400_and_the_connection_stays_usable(server, case):
     assert error["code"] == 400 and "surrogate" in error["message"] and b"\n" not in answers[0][1].strip()
 
 
+def test_a_server_stall_is_not_the_clients_delay():
+    """A client sends its whole request in time, but the server's loop is busy past the head deadline reading
+    another connection (here a `stall` that sleeps in its data_received; in CI, a starved process): the deadline
+    counts the client's time, so the bytes waiting unread are read and the request answered, not refused with a
+    408 (uvloop runs due timers before it polls again)."""
+    from asyncrl.config.inference import ServerConfig
+
+    options = uvicorn_options(ServerConfig(head_timeout_s=1))
+    options["http"] = protocol = _stalling(options["http"], 1.5)
+    with in_process_server(_ok_app(), options) as port:
+        busy, client = (socket.create_connection(("127.0.0.1", port)) for _ in range(2))
+        with busy, client:
+            while protocol.made < 2:  # both accepted: the client's head deadline runs
+                time.sleep(0.01)
+            busy.sendall(b"stall")
+            time.sleep(0.2)
+            client.sendall(request_bytes("GET", "/ok"))
+            answers, _ = read_responses(client, 10)
+    assert [s for s, _ in answers] == [200], answers
+
+
+def _stalling(base: type, seconds: float) -> type:
+    """`base` protocol that counts its connections and sleeps `seconds` on receiving b"stall"."""
+
+    class Stalling(base):
+        made = 0
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            type(self).made += 1
+
+        def data_received(self, data):
+            if data == b"stall":
+                return time.sleep(seconds)
+            super().data_received(data)
+
+    return Stalling
+
+
 def test_unhandled_error_keeps_the_connection():
     """A route that raises (no such route is left on the server: an app with the API's error handling and one
     failing route stands in) answers the one 500 body, and the next request on the connection is served."""
-    import uvicorn
-    from fastapi import FastAPI
-
     from asyncrl.config.inference import ServerConfig
-    from asyncrl.inference.api.errors import install_error_handlers
-    from asyncrl.inference.api.http_server import uvicorn_options
 
-    app = FastAPI()
+    app = _ok_app()
 
     @app.get("/boom")
     async def boom():
         raise RuntimeError("kaput\nsecond line")
+
+    with in_process_server(app, uvicorn_options(ServerConfig())) as port:
+        answers, _ = exchange(port, request_bytes("GET", "/boom") + request_bytes("GET", "/ok"), 5)
+    assert [s for s, _ in answers] == [500, 200], answers
+    assert json.loads(answers[0][1])["error"]["message"] == "internal server error: RuntimeError: kaput second line"
+
+
+def _ok_app():
+    """An app with the API's error handling and one route, GET /ok."""
+    from fastapi import FastAPI
+
+    from asyncrl.inference.api.errors import install_error_handlers
+
+    app = FastAPI()
 
     @app.get("/ok")
     async def ok():
         return {"ok": True}
 
     install_error_handlers(app)
+    return app
+
+
+@contextlib.contextmanager
+def in_process_server(app, options: dict):
+    """uvicorn serving `app` with `options` (the server's `uvicorn_options`) from a thread: yields its port."""
+    import uvicorn
+
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", **uvicorn_options(ServerConfig()))
-    )
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
         while not server.started:
             time.sleep(0.05)
-        answers, _ = exchange(port, request_bytes("GET", "/boom") + request_bytes("GET", "/ok"), 5)
-        assert [s for s, _ in answers] == [500, 200], answers
-        assert json.loads(answers[0][1])["error"]["message"] == "internal server error: RuntimeError: kaput second line"
+        yield port
     finally:
         server.should_exit = True
         thread.join(10)

@@ -9,6 +9,9 @@
   (of the connection, for its first request), else 408 and the connection is closed: a client that trickles
   a header line a second (slowloris) or connects and says nothing holds no connection for long;
 - a body deadline: the body must arrive within `body_timeout_s` of the head (408 while the app still waits);
+- both count the client's time, not the server's: when a deadline falls due while the client's bytes wait
+  unread in the kernel (the loop was busy or the process starved; uvloop runs due timers before it polls), the
+  server reads them first and looks again `GRACE_S` later, once per deadline;
 - the status h11 suggests for a request it cannot parse (431 for a head over `max_header_kib`, else 400)
   with the one error body, where uvicorn answers every such request with a plain-text 400;
 - lingering close: a connection the server ends while the client is still sending (a 413, a 431) is
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 from http import HTTPStatus
 from typing import Any
 
@@ -30,6 +35,7 @@ from asyncrl.config.inference import ServerConfig
 from asyncrl.inference.api.errors import error_body
 
 LINGER_S = 2.0
+GRACE_S = 0.1
 
 
 def uvicorn_options(server: ServerConfig) -> dict[str, Any]:
@@ -96,6 +102,7 @@ class BoundedH11Protocol(H11Protocol):
         self.conn = _Connection(h11.SERVER, self.conn._max_incomplete_event_size)
         self._deadline: asyncio.TimerHandle | None = None
         self._deadline_for: str | None = None  # "head" | "body"
+        self._graced = False  # the deadline now running was already extended once for unread bytes
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self.loop))  # type: ignore[arg-type]
@@ -139,7 +146,7 @@ class BoundedH11Protocol(H11Protocol):
         self._disarm()
         timeout = self.head_timeout_s if what == "head" else self.body_timeout_s
         self._deadline = self.loop.call_later(timeout, self._expired, what)
-        self._deadline_for = what
+        self._deadline_for, self._graced = what, False
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -147,9 +154,12 @@ class BoundedH11Protocol(H11Protocol):
         self._deadline, self._deadline_for = None, None
 
     def _expired(self, what: str) -> None:
-        self._deadline, self._deadline_for = None, None
         if self.transport.is_closing():
-            return
+            return self._disarm()
+        if not self._graced and _unread_bytes(self.transport):
+            self._deadline, self._graced = self.loop.call_later(GRACE_S, self._expired, what), True
+            return  # the client sent in time; the server was late to read it
+        self._deadline, self._deadline_for = None, None
         if self.cycle is not None and not self.cycle.response_complete:
             if self.cycle.response_started:
                 return  # the app is answering; only the head or body it waits for is bounded
@@ -176,6 +186,18 @@ class BoundedH11Protocol(H11Protocol):
         head += f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
         self.transport.write(head.encode() + body)  # raw: h11 may be in an error state or mid-request
         self.transport.close()
+
+
+def _unread_bytes(transport: asyncio.BaseTransport) -> bool:
+    """Whether the connection's socket holds received bytes the server has not read yet (peeked, not taken)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        with socket.socket(fileno=os.dup(sock.fileno())) as peer:
+            return bool(peer.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing waiting (BlockingIOError), or the socket is gone
+        return False
 
 
 def _reason(status: int) -> str:
