@@ -127,6 +127,12 @@ def request_bytes(method: str, path: str, body: bytes = b"", **headers: str) -> 
     return head.encode() + b"\r\n" + body
 
 
+def health_bound(took: float) -> float:
+    """The worst /health latency allowed while a request took `took` s: blocked, /health would wait out the
+    whole request; under CI load both slow down (2.09 s once against a fixed 2 s), hence half of it."""
+    return max(HEALTH_BOUND_S, took / 2)
+
+
 class HealthPoller:
     """Polls /health from a thread of its own every 50 ms; `worst` is the slowest answer seen."""
 
@@ -195,10 +201,11 @@ def test_trusted_request_template_is_bounded(trusted):
         slow = httpx.post(f"{url}/tokenize", json=with_template(tokenize, LOOP_TEMPLATE, "top"), timeout=60)
         loop_s = time.monotonic() - t
         big = httpx.post(f"{url}/v1/chat/completions", json=with_template(chat("hi"), MEMORY_TEMPLATE, "kwargs"))
+        both_s = time.monotonic() - t
     assert_error(slow, 400, "longer than")
     assert_error(big, 400, "MiB")
     print(f"\ntrusted template: loop answered in {loop_s:.1f} s; /health worst {health.worst * 1000:.0f} ms")
-    assert health.worst < HEALTH_BOUND_S
+    assert health.worst < health_bound(both_s)
     assert _peak_rss_gib(trusted.proc.pid) < 2.0  # the server itself never held the 2 GB string
     again = httpx.post(f"{url}/tokenize", json=with_template(TEMPLATE_CASES["tokenize kwargs"][1], "cd", "kwargs"))
     assert again.status_code == 200 and again.json()["tokens"] == list(b"cd")  # a fresh worker took over
@@ -361,10 +368,12 @@ def test_20_mib_prompt_is_413(server):
 def test_too_many_messages_is_400(server):
     body = {"messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 1}
     with HealthPoller(server.url) as health:
+        t = time.monotonic()
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        took = time.monotonic() - t
     assert_error(r, 400, "--server.max-messages")
-    print(f"\n100,000 messages: /health worst {health.worst * 1000:.0f} ms")
-    assert health.worst < HEALTH_BOUND_S
+    print(f"\n100,000 messages: answered in {took:.1f} s; /health worst {health.worst * 1000:.0f} ms")
+    assert health.worst < health_bound(took)
 
 
 BIG = 6 * MIB  # under the default 8 MiB limit: served, off the event loop
@@ -387,8 +396,7 @@ def test_big_request_does_not_block_health(server, case):
         took = time.monotonic() - t
     assert r.status_code == status, r.text[:300]
     print(f"\n{case}: answered {r.status_code} in {took:.1f} s; /health worst {health.worst * 1000:.0f} ms")
-    # blocked, /health would wait out the whole request; under CI load both slow down (worst 2.09 s once)
-    assert health.worst < max(HEALTH_BOUND_S, took / 2)
+    assert health.worst < health_bound(took)
 
 
 # ---- 8: stalled connections, oversized heads ------------------------------------------------------------------
