@@ -62,3 +62,35 @@ def test_the_young_generation_threshold_is_raised_and_a_higher_one_kept():
     gc.set_threshold(50_000, 5, 5)
     tune_for_episodes()
     assert gc.get_threshold() == (50_000, 5, 5)
+
+
+def test_a_runtime_makes_its_work_dir_only_when_used(tmp_path, monkeypatch):
+    """An episode that never uses its runtime's dir (the in-process chat harness) costs no mkdir/rmtree; one
+    that runs a program there gets the same dir as before, removed at the end."""
+    import asyncio
+
+    from verifiers.v1 import runtimes
+    from verifiers.v1.runtimes import subprocess as verifiers_subprocess
+
+    original = verifiers_subprocess.SubprocessRuntime
+    monkeypatch.setattr(verifiers_subprocess, "CACHE_DIR", tmp_path)
+    tune_for_episodes()
+    tune_for_episodes()
+    assert runtimes.SubprocessRuntime.__mro__[2] is original  # wrapped once
+
+    async def episode(use: bool) -> tuple:
+        runtime = runtimes.make_runtime(runtimes.SubprocessConfig(), name=f"ep-{use}")
+        await runtime.start()
+        planned = tmp_path / "runtimes" / "subprocess" / f"ep-{use}"
+        made_before = planned.exists()
+        out = (await runtime.run(["pwd"], {})).stdout.strip() if use else None
+        made_after = planned.is_dir()
+        await runtime.teardown()
+        return runtime, planned, made_before, out, made_after
+
+    runtime, planned, made_before, _, made_after = asyncio.run(episode(False))
+    assert isinstance(runtime, original) and runtime.info.id == str(planned)
+    assert not made_before and not made_after and not planned.exists()
+    runtime, planned, made_before, out, made_after = asyncio.run(episode(True))
+    assert not made_before and out == str(planned) and made_after
+    assert not planned.exists()  # removed by teardown, as verifiers' own runtime does
