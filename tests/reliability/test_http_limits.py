@@ -193,21 +193,23 @@ def test_request_template_is_refused_by_default(server, case):
 
 def test_trusted_request_template_is_bounded(trusted):
     url = trusted.url
-    ok = httpx.post(f"{url}/tokenize", json=with_template(TEMPLATE_CASES["tokenize kwargs"][1], "ab", "kwargs"))
+    tokenize = TEMPLATE_CASES["tokenize kwargs"][1]
+    # each request may wait for a fresh template worker (a process start: seconds under CI load), hence 60 s
+    ok = httpx.post(f"{url}/tokenize", json=with_template(tokenize, "ab", "kwargs"), timeout=60)
     assert ok.status_code == 200 and ok.json()["tokens"] == list(b"ab"), ok.text
     with HealthPoller(url) as health:
         t = time.monotonic()
-        tokenize = TEMPLATE_CASES["tokenize kwargs"][1]
         slow = httpx.post(f"{url}/tokenize", json=with_template(tokenize, LOOP_TEMPLATE, "top"), timeout=60)
         loop_s = time.monotonic() - t
-        big = httpx.post(f"{url}/v1/chat/completions", json=with_template(chat("hi"), MEMORY_TEMPLATE, "kwargs"))
+        big_body = with_template(chat("hi"), MEMORY_TEMPLATE, "kwargs")
+        big = httpx.post(f"{url}/v1/chat/completions", json=big_body, timeout=60)
         both_s = time.monotonic() - t
     assert_error(slow, 400, "longer than")
     assert_error(big, 400, "MiB")
     print(f"\ntrusted template: loop answered in {loop_s:.1f} s; /health worst {health.worst * 1000:.0f} ms")
     assert health.worst < health_bound(both_s)
     assert _peak_rss_gib(trusted.proc.pid) < 2.0  # the server itself never held the 2 GB string
-    again = httpx.post(f"{url}/tokenize", json=with_template(TEMPLATE_CASES["tokenize kwargs"][1], "cd", "kwargs"))
+    again = httpx.post(f"{url}/tokenize", json=with_template(tokenize, "cd", "kwargs"), timeout=60)
     assert again.status_code == 200 and again.json()["tokens"] == list(b"cd")  # a fresh worker took over
 
 
