@@ -222,6 +222,13 @@ class OrchestratorConfig(BaseConfig):
         description="trainer data-parallel ranks (equal micro-batch counts); default: what the trainer says in "
         "{output_dir}/trainer_world.json (rl sets it)",
     )
+    episodes: Literal["direct", "verifiers"] = Field(
+        "direct",
+        description='verifiers v1 environments: "direct" runs an episode whose agents use the asyncrl-chat harness, '
+        "the subprocess runtime and no tool servers without verifiers' per-episode transport (its model calls made "
+        'in-process, a group\'s shared prompt sent once with n = k), recording the same traces; "verifiers" runs '
+        "every episode through verifiers' own machinery",
+    )
     renderer: dict[str, Any] | None = Field(
         None,
         description="verifiers v1 environments: the `renderers` config the training client renders prompts and "

@@ -367,11 +367,17 @@ def runners_for(
     train: bool = True,
     renderer: dict | None = None,
     log_dir: Path | None = None,
+    direct: bool = True,
 ) -> Runners:
     """The RunGroup for these slots: verifiers v1's client for v1 slots, the classic token client (train) or
     plain chat client (`eval`/`synthesize`) for classic ones; each made only when a slot needs it. `log_dir`:
-    the logs of env servers started for slots that set `server`."""
+    the logs of env servers started for slots that set `server`. `direct` (training only): v1 episodes that
+    verifiers' transport machinery cannot change run direct (`v1_direct.py`)."""
     classic = [s for s in slots if not is_v1_env(s.env)]
     v1 = v1_run_group(client, base_model, model, train, renderer, log_dir) if len(classic) < len(slots) else None
+    if v1 is not None and train and direct:
+        from asyncrl.orchestrator.v1_direct import DirectEpisodes
+
+        v1.direct = DirectEpisodes(v1.client, client.timeout, client.merge_requests)
     classic_client = make_vf_client(client, TOKEN_CLIENT if train else PLAIN_CLIENT) if classic else None
     return Runners(verifiers_run_group(model, classic_client, v1), classic_client, v1)

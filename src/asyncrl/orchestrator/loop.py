@@ -544,7 +544,15 @@ async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = N
             name = config.model.name if config.bench else (lambda: orchestrator.served_model)
             slots = mixture.slots + (eval_mixture.slots if eval_mixture else [])
             logs = RunLayout.for_config(config).logs
-            runners = runners_for(slots, config.client, config.model.name, name, renderer=config.renderer, log_dir=logs)
+            runners = runners_for(
+                slots,
+                config.client,
+                config.model.name,
+                name,
+                renderer=config.renderer,
+                log_dir=logs,
+                direct=config.episodes == "direct",
+            )
             run_group = runners.run_group
         if config.bench:
             layout = RunLayout.for_config(config)

@@ -169,6 +169,7 @@ class V1Runner:
 
     def __init__(self, client: Any, model: str | Callable[[], str], log_dir: Path | None = None):
         self.client, self.model, self.log_dir = client, model, log_dir
+        self.direct: Any = None  # a v1_direct.DirectEpisodes: the slots whose episodes run direct
         self.holders: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}
         self.servers: dict[str, ServedEnv] = {}
         self.lock = asyncio.Lock()
@@ -182,12 +183,17 @@ class V1Runner:
         if server is not None:
             runs = [server.run(task, self.client, name, sampling) for task in tasks]
         else:
-            await self.serve(slot.env)
+            if not self.goes_direct(slot):
+                await self.serve(slot.env)
             ctx = vf.ModelContext(model=name, client=self.client, sampling=sampling)
             runs = [slot.env.run_episode(task, ctx) for task in tasks]
         episodes = await asyncio.gather(*runs, return_exceptions=True)
         train = isinstance(self.client, vf.TrainClientConfig)
         return [out for task, episode in zip(tasks, episodes) for out in episode_outputs(task, episode, train)]
+
+    def goes_direct(self, slot) -> bool:
+        """Whether the slot's episodes run direct (`v1_direct.DirectEpisodes`, set by `envs.runners_for`)."""
+        return self.direct is not None and self.direct.takes(slot)
 
     def server_of(self, slot) -> ServedEnv | None:
         """The slot's env server (made on its first group), or None when its episodes run here."""
@@ -226,6 +232,8 @@ class V1Runner:
         for server in self.servers.values():
             await server.close()
         self.servers.clear()
+        if self.direct is not None:
+            await self.direct.close()
         await close_shared_http()
 
 

@@ -1,0 +1,469 @@
+"""Direct v1 episodes: verifiers' episode, agents and traces, without the per-episode transport machinery.
+
+A v1 episode through verifiers' own path costs a framework's worth of work per rollout: a runtime, an
+interception server registration, the chat loop posting every model call over HTTP to that server, the
+training client posting it again to the engine through the OpenAI SDK from a worker thread, one request per
+rollout of a group. Where none of that machinery can change what is recorded, an episode runs direct:
+
+- the environment's own `Env.run_episode` runs (its `setup`, `run` and `finalize` hooks, several agents
+  included), with agents that are verifiers' episode agents (`_EpisodeAgent`: standing, gate, retries) except
+  for how one agent run is carried out: `DirectRollout` instead of verifiers' `Rollout`;
+- `DirectRollout` keeps the rollout's lifecycle (trace minted with the agent's config, the runtime started,
+  task setup, limits and `@stop`s checked before every model call by verifiers' own `RolloutSession`, the chat
+  loop's turns and tool-call handling, finalize, the task's and harness's scoring, stops and errors recorded
+  as verifiers records them) and makes each model call a function call: the turn is prepared and committed
+  on verifiers' trace graph, and sampled by `GroupSampler` (one request per group for a shared prompt).
+
+Which agent runs go direct (`direct_reason`): the agent's harness is asyncrl's chat loop (`asyncrl-chat`),
+its runtime the local subprocess one, its task has no tool servers (task- or taskset-scoped), no
+`@intercept` hooks, no `@stop` on a Request or Response, no skills, no `agent_user` (the subprocess runtime has
+no network policy to give notice of); the client is the training client. Every other run takes verifiers'
+own path, unchanged.
+
+Invariants: a direct episode records what verifiers' path records for the same engine answers — the same
+trace graph (messages, token ids, sampled masks, logprobs), stop condition, errors, rewards and metrics; the
+differential test (tests/unit/orchestrator/test_v1_direct.py) runs every shipped environment both ways.
+What it leaves out: the per-call HTTP records of the interception layer (a call's `sampling` is the
+episode's, not re-parsed from a request body).
+
+Private parts of verifiers 0.4.0 used (tripwire: test_the_library_internals_direct_episodes_use_are_as_they_were;
+remove when verifiers offers an in-process model call for its episodes): `Env._episode_agents` (wrapped per env
+instance, its agents' class set to `DirectAgent`), `Agents._agents`, `Agent._run_once`, `Agent._rollout_params`,
+`_EpisodeAgent`, `Interaction(run, gate)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from contextlib import asynccontextmanager, nullcontext
+from typing import Any
+
+from loguru import logger
+from verifiers.v1.agent import Agent, Interaction, _EpisodeAgent
+from verifiers.v1.errors import HarnessError, ProviderError, TaskError, boundary
+from verifiers.v1.runtimes import SubprocessConfig, make_runtime
+from verifiers.v1.session import RolloutSession, hook_boundary
+from verifiers.v1.state import state_cls
+from verifiers.v1.trace import AgentInfo, ModelCall, TimeSpan, Trace, TraceTask
+from verifiers.v1.types import Response, SystemMessage, ToolMessage, UserMessage
+from verifiers.v1.utils.decorators import discover_decorated, invoke
+
+from asyncrl.orchestrator.v1 import HARNESS_ID
+from asyncrl.orchestrator.v1_harness import chat_program
+from asyncrl.orchestrator.v1_sampler import GroupSampler
+
+CHAT_ENDPOINT = "/chat/completions"  # where the chat loop's calls go on verifiers' path (recorded per call)
+
+
+def direct_reason(agent: Agent, task: Any) -> str | None:
+    """Why this agent's run on `task` needs verifiers' own path, or None when it can run direct."""
+    if agent.harness.config.id != HARNESS_ID:
+        return f"harness {agent.harness.config.id!r}"
+    if not isinstance(agent.runtime_config, SubprocessConfig):
+        return f"runtime {agent.runtime_config.type!r}"
+    if task.data.skills or agent.harness.config.skills or task.data.agent_user:
+        return "skills or an agent user"
+    if task.toolsets(task.config):
+        return "tool servers"
+    if discover_decorated(task, "intercept"):
+        return "@intercept hooks"
+    if any(hook_boundary(fn, allow_trace=True) is not Trace for fn in task.hooks("stop")):
+        return "a @stop on a request or response"
+    return None
+
+
+class DirectRuns(Agent):
+    """The part of an Agent that carries out one run (`_run_once`) and one exchange (`interaction`): direct
+    where `direct_reason` allows, else verifiers' own. Placed under `_EpisodeAgent` in `DirectAgent`."""
+
+    sampler: GroupSampler
+
+    def _direct(self, task: Any, tools: Any, runtime: Any) -> bool:
+        return runtime is None and not tools and direct_reason(self, task) is None
+
+    async def _run_once(self, task, runtime, shared_tools, on_trace, collect_artifacts) -> Trace:
+        if collect_artifacts or not self._direct(task, shared_tools, runtime):
+            return await super()._run_once(task, runtime, shared_tools, on_trace, collect_artifacts)
+        run = self._rollout(task, on_trace, has_user=False)
+        try:
+            if await run.open():
+                await run.step()
+                if run.ok:
+                    run.trace.stop("agent_completed")
+            return await run.close()
+        except BaseException:
+            await asyncio.shield(run.abort())
+            raise
+
+    @asynccontextmanager
+    async def interaction(self, task, *, runtime=None, tools=None, on_trace=None):
+        if not self._direct(task, tools, runtime):
+            async with super().interaction(task, runtime=runtime, tools=tools, on_trace=on_trace) as exchange:
+                yield exchange
+            return
+        self._check_resume_support()
+        run = self._rollout(task, on_trace, has_user=True)
+        exchange = Interaction(run, gate=self._gate)
+        async with self._gate or nullcontext():
+            if not await run.open() and run.failure is not None:
+                await run.close()
+                raise run.failure
+        try:
+            yield exchange
+        except Exception as e:
+            run.fail(e)
+            raise
+        except BaseException:
+            await exchange._cancel_deliveries()
+            await run.abort()
+            raise
+        finally:
+            if not run.closed:
+                await exchange.close()
+
+    def _rollout(self, task: Any, on_trace: Any, has_user: bool) -> DirectRollout:
+        params = self._rollout_params(task, None, {})  # verifiers' pairing checks, timeouts and limits
+        return DirectRollout(
+            task=task,
+            agent_config=self.config,
+            harness=params["harness"],
+            ctx=self.ctx,
+            runtime_config=params["runtime_config"],
+            timeouts=params["timeouts"],
+            limits=params["limits"],
+            sampler=self.sampler,
+            has_user=has_user,
+            on_trace=on_trace,
+        )
+
+
+class DirectAgent(_EpisodeAgent, DirectRuns):
+    """verifiers' episode agent whose runs go direct where they can."""
+
+
+class DirectEpisodes:
+    """The slots whose episodes run direct, and the sampler their model calls share (`V1Runner.direct`)."""
+
+    def __init__(self, client: Any, timeout: float | None = None, merge: bool = True) -> None:
+        self.sampler = GroupSampler(client, timeout, merge)
+        self.chosen: dict[int, bool] = {}  # id(env) -> whether its episodes run direct
+
+    def takes(self, slot: Any) -> bool:
+        """Whether the slot's episodes run direct: decided at its first group, said once in the log."""
+        env = slot.env
+        if id(env) not in self.chosen:
+            why = env_direct_reason(env)
+            self.chosen[id(env)] = why is None
+            if why is None:
+                direct_agents(env, self.sampler)
+                logger.info(f"environment '{slot.name}': episodes run direct (one request per group's shared prompt)")
+            else:
+                logger.info(f"environment '{slot.name}': episodes run through verifiers' machinery ({why})")
+        return self.chosen[id(env)]
+
+    async def close(self) -> None:
+        await self.sampler.close()
+
+
+def env_direct_reason(env: Any) -> str | None:
+    """Why `env`'s episodes need verifiers' own path (its serving resources), or None when its agents can
+    run direct: no taskset-scoped tool servers, no task tool servers, every seat on asyncrl's chat loop in
+    the local subprocess runtime (a task can still send one run back to verifiers' path: `direct_reason`)."""
+    if env.taskset.toolsets(env.taskset.config) or env._task_cls.toolsets(env.taskset.config.task):
+        return "tool servers"
+    for name, spec in env._agent_specs.items():
+        harness = env._harnesses[name].config.id
+        if harness != HARNESS_ID:
+            return f"agent {name!r} runs harness {harness!r}"
+        if not isinstance(spec.runtime, SubprocessConfig):
+            return f"agent {name!r} runs in runtime {spec.runtime.type!r}"
+    return None
+
+
+def direct_agents(env: Any, sampler: GroupSampler) -> None:
+    """Make `env`'s episodes build `DirectAgent`s: `Env._episode_agents` builds `_EpisodeAgent`s through one
+    `make(name, spec)`; this wraps it to build the same agent as a DirectAgent (same instance state)."""
+    if getattr(env, "_asyncrl_direct", None) is sampler:
+        return
+    build = type(env)._episode_agents
+
+    def episode_agents(ctx, completed, on_trace, on_discard):
+        agents = build(env, ctx, completed, on_trace, on_discard)
+        for agent in agents._agents.values():
+            agent.__class__ = DirectAgent
+            agent.sampler = sampler
+        return agents
+
+    env._episode_agents = episode_agents
+    env._asyncrl_direct = sampler
+
+
+class DirectRollout:
+    """One agent run of a direct episode: verifiers' `Rollout` lifecycle (open, step, close, abort, fail,
+    timeout; `ok`, `closed`, `failure`, `trace`) with each model call made in this process."""
+
+    def __init__(
+        self, *, task, agent_config, harness, ctx, runtime_config, timeouts, limits, sampler, has_user, on_trace
+    ):
+        self.task, self.harness, self.ctx, self.sampler = task, harness, ctx, sampler
+        self.runtime_config, self.timeouts, self.has_user = runtime_config, timeouts, has_user
+        self.trace = Trace(
+            task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+            state=state_cls(type(task))(),
+            agent=AgentInfo(config=agent_config),
+        )
+        if on_trace is not None:
+            on_trace(self.trace)
+        self.session = RolloutSession(ctx=ctx, trace=self.trace, trace_stops=task.hooks("stop"), limits=limits)
+        self.runtime: Any = None
+        self._failed, self._failure, self._opened, self._closed = False, None, False, False
+        self._agent_left = timeouts.agent
+        self.deadline_at: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self._failed and self.trace.stop_condition is None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def failure(self) -> Exception | None:
+        return self._failure
+
+    def fail(self, error: Exception) -> None:
+        self._failed, self._failure = True, error
+        self.trace.record_error(error)
+
+    def timeout(self, stage: str) -> None:
+        self.trace.record_timeout(stage)
+
+    async def steer(self, message: str, *, message_id: str | None = None) -> dict:
+        return {"outcome": "promptRequired", "reason": "noRunningTurn"}
+
+    async def open(self) -> bool:
+        """Start the runtime and run task and harness setup; whether the exchange can go on."""
+        self._opened = True
+        trace = self.trace
+        trace.timing.boot.start = time.time()
+        self.runtime = runtime = make_runtime(self.runtime_config, name=trace.id)
+        trace.agent.runtime = runtime.info
+        try:
+            runtime.env = dict(self.task.runtime_env())
+            if self.task.data.prompt is None and not self.has_user:
+                raise TaskError("task has no prompt and no user to open the conversation; set task.prompt")
+            await runtime.start()
+            await runtime.prepare_setup()
+            trace.timing.boot.end = trace.timing.setup.start = time.time()
+            await self._setup(runtime)
+        except TimeoutError:
+            self.timeout("setup")
+            return False
+        except Exception as e:  # the setup boundary: recorded on the trace
+            self.fail(e)
+            return False
+        except BaseException:
+            await self.abort()
+            raise
+        trace.timing.setup.end = trace.timing.agent.start = time.time()
+        return not self.session.stopped
+
+    async def _setup(self, runtime: Any) -> None:
+        async with asyncio.timeout(self.timeouts.setup):
+            async with boundary(TaskError, "task setup"):
+                await invoke(self.task.setup, {"trace": self.trace, "runtime": runtime})
+            async with boundary(HarnessError, "harness setup"):
+                await self.harness.setup(runtime)
+
+    async def step(self, messages=None, *, on_input=None) -> bool:
+        """One segment: the chat loop on the task's prompt (`messages` None) or on the conversation plus
+        `messages` (a resumed exchange), to a reply without tool calls. Whether the exchange can go on."""
+        if not self._opened or self._closed or not self.ok:
+            return False
+        trace = self.trace
+        turns_before, root_before = trace.num_turns, trace.root_reply
+        trace.root_reply = None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self.deadline_at = None if self._agent_left is None else started + max(0.0, self._agent_left)
+        try:
+            async with asyncio.timeout_at(self.deadline_at):
+                await self._segment(messages, on_input)
+        except TimeoutError as e:
+            expired = self.deadline_at is not None and loop.time() >= self.deadline_at
+            self.timeout("agent") if expired else self.fail(e)
+            return False
+        except Exception as e:  # the harness boundary: recorded on the trace
+            if not self.session.stopped:
+                self.fail(e)
+            return False
+        finally:
+            if trace.num_turns == turns_before:
+                trace.root_reply = root_before
+            if self._agent_left is not None:
+                self._agent_left = max(0.0, self._agent_left - (loop.time() - started))
+            self.deadline_at = None
+        return self.ok and trace.num_turns > turns_before
+
+    async def _segment(self, messages, on_input) -> None:
+        """The chat loop (verifiers' chat program's) with its model calls made here."""
+        conversation = self._conversation(messages)
+        while True:
+            if await self.session.refused() is not None:
+                return  # a limit or @stop ended the exchange: a clean exit, as on verifiers' path
+            reply = await self._call(conversation, on_input)
+            on_input = None
+            if reply is None:
+                return  # the context is full: the loop ends with the transcript so far
+            conversation = [*conversation, reply]
+            if not reply.tool_calls:
+                return
+            conversation += [tool_result(call) for call in reply.tool_calls]
+
+    def _conversation(self, messages) -> list:
+        """The messages the chat loop sends first: the task's prompt, or the branch plus the user's turn."""
+        data = self.trace.task.data
+        if messages is not None:
+            branch = self.trace.branches[-1].messages if self.trace.branches else []
+            kept = [m for m in branch if m.role != "system" or data.system_prompt is None]
+            data = data.model_copy(update={"prompt": [*kept, *messages]})
+        system, prompt = self.harness.resolve_prompt(data)
+        head = [SystemMessage(content=system)] if system else []
+        return [*head, *([UserMessage(content=prompt)] if isinstance(prompt, str) else list(prompt or []))]
+
+    async def _call(self, conversation: list, on_input) -> Any:
+        """One model call on the trace graph; the committed assistant message, or None on a full context."""
+        from verifiers.v1 import graph
+
+        turn = graph.prepare_turn(self.trace, conversation, None)
+        self.trace.preview(turn, turn.tail)
+        if on_input is not None:
+            on_input()
+        started = time.time()
+        try:
+            response = await self.sampler.sample(turn, self.ctx)
+        except ProviderError as e:
+            turn.abandon()
+            self._record(None, None, started, e)
+            if overflowed(e):
+                return None
+            raise
+        except BaseException as e:
+            turn.abandon()
+            self._record(None, None, started, e)
+            raise
+        node = turn.commit(response)
+        self._record(node, response, started, None)
+        return self.trace.nodes[node].message
+
+    def _record(self, node: int | None, response: Response | None, started: float, error: BaseException | None):
+        """The call's record on the trace (`Trace.calls`), as the interception layer keeps one."""
+        from verifiers.v1.trace import Error
+
+        failure = None
+        if error is not None:
+            failure = Error(
+                type=type(error).__name__, message=str(error), status_code=getattr(error, "status_code", None)
+            )
+        self.trace.calls.append(
+            ModelCall(
+                node=node,
+                model=self.ctx.model,
+                sampling=self.ctx.sampling,
+                endpoint=CHAT_ENDPOINT,
+                finish_reason=response.finish_reason if response is not None else None,
+                usage=response.usage if response is not None else None,
+                time=TimeSpan(start=started, end=time.time()),
+                error=failure,
+            )
+        )
+
+    async def close(self) -> Trace:
+        """Finalize and score (not after a failure), then tear the runtime down. Idempotent."""
+        if self._closed:
+            return self.trace
+        self._closed = True
+        trace, runtime = self.trace, self.runtime
+        try:
+            if trace.timing.agent.start and not trace.timing.agent.end:
+                trace.timing.agent.end = time.time()
+            if not self._failed and self._opened:
+                await self._finalize_and_score(runtime)
+        except Exception as e:  # the finalize boundary: recorded on the trace
+            self.fail(e)
+        finally:
+            self._conclude()
+            await self._teardown()
+        return trace
+
+    async def _finalize_and_score(self, runtime: Any) -> None:
+        timing = self.trace.timing
+        timing.finalize.start = time.time()
+        try:
+            async with asyncio.timeout(self.timeouts.finalize), boundary(TaskError, "task finalize"):
+                await invoke(self.task.finalize, {"trace": self.trace, "runtime": runtime})
+        except TimeoutError:
+            self.timeout("finalize")
+        timing.finalize.end = timing.scoring.start = time.time()
+        try:
+            async with asyncio.timeout(self.timeouts.scoring), boundary(TaskError, "scoring"):
+                await asyncio.gather(self.task.score(self.trace, runtime), self.harness.score(self.trace, runtime))
+        except TimeoutError:
+            self.timeout("scoring")
+        timing.scoring.end = time.time()
+
+    def _conclude(self) -> None:
+        trace = self.trace
+        trace.is_completed, trace.ok = True, not self._failed
+        now = time.time()
+        t = trace.timing
+        for span in (t.boot, t.setup, t.agent, t.finalize, t.scoring):
+            if span.start and not span.end:
+                span.end = now
+        trace.split_agent_time()
+        if trace.agent.runtime is not None:
+            trace.agent.runtime.borrowed = False
+
+    async def _teardown(self) -> None:
+        if self.runtime is None:
+            return
+        with contextlib.suppress(Exception):
+            await self.harness.cleanup(self.trace, self.runtime)
+        with contextlib.suppress(Exception):
+            await self.runtime.stop()
+
+    async def abort(self) -> None:
+        """Free the runtime without finalizing or scoring (a cancellation)."""
+        self._closed = True
+        await self._teardown()
+
+
+def tool_result(call: Any) -> ToolMessage:
+    """The chat loop's answer to a tool call when no tool server is wired in (a direct run has none): its
+    error text for bad arguments or an unknown tool, bounded as the loop bounds every result."""
+    import json
+
+    from verifiers.v1.harnesses.utils.compaction import bound_tool_message
+
+    try:
+        args = json.loads(call.arguments or "{}")
+    except json.JSONDecodeError as e:
+        content = f"error: invalid JSON in tool arguments ({e}); resend the call with valid JSON"
+    else:
+        if not isinstance(args, dict):
+            content = f"error: tool arguments must be a JSON object, got {type(args).__name__}; resend as an object"
+        else:
+            content = f"error: unknown tool {call.name!r}"
+    message = {"role": "tool", "tool_call_id": call.id, "content": content, "name": call.name}
+    return ToolMessage.model_validate(bound_tool_message(message))
+
+
+def overflowed(error: ProviderError) -> bool:
+    """Whether a failed call is the context running out (the chat loop then ends cleanly), by the chat
+    program's own markers."""
+    details = str(error).casefold()
+    markers = chat_program()["CONTEXT_OVERFLOW_MARKERS"]
+    return getattr(error, "status_code", None) in (400, 413) and any(m in details for m in markers)
