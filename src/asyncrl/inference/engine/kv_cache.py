@@ -85,6 +85,17 @@ class SlotKVCache(Cache):
                 if buf is not None:
                     buf[dst, :, :length] = buf[src, :, :length]
 
+    def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy the first `length` positions of each row src[i] into row dst[i] (compaction: one copy per
+        buffer for all moves; every source is read before any destination is written)."""
+        if not src or length == 0:
+            return
+        src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        for store in (self.keys, self.values):
+            for buf in store:
+                if buf is not None:
+                    buf[dst_t, :, :length] = buf[src_t, :, :length]
+
     def write_prefix(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Put per-layer [kv_heads, n, head_dim] keys/values at positions 0..n-1 of `row` (prefix reuse)."""
         for i in range(self.num_layers):

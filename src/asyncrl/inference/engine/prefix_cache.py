@@ -13,6 +13,9 @@ hash of each of its full `BLOCK`-token prefixes. A lookup walks the prompt's blo
 index to the deepest entry holding them (checked token by token, so a hash collision is only a
 miss), then extends the match token by token inside that entry. A match shorter than one block
 is not found, so `min_tokens` should be at least `BLOCK`.
+
+New prompts admitted together share prefixes too (distinct questions after one chat header or system
+prompt): `shared_prefix_groups` finds them, and the engine prefills each shared prefix once.
 """
 
 from __future__ import annotations
@@ -44,6 +47,38 @@ def block_hashes(tokens: list[int], adapter: str | None) -> list[int]:
         h = hash((h, *tokens[start : start + BLOCK]))
         out.append(h)
     return out
+
+
+def shared_prefix_groups(keys: list[tuple], min_tokens: int, min_saved: int) -> list[tuple[list[int], int]]:
+    """Groups of indices into `keys` ((adapter key..., prompt tokens), the prompt last) whose prompts start
+    with the same at least `min_tokens` tokens, each with that shared length, capped one short of its
+    shortest prompt (a prompt's last token is always computed: it gives the first logits). Keys in sorted
+    order, each group the run sharing min_tokens with its first; only groups whose sharing saves
+    (members - 1) * length >= min_saved tokens."""
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    groups, run = [], order[:1]
+    for i in order[1:]:
+        if _shared(keys[run[0]], keys[i], min_tokens) == min_tokens:
+            run.append(i)
+        else:
+            groups.append(run)
+            run = [i]
+    groups.append(run)
+    found = [(run, _group_length(keys, run)) for run in groups if len(run) > 1]
+    return [(run, n) for run, n in found if n >= min_tokens and (len(run) - 1) * n >= min_saved]
+
+
+def _shared(a: tuple, b: tuple, limit: int) -> int:
+    """Prompt tokens keys a and b share (at most `limit`); 0 under different adapters."""
+    if a[:-1] != b[:-1]:
+        return 0
+    return _common(a[-1], b[-1], 0, min(limit, len(a[-1]), len(b[-1])))
+
+
+def _group_length(keys: list[tuple], run: list[int]) -> int:
+    """What a sorted run of keys shares (its first and last share least), one short of its shortest prompt."""
+    first, last = keys[run[0]][-1], keys[run[-1]][-1]
+    return min([_shared(keys[run[0]], keys[run[-1]], min(len(first), len(last)))] + [len(keys[m][-1]) - 1 for m in run])
 
 
 def _common(a: list[int], b: list[int], start: int, limit: int) -> int:

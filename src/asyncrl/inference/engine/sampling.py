@@ -59,6 +59,17 @@ def _filter_rows(scaled: torch.Tensor, rows: list[RowSampler]) -> torch.Tensor:
     return scaled
 
 
+def _log_exponential_noise(logprobs: torch.Tensor, rows: list[RowSampler]) -> torch.Tensor:
+    """log E per element, E ~ Exp(1): argmax(logp - log E) draws from p (exponential race). Unseeded rows
+    take E = -log U from one uniform draw (a fifth of `exponential_`'s cost on CPU); seeded rows draw
+    from their own generator with `exponential_`, so a seed gives the same tokens as before."""
+    noise = torch.rand_like(logprobs).log_().neg_()
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            noise[i] = torch.empty(logprobs.shape[1], device=logprobs.device).exponential_(generator=r.generator)
+    return noise.log_()
+
+
 def sample(logits: torch.Tensor, rows: list[RowSampler], banned: list[list[int]] | None = None) -> SampleOutput:
     """Sample one token per row of `logits` [B, V]; `banned[r]` token ids are excluded (min_tokens)."""
     logits = logits.float()
@@ -82,12 +93,7 @@ def sample(logits: torch.Tensor, rows: list[RowSampler], banned: list[list[int]]
         scaled[idx] = _filter_rows(scaled[idx], [rows[i] for i in filt])
     logprobs = scaled.log_softmax(-1)
 
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; it is argmax(logp - log E).
-    noise = torch.empty_like(logprobs).exponential_()
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            noise[i] = torch.empty(logprobs.shape[1], device=device).exponential_(generator=r.generator)
-    race = logprobs - noise.log()
+    race = logprobs - _log_exponential_noise(logprobs, rows)
     race = torch.where(greedy[:, None], logprobs, race)
     tokens = race.argmax(-1)
     chosen = logprobs.gather(-1, tokens[:, None])[:, 0]

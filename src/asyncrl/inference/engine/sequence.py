@@ -1,6 +1,7 @@
 """One generated sequence's bookkeeping: its tokens, incremental detokenization and stop conditions.
 
-Lives on the engine thread; every method is plain Python (no torch).
+Lives on the engine thread; every method is plain Python (no torch). `FastDecode` gives a sequence the
+same text as its tokenizer's `decode` at a third of the cost where it can (two decodes per token).
 """
 
 from __future__ import annotations
@@ -8,6 +9,33 @@ from __future__ import annotations
 from asyncrl.inference.api.backend import PromptLogprobs, SamplingParams, SeqDelta
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded with the output so leading-space rules apply correctly
+
+
+class FastDecode:
+    """`decode(ids, skip_special_tokens)` of a HF tokenizer: the Rust tokenizer's own decode when the HF
+    wrapper adds nothing to it (a fast tokenizer that overrides neither `decode` nor `_decode` and cleans up
+    no spaces), else the tokenizer's `decode`. The wrapper's argument handling costs twice the decode."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+        if _plain_fast(tokenizer):
+            backend = tokenizer._tokenizer
+            self.decode = lambda ids, skip_special_tokens=False: backend.decode(ids, skip_special_tokens)
+
+
+def _plain_fast(tokenizer) -> bool:
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return False
+    cls = type(tokenizer)
+    return (
+        isinstance(tokenizer, TokenizersBackend)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is TokenizersBackend._decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    )
 
 
 class Sequence:
