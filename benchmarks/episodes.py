@@ -1,13 +1,18 @@
-"""Orchestrator CPU per rollout: verifiers v1 episodes (.venv) against classic rollouts (.venv-classic).
+"""Orchestrator CPU per rollout and per model turn: direct v1 episodes, verifiers' own v1 machinery, classic.
 
-Starts an embedded-engine server on a tiny model, then runs `--groups` groups of 8 reverse-text rollouts
-(16 tokens each) through the orchestrator's own runners, twice (the first round warms up), and prints the
-second round's wall time and this process's CPU time per rollout: v1 (`reverse-text`, a v1 taskset, the
-`asyncrl-chat` harness) in this interpreter, classic (`tests/integration/classic_envs/reverse_classic`,
-verifiers 0.3's token client, groups merged into one request) in `.venv-classic` when it exists
-(`bash scripts/setup.sh --classic`).
+Starts an embedded-engine server on a tiny model, then runs `--groups` groups of 8 rollouts (16 tokens per
+turn) through the orchestrator's own runners, twice (the first round warms up), and prints the second
+round's wall time and this process's CPU time per rollout and per model turn, for each path:
 
-    .venv/bin/python benchmarks/episodes.py [--groups 16]
+- `v1 direct`: a v1 taskset's episodes run direct (`orchestrator.episodes = "direct"`, the default);
+- `v1 verifiers`: the same episodes through verifiers' own machinery (`episodes = "verifiers"`);
+- `classic` (reverse-text only): `tests/integration/classic_envs/reverse_classic` with verifiers 0.3's token
+  client in `.venv-classic` when it exists (`bash scripts/setup.sh --classic`).
+
+`--env` picks the environment: reverse-text (single turn), echo-twice (two turns), tool-calc (tool calls;
+its tool servers keep it on verifiers' path, so both v1 rows take that path).
+
+    .venv/bin/python benchmarks/episodes.py [--groups 16] [--env reverse-text|echo-twice|tool-calc]
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
 from asyncrl.orchestrator.envs import EnvMixture, group_inputs, runners_for, sampling_args
 
 env_id, url, model, groups = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+direct, renderer = sys.argv[5] == "direct", json.loads(sys.argv[6])
 os.environ.setdefault("BENCH_KEY", "unused")
 mixture = EnvMixture.load([EnvConfig(id=env_id)], seq_len=None)
 slot = mixture.slots[0]
-runners = runners_for(mixture.slots, ClientConfig(base_url=url, api_key_var="BENCH_KEY"), model, model)
+client = ClientConfig(base_url=url, api_key_var="BENCH_KEY")
+kwargs = {"direct": direct, "renderer": renderer} if renderer is not None or not direct else {}
+runners = runners_for(mixture.slots, client, model, model, **kwargs)
 args = sampling_args(SamplingConfig(max_tokens=16))
 
 async def main():
@@ -42,18 +50,21 @@ async def main():
         runs = (runners.run_group(slot, group_inputs(slot.rows[i], 8), args) for i in range(groups))
         outs = await asyncio.gather(*runs)
         errors = sum(1 for g in outs for o in g if o.get("error"))
-        rounds.append((time.time() - wall, time.process_time() - cpu, errors))
+        turns = sum(len(o.get("trajectory") or []) for g in outs for o in g)
+        rounds.append((time.time() - wall, time.process_time() - cpu, errors, turns))
     await runners.close()
     return rounds[-1]
 
-wall, cpu, errors = asyncio.run(main())
-print(json.dumps({"wall": wall, "cpu": cpu, "errors": errors}))
+wall, cpu, errors, turns = asyncio.run(main())
+print(json.dumps({"wall": wall, "cpu": cpu, "errors": errors, "turns": turns}))
 """
 
 
-def measure(python: str, env_id: str, url: str, model: Path, groups: int, pythonpath: str = "") -> dict:
+def measure(
+    python: str, env_id: str, url: str, model: Path, groups: int, path: str, renderer=None, pythonpath: str = ""
+) -> dict:
     env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else dict(os.environ)
-    cmd = [python, "-c", ROUND, env_id, url, str(model), str(groups)]
+    cmd = [python, "-c", ROUND, env_id, url, str(model), str(groups), path, json.dumps(renderer)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"{env_id}: {done.stderr[-2000:]}")
@@ -63,6 +74,7 @@ def measure(python: str, env_id: str, url: str, model: Path, groups: int, python
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", type=int, default=16, help="groups of 8 rollouts per round")
+    ap.add_argument("--env", default="reverse-text", choices=["reverse-text", "echo-twice", "tool-calc"])
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "tests" / "integration"))
     from server_proc import ServerProcess  # the test suite's server launcher (embedded engine)
@@ -74,18 +86,28 @@ def main() -> None:
         (Path(tmp) / "server").mkdir()
         server = ServerProcess(model, Path(tmp) / "server")
         try:
-            rows = [("verifiers v1 (.venv)", measure(sys.executable, "reverse-text", server.url, model, args.groups))]
-            if CLASSIC_PY.exists():
+            renderer = {"name": "default", "tool_parser": "qwen3"} if args.env == "tool-calc" else None
+            rows = [
+                (f"v1 {path}", measure(sys.executable, args.env, server.url, model, args.groups, path, renderer))
+                for path in ("direct", "verifiers")
+            ]
+            if CLASSIC_PY.exists() and args.env == "reverse-text":
                 envs = str(ROOT / "tests" / "integration" / "classic_envs")
-                got = measure(str(CLASSIC_PY), "reverse-classic", server.url, model, args.groups, envs)
+                got = measure(str(CLASSIC_PY), "reverse-classic", server.url, model, args.groups, "", None, envs)
                 rows.append(("classic (.venv-classic)", got))
         finally:
             server.stop()
     n = args.groups * 8
-    print(f"{n} rollouts of reverse-text (16 tokens) per round, second round:")
-    print(f"{'path':<26} {'wall s':>7} {'CPU s':>7} {'CPU ms/rollout':>15} {'errors':>7}")
+    print(f"{n} rollouts of {args.env} (16 tokens per turn) per round, second round:")
+    print(
+        f"{'path':<24} {'wall s':>7} {'CPU s':>7} {'CPU ms/rollout':>15} {'turns':>6} {'CPU ms/turn':>12} {'errors':>7}"
+    )
     for name, r in rows:
-        print(f"{name:<26} {r['wall']:>7.2f} {r['cpu']:>7.2f} {1000 * r['cpu'] / n:>15.1f} {r['errors']:>7}")
+        per_turn = 1000 * r["cpu"] / max(r["turns"], 1)
+        print(
+            f"{name:<24} {r['wall']:>7.2f} {r['cpu']:>7.2f} {1000 * r['cpu'] / n:>15.2f} {r['turns']:>6} "
+            f"{per_turn:>12.2f} {r['errors']:>7}"
+        )
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ class V1Runner:
         if server is not None:
             runs = [server.run(task, self.client, name, sampling) for task in tasks]
         else:
-            if not self.goes_direct(slot):
+            if not await self.goes_direct(slot):
                 await self.serve(slot.env)
             ctx = vf.ModelContext(model=name, client=self.client, sampling=sampling)
             runs = [slot.env.run_episode(task, ctx) for task in tasks]
@@ -191,9 +191,9 @@ class V1Runner:
         train = isinstance(self.client, vf.TrainClientConfig)
         return [out for task, episode in zip(tasks, episodes) for out in episode_outputs(task, episode, train)]
 
-    def goes_direct(self, slot) -> bool:
+    async def goes_direct(self, slot) -> bool:
         """Whether the slot's episodes run direct (`v1_direct.DirectEpisodes`, set by `envs.runners_for`)."""
-        return self.direct is not None and self.direct.takes(slot)
+        return self.direct is not None and await self.direct.ready(slot, self.serve)
 
     def server_of(self, slot) -> ServedEnv | None:
         """The slot's env server (made on its first group), or None when its episodes run here."""

@@ -57,21 +57,48 @@ from asyncrl.orchestrator.v1_sampler import GroupSampler
 CHAT_ENDPOINT = "/chat/completions"  # where the chat loop's calls go on verifiers' path (recorded per call)
 
 
-def direct_reason(agent: Agent, task: Any) -> str | None:
-    """Why this agent's run on `task` needs verifiers' own path, or None when it can run direct."""
+def direct_reason(agent: Agent, task: Any, stops: list | None = None) -> str | None:
+    """Why this agent's run on `task` needs verifiers' own path, or None when it can run direct (`stops`: the
+    task's `@stop` hooks, when already found)."""
     if agent.harness.config.id != HARNESS_ID:
         return f"harness {agent.harness.config.id!r}"
     if not isinstance(agent.runtime_config, SubprocessConfig):
         return f"runtime {agent.runtime_config.type!r}"
-    if task.data.skills or agent.harness.config.skills or task.data.agent_user:
+    if agent.harness.config.skills:
+        return "skills"
+    return task_reason(task, task.hooks("stop") if stops is None else stops)
+
+
+def task_reason(task: Any, stops: list) -> str | None:
+    """Why a task's runs need verifiers' own path, or None."""
+    if task.data.skills or task.data.agent_user:
         return "skills or an agent user"
     if task.toolsets(task.config):
-        return "tool servers"
+        return "per-task tool servers"
     if discover_decorated(task, "intercept"):
         return "@intercept hooks"
-    if any(hook_boundary(fn, allow_trace=True) is not Trace for fn in task.hooks("stop")):
+    if any(hook_boundary(fn, allow_trace=True) is not Trace for fn in stops):
         return "a @stop on a request or response"
     return None
+
+
+class TaskFacts:
+    """A task's `@stop` hooks and `task_reason`, found once per task object: a group's episodes share their
+    task, and finding hooks walks the task's attributes and their annotations."""
+
+    LIMIT = 4096  # tasks remembered (then forgotten all at once)
+
+    def __init__(self) -> None:
+        self.known: dict[int, tuple[Any, list, str | None]] = {}
+
+    def of(self, task: Any) -> tuple[list, str | None]:
+        hit = self.known.get(id(task))
+        if hit is None or hit[0] is not task:
+            if len(self.known) >= self.LIMIT:
+                self.known.clear()
+            stops = task.hooks("stop")
+            hit = self.known[id(task)] = (task, stops, task_reason(task, stops))
+        return hit[1], hit[2]
 
 
 class DirectRuns(Agent):
@@ -79,14 +106,19 @@ class DirectRuns(Agent):
     where `direct_reason` allows, else verifiers' own. Placed under `_EpisodeAgent` in `DirectAgent`."""
 
     sampler: GroupSampler
+    facts: TaskFacts
+    toolbox: Toolbox | None = None
 
     def _direct(self, task: Any, tools: Any, runtime: Any) -> bool:
-        return runtime is None and not tools and direct_reason(self, task) is None
+        """A run goes direct with no tool servers or exactly the environment's shared ones (the toolbox's)."""
+        known = self.toolbox is not None and set(tools or {}) == set(self.toolbox.servers)
+        stops, _ = self.facts.of(task)
+        return runtime is None and (not tools or known) and direct_reason(self, task, stops) is None
 
     async def _run_once(self, task, runtime, shared_tools, on_trace, collect_artifacts) -> Trace:
         if collect_artifacts or not self._direct(task, shared_tools, runtime):
             return await super()._run_once(task, runtime, shared_tools, on_trace, collect_artifacts)
-        run = self._rollout(task, on_trace, has_user=False)
+        run = self._rollout(task, on_trace, has_user=False, tools=shared_tools)
         try:
             if await run.open():
                 await run.step()
@@ -104,7 +136,7 @@ class DirectRuns(Agent):
                 yield exchange
             return
         self._check_resume_support()
-        run = self._rollout(task, on_trace, has_user=True)
+        run = self._rollout(task, on_trace, has_user=True, tools=tools)
         exchange = Interaction(run, gate=self._gate)
         async with self._gate or nullcontext():
             if not await run.open() and run.failure is not None:
@@ -123,8 +155,8 @@ class DirectRuns(Agent):
             if not run.closed:
                 await exchange.close()
 
-    def _rollout(self, task: Any, on_trace: Any, has_user: bool) -> DirectRollout:
-        params = self._rollout_params(task, None, {})  # verifiers' pairing checks, timeouts and limits
+    def _rollout(self, task: Any, on_trace: Any, has_user: bool, tools: Any) -> DirectRollout:
+        params = self._rollout_params(task, None, dict(tools or {}))  # verifiers' pairing checks, timeouts, limits
         return DirectRollout(
             task=task,
             agent_config=self.config,
@@ -134,6 +166,8 @@ class DirectRuns(Agent):
             timeouts=params["timeouts"],
             limits=params["limits"],
             sampler=self.sampler,
+            toolbox=self.toolbox if tools else None,
+            stops=self.facts.of(task)[0],
             has_user=has_user,
             on_trace=on_trace,
         )
@@ -144,35 +178,109 @@ class DirectAgent(_EpisodeAgent, DirectRuns):
 
 
 class DirectEpisodes:
-    """The slots whose episodes run direct, and the sampler their model calls share (`V1Runner.direct`)."""
+    """The slots whose episodes run direct, the sampler their model calls share, and each environment's
+    connection to its shared tool servers (`V1Runner.direct`)."""
 
     def __init__(self, client: Any, timeout: float | None = None, merge: bool = True) -> None:
         self.sampler = GroupSampler(client, timeout, merge)
         self.chosen: dict[int, bool] = {}  # id(env) -> whether its episodes run direct
+        self.toolboxes: list[Toolbox] = []
 
-    def takes(self, slot: Any) -> bool:
-        """Whether the slot's episodes run direct: decided at its first group, said once in the log."""
+    async def ready(self, slot: Any, serve: Any) -> bool:
+        """Whether the slot's episodes run direct, decided at its first group and said once in the log.
+        `serve(env)` enters the environment's serving resources (its shared tool servers): an environment
+        that has some is served either way, and runs direct only when none carries per-rollout state."""
         env = slot.env
         if id(env) not in self.chosen:
             why = env_direct_reason(env)
+            toolbox = None
+            if why is None and env.taskset.toolsets(env.taskset.config):
+                await serve(env)
+                toolbox, why = await Toolbox.connect(env)
             self.chosen[id(env)] = why is None
             if why is None:
-                direct_agents(env, self.sampler)
+                direct_agents(env, self.sampler, toolbox)
+                self.toolboxes += [toolbox] if toolbox is not None else []
                 logger.info(f"environment '{slot.name}': episodes run direct (one request per group's shared prompt)")
             else:
                 logger.info(f"environment '{slot.name}': episodes run through verifiers' machinery ({why})")
         return self.chosen[id(env)]
 
     async def close(self) -> None:
+        for toolbox in self.toolboxes:
+            await toolbox.close()
+        self.toolboxes.clear()
         await self.sampler.close()
 
 
+class Toolbox:
+    """An environment's shared tool servers as its direct episodes call them: the chat program's own MCP
+    client (`connect_mcp`, `call_mcp`, its content conversion), connected once for all episodes, with up to
+    `POOL` connections per server (one connection serializes its calls)."""
+
+    POOL = 8
+
+    def __init__(self, shared: dict, timeout: float) -> None:
+        self.config = {"mcpServers": {name: {"url": s.url, "timeout": timeout} for name, s in shared.items()}}
+        self.servers: dict[str, Any] = dict(shared)
+        self.schemas: list[dict] = []
+        self.tools: list[Any] | None = None  # typed, as verifiers parses them from a request's `tools`
+        self.dispatch: dict[str, tuple[str, str]] = {}
+        self.idle: list[tuple[contextlib.AsyncExitStack, dict]] = []
+        self.made = 0
+        self.free = asyncio.Condition()
+
+    @classmethod
+    async def connect(cls, env: Any) -> tuple[Toolbox | None, str | None]:
+        """The env's toolbox (its `serving()` entered), or why its tools need verifiers' path."""
+        from verifiers.v1.dialects.chat import parse_tools
+
+        shared = env._shared_tools
+        if any(server.state_secret for server in shared.values()):
+            return None, "a tool server with per-rollout state"
+        if any(not server.local and not server.external for server in shared.values()):
+            return None, "a tool server in a remote runtime"
+        harness = next(iter(env._harnesses.values()))
+        toolbox = cls(shared, harness.config.tool_timeout)
+        stack, connections = await toolbox.open()
+        toolbox.idle.append((stack, connections))
+        toolbox.tools = parse_tools(toolbox.schemas or None)
+        return toolbox, None
+
+    async def open(self) -> tuple[contextlib.AsyncExitStack, dict]:
+        stack = contextlib.AsyncExitStack()
+        schemas, dispatch, connections = await chat_program()["connect_mcp"](self.config, stack, set())
+        self.schemas, self.dispatch, self.made = schemas, dispatch, self.made + 1
+        return stack, connections
+
+    async def call(self, name: str, arguments: dict) -> Any:
+        """The tool's result as the chat loop puts it into a tool message."""
+        async with self.free:
+            while not self.idle and self.made >= self.POOL:
+                await self.free.wait()
+            taken = self.idle.pop() if self.idle else None
+        if taken is None:
+            taken = await self.open()
+        try:
+            return await chat_program()["call_mcp"](taken[1], self.dispatch, name, arguments)
+        finally:
+            async with self.free:
+                self.idle.append(taken)
+                self.free.notify()
+
+    async def close(self) -> None:
+        for stack, _ in self.idle:
+            with contextlib.suppress(Exception):
+                await stack.aclose()
+        self.idle.clear()
+
+
 def env_direct_reason(env: Any) -> str | None:
-    """Why `env`'s episodes need verifiers' own path (its serving resources), or None when its agents can
-    run direct: no taskset-scoped tool servers, no task tool servers, every seat on asyncrl's chat loop in
-    the local subprocess runtime (a task can still send one run back to verifiers' path: `direct_reason`)."""
-    if env.taskset.toolsets(env.taskset.config) or env._task_cls.toolsets(env.taskset.config.task):
-        return "tool servers"
+    """Why `env`'s episodes need verifiers' own path, or None when its agents can run direct: no per-task tool
+    servers, every seat on asyncrl's chat loop in the local subprocess runtime (shared tool servers are
+    checked once running: `Toolbox.connect`; a task can still send one run back: `direct_reason`)."""
+    if env._task_cls.toolsets(env.taskset.config.task):
+        return "per-task tool servers"
     for name, spec in env._agent_specs.items():
         harness = env._harnesses[name].config.id
         if harness != HARNESS_ID:
@@ -182,18 +290,18 @@ def env_direct_reason(env: Any) -> str | None:
     return None
 
 
-def direct_agents(env: Any, sampler: GroupSampler) -> None:
+def direct_agents(env: Any, sampler: GroupSampler, toolbox: Toolbox | None = None) -> None:
     """Make `env`'s episodes build `DirectAgent`s: `Env._episode_agents` builds `_EpisodeAgent`s through one
     `make(name, spec)`; this wraps it to build the same agent as a DirectAgent (same instance state)."""
     if getattr(env, "_asyncrl_direct", None) is sampler:
         return
-    build = type(env)._episode_agents
+    build, facts = type(env)._episode_agents, TaskFacts()
 
     def episode_agents(ctx, completed, on_trace, on_discard):
         agents = build(env, ctx, completed, on_trace, on_discard)
         for agent in agents._agents.values():
             agent.__class__ = DirectAgent
-            agent.sampler = sampler
+            agent.sampler, agent.toolbox, agent.facts = sampler, toolbox, facts
         return agents
 
     env._episode_agents = episode_agents
@@ -205,9 +313,22 @@ class DirectRollout:
     timeout; `ok`, `closed`, `failure`, `trace`) with each model call made in this process."""
 
     def __init__(
-        self, *, task, agent_config, harness, ctx, runtime_config, timeouts, limits, sampler, has_user, on_trace
+        self,
+        *,
+        task,
+        agent_config,
+        harness,
+        ctx,
+        runtime_config,
+        timeouts,
+        limits,
+        sampler,
+        toolbox,
+        stops,
+        has_user,
+        on_trace,
     ):
-        self.task, self.harness, self.ctx, self.sampler = task, harness, ctx, sampler
+        self.task, self.harness, self.ctx, self.sampler, self.toolbox = task, harness, ctx, sampler, toolbox
         self.runtime_config, self.timeouts, self.has_user = runtime_config, timeouts, has_user
         self.trace = Trace(
             task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
@@ -216,7 +337,7 @@ class DirectRollout:
         )
         if on_trace is not None:
             on_trace(self.trace)
-        self.session = RolloutSession(ctx=ctx, trace=self.trace, trace_stops=task.hooks("stop"), limits=limits)
+        self.session = RolloutSession(ctx=ctx, trace=self.trace, trace_stops=stops, limits=limits)
         self.runtime: Any = None
         self._failed, self._failure, self._opened, self._closed = False, None, False, False
         self._agent_left = timeouts.agent
@@ -321,7 +442,28 @@ class DirectRollout:
             conversation = [*conversation, reply]
             if not reply.tool_calls:
                 return
-            conversation += [tool_result(call) for call in reply.tool_calls]
+            conversation += [await self._tool_result(call) for call in reply.tool_calls]
+
+    async def _tool_result(self, call: Any) -> ToolMessage:
+        """The chat loop's tool message for a call: the tool's result (through the toolbox), or its error
+        text for bad arguments or an unknown tool, bounded as the loop bounds every result."""
+        import json
+
+        from verifiers.v1.harnesses.utils.compaction import bound_tool_message
+
+        try:
+            args = json.loads(call.arguments or "{}")
+        except json.JSONDecodeError as e:
+            content = f"error: invalid JSON in tool arguments ({e}); resend the call with valid JSON"
+        else:
+            if not isinstance(args, dict):
+                content = f"error: tool arguments must be a JSON object, got {type(args).__name__}; resend as an object"
+            elif self.toolbox is not None and call.name in self.toolbox.dispatch:
+                content = await self.toolbox.call(call.name, args)
+            else:
+                content = f"error: unknown tool {call.name!r}"
+        message = {"role": "tool", "tool_call_id": call.id, "content": content, "name": call.name}
+        return ToolMessage.model_validate(bound_tool_message(message))
 
     def _conversation(self, messages) -> list:
         """The messages the chat loop sends first: the task's prompt, or the branch plus the user's turn."""
@@ -338,7 +480,8 @@ class DirectRollout:
         """One model call on the trace graph; the committed assistant message, or None on a full context."""
         from verifiers.v1 import graph
 
-        turn = graph.prepare_turn(self.trace, conversation, None)
+        tools = self.toolbox.tools if self.toolbox is not None else None
+        turn = graph.prepare_turn(self.trace, conversation, tools)
         self.trace.preview(turn, turn.tail)
         if on_input is not None:
             on_input()
@@ -439,26 +582,6 @@ class DirectRollout:
         """Free the runtime without finalizing or scoring (a cancellation)."""
         self._closed = True
         await self._teardown()
-
-
-def tool_result(call: Any) -> ToolMessage:
-    """The chat loop's answer to a tool call when no tool server is wired in (a direct run has none): its
-    error text for bad arguments or an unknown tool, bounded as the loop bounds every result."""
-    import json
-
-    from verifiers.v1.harnesses.utils.compaction import bound_tool_message
-
-    try:
-        args = json.loads(call.arguments or "{}")
-    except json.JSONDecodeError as e:
-        content = f"error: invalid JSON in tool arguments ({e}); resend the call with valid JSON"
-    else:
-        if not isinstance(args, dict):
-            content = f"error: tool arguments must be a JSON object, got {type(args).__name__}; resend as an object"
-        else:
-            content = f"error: unknown tool {call.name!r}"
-    message = {"role": "tool", "tool_call_id": call.id, "content": content, "name": call.name}
-    return ToolMessage.model_validate(bound_tool_message(message))
 
 
 def overflowed(error: ProviderError) -> bool:

@@ -36,7 +36,8 @@ USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 
 
 class GenerateServer:
-    """Plays the engine: the k-th sample of a prompt is reply k (mod 4) of that prompt; records requests."""
+    """Plays the engine: the k-th sample of a prompt is reply k (mod 5) of that prompt (one of them a tool call
+    of the question's expression); records requests."""
 
     def __init__(self, tokenizer, model: str, fail: bool = False):
         self.tokenizer, self.model, self.fail = tokenizer, model, fail
@@ -59,7 +60,9 @@ class GenerateServer:
         users = USER.findall(self.tokenizer.decode(ids))
         words = re.findall(r"[a-z]+", users[0]) if users else []
         word = words[-1] if words else "none"
-        options = [word, word[::-1], f"{word} {word}", "no"]
+        asked = re.search(r"What is (.*)\?", users[0]) if users else None
+        call = {"name": "calculate", "arguments": {"expression": asked.group(1) if asked else "6 * 7"}}
+        options = [word, word[::-1], f"{word} {word}", "no", f"<tool_call>\n{json.dumps(call)}\n</tool_call>"]
         pick = options[(zlib.crc32(json.dumps(ids).encode()) + k) % len(options)]
         return self.tokenizer.encode(pick, add_special_tokens=False) + [self.tokenizer.eos_token_id]
 
@@ -123,11 +126,12 @@ def tokenizer(tiny_model_dir):
 
 
 def run_groups(loop, env_id: str, args: dict, model: Path, server: GenerateServer, direct: bool, groups: int = 3):
+    renderer = {"name": "default", "tool_parser": "qwen3"} if env_id == "tool-calc" else None
     """`groups` groups of 4 rollouts of the env's first tasks, as training rows (one list per group)."""
     mixture = EnvMixture.load([EnvConfig(id=env_id, args=args)], seq_len=None)
     slot = mixture.slots[0]
     client = ClientConfig(base_url=server.url, api_key_var=KEY_VAR)
-    runners = runners_for(mixture.slots, client, str(model), str(model), direct=direct)
+    runners = runners_for(mixture.slots, client, str(model), str(model), renderer=renderer, direct=direct)
     sampling = sampling_args(SamplingConfig(max_tokens=16))
 
     async def main():
@@ -161,6 +165,7 @@ ENVS = [
     ("reverse-text", {}),
     ("sort-letters", {}),
     ("echo-twice", {}),
+    ("tool-calc", {}),
     ("duet-v1", {}),
     ("reverse-text", {"instructions": "Reverse it."}),  # a system prompt
     ("echo-twice", {"reward": "similarity"}),
@@ -203,11 +208,11 @@ def test_an_engine_failure_fails_the_rollouts_as_on_verifiers_path(loop, tiny_mo
     assert all("503" in e for e in errors[False]), errors
 
 
-def test_tool_servers_and_other_harnesses_keep_verifiers_path():
+def test_other_harnesses_and_runtimes_keep_verifiers_path():
     from asyncrl.orchestrator.v1 import load_v1_env
     from asyncrl.orchestrator.v1_direct import env_direct_reason
 
-    assert env_direct_reason(load_v1_env("tool_calc", "tool-calc", {})) == "tool servers"
+    assert env_direct_reason(load_v1_env("tool_calc", "tool-calc", {})) is None
     other = load_v1_env("reverse_text", "reverse-text", {"agent": {"harness": {"id": "null"}}})
     assert env_direct_reason(other) == "agent 'agent' runs harness 'null'"
     assert env_direct_reason(load_v1_env("reverse_text", "reverse-text", {})) is None
