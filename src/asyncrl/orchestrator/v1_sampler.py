@@ -21,6 +21,7 @@ Invariants:
   different ones), nor is anything when `merge` is off.
 - A failed request (HTTP error, connection error, a short or malformed answer) fails every turn that
   joined it with a `ProviderError` carrying the server's status, as the training client's would.
+- A request whose every turn was cancelled is cancelled (its connection closed, so the server stops it).
 """
 
 from __future__ import annotations
@@ -166,8 +167,16 @@ class GroupSampler:
             self.send(batch)
 
     def send(self, batch: _Batch) -> None:
+        """Post the batch; once every turn waiting on it is cancelled (a group dropped), so is the request."""
         task = asyncio.ensure_future(self.post(batch))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+        def gone(_: asyncio.Future) -> None:
+            if all(w.cancelled() for w in batch.waiters):
+                task.cancel()
+
+        for waiter in batch.waiters:
+            waiter.add_done_callback(gone)
 
     async def post(self, batch: _Batch) -> None:
         """Send one request for the batch's turns; each waiter gets its own choice, or the failure."""
