@@ -14,7 +14,7 @@ rollout of a group. Where none of that machinery can change what is recorded, an
   as verifiers records them) and makes each model call a function call: the turn is prepared and committed
   on verifiers' trace graph, and sampled by `GroupSampler` (one request per group for a shared prompt).
 
-Which agent runs go direct (`direct_reason`): the agent's harness is asyncrl's chat loop (`asyncrl-chat`),
+Which agent runs go direct (`agent_reason`, `task_reason`): the agent's harness is asyncrl's chat loop (`asyncrl-chat`),
 its runtime the local subprocess one, its task has no tool servers (task- or taskset-scoped), no
 `@intercept` hooks, no `@stop` on a Request or Response, no skills, no `agent_user` (the subprocess runtime has
 no network policy to give notice of); the client is the training client. Every other run takes verifiers'
@@ -57,16 +57,15 @@ from asyncrl.orchestrator.v1_sampler import GroupSampler
 CHAT_ENDPOINT = "/chat/completions"  # where the chat loop's calls go on verifiers' path (recorded per call)
 
 
-def direct_reason(agent: Agent, task: Any, stops: list | None = None) -> str | None:
-    """Why this agent's run on `task` needs verifiers' own path, or None when it can run direct (`stops`: the
-    task's `@stop` hooks, when already found)."""
+def agent_reason(agent: Agent) -> str | None:
+    """Why an agent's runs need verifiers' own path whatever the task, or None."""
     if agent.harness.config.id != HARNESS_ID:
         return f"harness {agent.harness.config.id!r}"
     if not isinstance(agent.runtime_config, SubprocessConfig):
         return f"runtime {agent.runtime_config.type!r}"
     if agent.harness.config.skills:
         return "skills"
-    return task_reason(task, task.hooks("stop") if stops is None else stops)
+    return None
 
 
 def task_reason(task: Any, stops: list) -> str | None:
@@ -103,7 +102,7 @@ class TaskFacts:
 
 class DirectRuns(Agent):
     """The part of an Agent that carries out one run (`_run_once`) and one exchange (`interaction`): direct
-    where `direct_reason` allows, else verifiers' own. Placed under `_EpisodeAgent` in `DirectAgent`."""
+    where `agent_reason` and `task_reason` allow, else verifiers' own. Placed under `_EpisodeAgent` in `DirectAgent`."""
 
     sampler: GroupSampler
     facts: TaskFacts
@@ -112,8 +111,7 @@ class DirectRuns(Agent):
     def _direct(self, task: Any, tools: Any, runtime: Any) -> bool:
         """A run goes direct with no tool servers or exactly the environment's shared ones (the toolbox's)."""
         known = self.toolbox is not None and set(tools or {}) == set(self.toolbox.servers)
-        stops, _ = self.facts.of(task)
-        return runtime is None and (not tools or known) and direct_reason(self, task, stops) is None
+        return runtime is None and (not tools or known) and not agent_reason(self) and not self.facts.of(task)[1]
 
     async def _run_once(self, task, runtime, shared_tools, on_trace, collect_artifacts) -> Trace:
         if collect_artifacts or not self._direct(task, shared_tools, runtime):
@@ -278,7 +276,7 @@ class Toolbox:
 def env_direct_reason(env: Any) -> str | None:
     """Why `env`'s episodes need verifiers' own path, or None when its agents can run direct: no per-task tool
     servers, every seat on asyncrl's chat loop in the local subprocess runtime (shared tool servers are
-    checked once running: `Toolbox.connect`; a task can still send one run back: `direct_reason`)."""
+    checked once running: `Toolbox.connect`; a task can still send one run back: `task_reason`)."""
     if env._task_cls.toolsets(env.taskset.config.task):
         return "per-task tool servers"
     for name, spec in env._agent_specs.items():
