@@ -24,6 +24,7 @@ class FastDecode:
 
 
 def _plain_fast(tokenizer) -> bool:
+    """Whether `tokenizer.decode(ids, skip)` is exactly its Rust tokenizer's `decode(ids, skip)`."""
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
