@@ -82,7 +82,10 @@ class InferenceConfig(BaseConfig):
         None, ge=1, description="embedded engine: torch intra-op threads (default on CPU: one less than the cores)"
     )
     max_prefill_tokens: int = Field(
-        4096, ge=1, description="embedded engine: prompt tokens prefilled together in one forward"
+        4096,
+        ge=1,
+        description="embedded engine: prompt tokens one engine step admits and prefills (on CPU in forwards of at "
+        "most 1024 tokens)",
     )
     kv_cache_gb: float | None = Field(
         None, gt=0, description="embedded engine: KV cache budget in GiB (default: 4 on CPU, half the free GPU memory)"
