@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU demo, from a fresh clone: set up .venv, build a tiny model locally, SFT-warm it on
 # reverse-text, then RL it with `rl` (inference + orchestrator + trainer, async level 1).
-# Prints the reward per step and a summary; ~5 minutes on 2 cores. Everything lands in outputs/demo/.
+# Prints the reward per step and a summary; ~3 minutes on 2 cores. Everything lands in outputs/demo/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
