@@ -6,9 +6,11 @@ episodes of one task, run in this process: the taskset's own Env (several agents
 every agent on harness `asyncrl-chat` (verifiers' chat loop as a coroutine here, `v1_harness.py`) and
 runtime `subprocess` unless the environment's args say otherwise (no sandbox, no tunnel). Each env's
 serving resources (shared tool servers, one interception server) are held from its first group to the
-run's end (`V1Runner`). Episodes go through verifiers' training client, which renders each turn with the
-`renderers` package and posts the token ids to `/inference/v1/generate` (`eval`/`synthesize`: its eval
-client, plain chat completions).
+run's end (`V1Runner`). For training, an episode whose agents verifiers' transport machinery cannot change
+runs direct (`v1_direct.py`: the same episode, its model calls made in this process, a group's shared prompt
+sent once); the others go through verifiers' training client, which renders each turn with the `renderers`
+package and posts the token ids to `/inference/v1/generate` (`eval`/`synthesize`: its eval client, plain
+chat completions).
 
 Invariant: each trace (an agent's run) is one rollout, and each of its branches one turn for the samples
 converter. A branch's prompt is the tokens before the first sampled one, its completion the rest, with
@@ -163,9 +165,10 @@ def v1_run_group(
 
 
 class V1Runner:
-    """Runs groups of v1 episodes: in this process, holding each environment's serving resources (its
-    taskset's shared tool servers, one interception server) from its first group until `close()`, as
-    verifiers' own eval does; or, for a slot whose config sets `server`, in that env server (`served.py`)."""
+    """Runs groups of v1 episodes: in this process, direct where `direct` (a `v1_direct.DirectEpisodes`) takes
+    the slot, else holding each environment's serving resources (its taskset's shared tool servers, one
+    interception server) from its first group until `close()`, as verifiers' own eval does; or, for a slot
+    whose config sets `server`, in that env server (`served.py`)."""
 
     def __init__(self, client: Any, model: str | Callable[[], str], log_dir: Path | None = None):
         self.client, self.model, self.log_dir = client, model, log_dir
