@@ -10,12 +10,17 @@
   or if its `messages` has more than `server.max_messages` entries. The route then parses the same bytes
   again; that second parse is fast next to the checks it saves.
 
+A lone surrogate reaches a parsed string only from a `\\uD800`-`\\uDFFF` escape or from one decoded as such
+(json.loads decodes bytes with "surrogatepass"), so a body whose decoded text holds neither (`_MAY_HOLD_SURROGATE`,
+one regex scan) is valid Unicode; only the rest (escaped emoji: surrogate pairs) are re-encoded to find out.
+
 Refusals are the one error body (errors.py), one line.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -26,6 +31,7 @@ from asyncrl.inference.api.errors import error_response
 
 MIB = 1024 * 1024
 INLINE_BYTES = 64 * 1024  # bodies up to this are checked on the event loop (a thread hop costs more)
+_MAY_HOLD_SURROGATE = re.compile(r"[\ud800-\udfff]|\\u[dD][89abcdefABCDEF]")  # a surrogate, or its JSON escape
 
 
 def install_limits(app, server: ServerConfig) -> None:
@@ -92,18 +98,20 @@ class RequestLimits:
 def check_json(body: bytes, max_messages: int) -> str | None:
     """Why this JSON body is refused, or None (also None for invalid JSON: the route reports that)."""
     try:
-        obj = json.loads(body)
+        text = body.decode(json.detect_encoding(body), "surrogatepass")  # as json.loads decodes bytes
+        obj = json.loads(text)
     except ValueError:
         return None
     messages = obj.get("messages") if isinstance(obj, dict) else None
     if isinstance(messages, list) and len(messages) > max_messages:  # first: a count needs no second pass
         return f"messages: {len(messages)} messages; at most {max_messages} (the server's --server.max-messages)"
-    if not _valid_unicode(obj):  # a full json.dumps, holding the GIL (and so the event loop) while it runs
+    if _MAY_HOLD_SURROGATE.search(text) and not _valid_unicode(obj):
         return "request body holds a lone UTF-16 surrogate (e.g. \\ud800): strings must be valid Unicode"
     return None
 
 
 def _valid_unicode(obj: Any) -> bool:
+    """Whether every string in `obj` is valid Unicode (a full json.dumps: for bodies that may hold a surrogate)."""
     try:
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
