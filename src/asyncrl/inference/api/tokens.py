@@ -10,7 +10,6 @@ On vLLM's app, vLLM serves /tokenize and /detokenize itself and vllm/routes.py t
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,7 +17,15 @@ from fastapi import APIRouter, Request
 from asyncrl.inference.api import cpu
 from asyncrl.inference.api.backend import Backend
 from asyncrl.inference.api.chat import render_chat, request_template_kwargs
-from asyncrl.inference.api.completions import ChoiceResult, TokenText, chat_logprobs, collect, serve_chat, usage
+from asyncrl.inference.api.completions import (
+    ChoiceResult,
+    TokenText,
+    chat_logprobs,
+    collect,
+    serve_chat,
+    unique_hex,
+    usage,
+)
 from asyncrl.inference.api.deps import BackendDep, Config
 from asyncrl.inference.api.schemas import (
     ChatCompletionTokensRequest,
@@ -101,7 +108,7 @@ async def generate(body: GenerateRequest, request: Request, backend: BackendDep)
     params = sp.to_params(max_tokens, sp.logprobs)
     results = await collect(request, backend.generate(body.token_ids, params, lora, stream=False), params.n)
     return {
-        "request_id": f"gen-{uuid.uuid4().hex}",
+        "request_id": f"gen-{unique_hex()}",
         "created": int(time.time()),
         "model": body.model or backend.model_name,
         "choices": [_generate_choice(backend, i, r, params.logprobs is not None) for i, r in enumerate(results)],
