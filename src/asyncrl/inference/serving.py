@@ -8,11 +8,14 @@ The embedded server first tells glibc's malloc (`keep_freed_memory`) to keep wha
 by default it returns freed memory at the heap's top to the kernel and serves every block over 128 KiB from a
 fresh mmap, so the engine's step-sized tensors (activations, KV buffers as they grow and move) came back as new
 zeroed pages, tens of thousands of page faults per burst of requests. The heap then stays near its peak size.
+Once the engine and app are built, `gc.freeze()` moves every object so far (torch, transformers, the model) out
+of the collector's reach: the full collections a burst of requests sets off no longer walk them, holding the GIL.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 
 from loguru import logger
 
@@ -58,6 +61,7 @@ def _serve_embedded(config: InferenceConfig) -> None:
 
     keep_freed_memory()
     app = create_app(EmbeddedEngine(config), config)
+    gc.freeze()  # the model, torch and every module: never traversed by the collections a burst of requests sets off
     debug = config.log.level == "debug"
     logger.info(f"serving {config.model.name} on http://{config.server.host}:{config.server.port}")
     uvicorn.run(
