@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from contextlib import asynccontextmanager, nullcontext
 from typing import Any
@@ -240,16 +241,26 @@ class Toolbox:
             return None, "a tool server in a remote runtime"
         harness = next(iter(env._harnesses.values()))
         toolbox = cls(shared, harness.config.tool_timeout)
-        stack, connections = await toolbox.open()
-        toolbox.idle.append((stack, connections))
+        toolbox.idle.append(await toolbox.open())
+        toolbox.made = 1
         toolbox.tools = parse_tools(toolbox.schemas or None)
         return toolbox, None
 
     async def open(self) -> tuple[contextlib.AsyncExitStack, dict]:
         stack = contextlib.AsyncExitStack()
         schemas, dispatch, connections = await chat_program()["connect_mcp"](self.config, stack, set())
-        self.schemas, self.dispatch, self.made = schemas, dispatch, self.made + 1
+        self.schemas, self.dispatch = schemas, dispatch
         return stack, connections
+
+    async def opened(self) -> tuple[contextlib.AsyncExitStack, dict]:
+        """A new connection in the place `call` took for it; the place is given back if it fails to open."""
+        try:
+            return await self.open()
+        except BaseException:
+            async with self.free:
+                self.made -= 1
+                self.free.notify()
+            raise
 
     async def call(self, name: str, arguments: dict) -> Any:
         """The tool's result as the chat loop puts it into a tool message."""
@@ -257,8 +268,9 @@ class Toolbox:
             while not self.idle and self.made >= self.POOL:
                 await self.free.wait()
             taken = self.idle.pop() if self.idle else None
+            self.made += taken is None  # the new connection's place, taken before it is opened
         if taken is None:
-            taken = await self.open()
+            taken = await self.opened()
         try:
             return await chat_program()["call_mcp"](taken[1], self.dispatch, name, arguments)
         finally:
@@ -291,8 +303,6 @@ def env_direct_reason(env: Any) -> str | None:
 def direct_agents(env: Any, sampler: GroupSampler, toolbox: Toolbox | None = None) -> None:
     """Make `env`'s episodes build `DirectAgent`s: `Env._episode_agents` builds `_EpisodeAgent`s through one
     `make(name, spec)`; this wraps it to build the same agent as a DirectAgent (same instance state)."""
-    if getattr(env, "_asyncrl_direct", None) is sampler:
-        return
     build, facts = type(env)._episode_agents, TaskFacts()
 
     def episode_agents(ctx, completed, on_trace, on_discard):
@@ -303,7 +313,6 @@ def direct_agents(env: Any, sampler: GroupSampler, toolbox: Toolbox | None = Non
         return agents
 
     env._episode_agents = episode_agents
-    env._asyncrl_direct = sampler
 
 
 class DirectRollout:
@@ -445,8 +454,6 @@ class DirectRollout:
     async def _tool_result(self, call: Any) -> ToolMessage:
         """The chat loop's tool message for a call: the tool's result (through the toolbox), or its error
         text for bad arguments or an unknown tool, bounded as the loop bounds every result."""
-        import json
-
         from verifiers.v1.harnesses.utils.compaction import bound_tool_message
 
         try:

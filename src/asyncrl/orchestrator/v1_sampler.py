@@ -22,6 +22,10 @@ Invariants:
 - A failed request (HTTP error, connection error, a short or malformed answer) fails every turn that
   joined it with a `ProviderError` carrying the server's status, as the training client's would.
 - A request whose every turn was cancelled is cancelled (its connection closed, so the server stops it).
+
+Private parts used, so that the rules stay the libraries' own (tripwire in tests/unit/orchestrator/test_v1_direct.py;
+remove when the libraries make them public): verifiers 0.4.0 `clients.train._is_valid_incremental_tail` (which
+turns are bridged), renderers 0.1.12 `client._parse_completion_logprobs` (the answer's logprobs, checked).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from asyncrl.orchestrator.v1_http import tls_context
 
 RENDER_CACHE = 512  # distinct rendered prompts kept (a step's groups' first turns)
 
@@ -65,7 +71,7 @@ class GroupSampler:
 
     async def sample(self, turn: Any, ctx: Any) -> Any:
         """The engine's answer to `turn` (a verifiers PendingTurn) as a verifiers Response."""
-        from verifiers.v1.clients.train import response_from_generate, serialize_completion
+        from verifiers.v1.clients.train import response_from_generate, serialize_completion, tool_to_wire
 
         model = ctx.model
         params = ctx.sampling.model_dump(exclude_none=True)
@@ -97,10 +103,11 @@ class GroupSampler:
 
     def render(self, renderer: Any, turn: Any, tools: list | None, params: dict) -> tuple[list[int], Any, Any]:
         """(prompt ids, their attribution, the bridged turn or None), as the training client renders them."""
+        from verifiers.v1.clients.train import _is_valid_incremental_tail
         from verifiers.v1.dialects.chat import message_to_wire
 
         tail = [message_to_wire(m) for m in turn.tail]
-        previous = turn.previous_renderer_token_ids() if incremental_tail(tail) else None
+        previous = turn.previous_renderer_token_ids() if _is_valid_incremental_tail(tail) else None
         if previous is not None:
             bridged = renderer.bridge_to_next_turn(*previous, tail, tools=tools)
             if bridged is not None:
@@ -223,8 +230,9 @@ class GroupSampler:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             timeout = aiohttp.ClientTimeout(total=self.timeout)
+            connector = aiohttp.TCPConnector(limit=0, ssl=tls_context())  # the training client's TLS trust
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()
+                connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()
             )
         return self._session
 
@@ -268,19 +276,3 @@ def parse_choice(renderer: Any, data: dict, choice: dict, prompt_ids: list, attr
         "sampling_mask": choice.get("sampling_mask"),
         "prompt_attribution": attribution,
     }
-
-
-def incremental_tail(messages: list[dict]) -> bool:
-    """Whether a turn's new messages can be bridged onto the last one (the training client's rule): tool
-    results, optionally followed by one user message."""
-    roles = [m.get("role") for m in messages]
-    if not roles:
-        return False
-    body = roles[:-1] if roles[-1] == "user" else roles
-    return all(role == "tool" for role in body)
-
-
-def tool_to_wire(tool: Any) -> dict:
-    from verifiers.v1.clients.train import tool_to_wire as wire
-
-    return wire(tool)

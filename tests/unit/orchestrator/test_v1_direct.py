@@ -225,6 +225,7 @@ def test_the_library_internals_direct_episodes_use_are_as_they_were():
 
     from renderers import client as renderers_client
     from verifiers.v1.agent import Agent, Agents, Interaction, _EpisodeAgent
+    from verifiers.v1.clients.train import _is_valid_incremental_tail
     from verifiers.v1.env import Env
 
     def params(fn):
@@ -238,6 +239,7 @@ def test_the_library_internals_direct_episodes_use_are_as_they_were():
     assert params(Interaction.__init__) == ["self", "run", "gate"]
     assert _EpisodeAgent.__mro__[1] is Agent and "super().interaction(" in inspect.getsource(_EpisodeAgent)
     assert params(renderers_client._parse_completion_logprobs) == ["choice", "completion_ids"]
+    assert params(_is_valid_incremental_tail) == ["messages"]
     body = inspect.getsource(renderers_client.generate)  # what v1_sampler.request_body builds the same way
     for line in ('sp["stop_token_ids"] = stop_token_ids', 'sp["logprobs"] = 1', '"token_ids": prompt_ids'):
         assert line in body, line
