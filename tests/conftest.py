@@ -6,8 +6,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import resource
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -266,3 +268,27 @@ def pytest_runtest_teardown(item, nextitem):
     key = _shared_key(item)
     if key is not None and _LAST_USER.get(key) == item.nodeid:
         _stop_shared(key)
+
+
+# ---- what each test costs in CPU -----------------------------------------------------------------------------
+# ASYNCRL_TEST_CPU_LOG=PATH: each worker appends one JSON line per test to PATH.<pid>: its id, wall seconds and
+# CPU seconds (this process and every child it reaped: an `rl` a test ran, with that rl's own children; a shared
+# server, in the test after which it stops). CPU, unlike wall time, does not grow with the machine's load, so
+# the sum says what the suite needs of the machine. `python scripts/test_cpu.py PATH` prints the table.
+CPU_LOG_VAR = "ASYNCRL_TEST_CPU_LOG"
+
+
+def _cpu_s() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    log = os.environ.get(CPU_LOG_VAR)
+    cpu, wall = _cpu_s(), time.monotonic()
+    yield
+    if log:
+        row = {"test": item.nodeid, "wall_s": time.monotonic() - wall, "cpu_s": _cpu_s() - cpu}
+        with open(f"{log}.{os.getpid()}", "a") as f:
+            f.write(json.dumps(row) + "\n")
