@@ -119,6 +119,9 @@ def _series(run: Path, plot: Plot) -> dict[str, tuple[list[int], list[float]]]:
     return out
 
 
+MARGINS = {"left": 0.09, "right": 0.98, "bottom": 0.14, "top": 0.9}  # of the figure: room for the tick labels
+
+
 def render_png(plot: Plot, runs: list[Path]) -> bytes | None:
     """The plot as PNG bytes, every run's every key a line; None when no run has its metrics."""
     import matplotlib
@@ -129,7 +132,9 @@ def render_png(plot: Plot, runs: list[Path]) -> bytes | None:
     lines = [(run, key, xy) for run in runs for key, xy in _series(run, plot).items() if xy[0]]
     if not lines:
         return None
-    fig, ax = plt.subplots(figsize=(7, 3.4), dpi=100)
+    # fixed margins, not tight_layout (which draws the figure once more to measure it), and light compression:
+    # 1.66 -> 1.05 s of CPU for a run's 14 plots; every `rl` pays it as it ends
+    fig, ax = plt.subplots(figsize=(7, 3.4), dpi=100, gridspec_kw=MARGINS)
     for run, key, (x, y) in lines:
         label = " ".join(p for p in (run.name if len(runs) > 1 else "", key) if p)
         ax.plot(x, y, marker="o" if len(x) < 30 else None, markersize=3, linewidth=1.4, label=label)
@@ -138,9 +143,8 @@ def render_png(plot: Plot, runs: list[Path]) -> bytes | None:
     ax.grid(alpha=0.3)
     if len(lines) > 1:
         ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", pil_kwargs={"compress_level": 1})
     plt.close(fig)
     return buf.getvalue()
 
