@@ -1,4 +1,5 @@
-"""README.md is a short front door and docs/*.md hold the rest: sizes, the set-up block, and every relative link."""
+"""README.md is a short front door and docs/*.md hold the rest: sizes, the set-up block, every relative link, and
+no dates or commit hashes outside docs/benchmarks.md (latest figures) and docs/log.md (dated history)."""
 
 import re
 from pathlib import Path
@@ -9,9 +10,33 @@ ROOT = Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
+DATED = {"benchmarks.md", "log.md"}  # the only pages that may carry dates and commit hashes
+GUIDES = [p for p in PAGES if p.name not in DATED or p.parent != ROOT / "docs"]
 
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
+
+# 7-40 hex characters with at least one digit and one letter, not inside a path, word or version string
+COMMIT_HASH = re.compile(r"(?<![\w./+-])(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*[0-9])[0-9a-fA-F]{7,40}(?![\w/+-])")
+_MONTH = (
+    r"(?:January|February|March|April|May|June|July|August|September|October|November|December"
+    r"|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sept|Sep|Oct|Nov|Dec)\.?"
+)
+DATE = re.compile(
+    r"\b(?:(?:19|20)\d\d-(?:0[1-9]|1[0-2])(?:-\d\d)?\b"  # 2026-11-27, 2026-11
+    rf"|{_MONTH}\s+\d{{1,2}}(?:st|nd|rd|th)?\b"  # Nov 27, November 27th
+    rf"|\d{{1,2}}(?:st|nd|rd|th)?\s+{_MONTH}(?![a-z])"  # 27 Nov, 27 November
+    r"|\d{1,2}/\d{1,2}/(?:19|20)\d\d\b)"  # 11/27/2026
+)
+
+
+def dated(text: str) -> list[str]:
+    """Each date or commit hash in `text`, as `line N: match: the line`."""
+    found = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for m in [*DATE.finditer(line), *COMMIT_HASH.finditer(line)]:
+            found.append(f"line {n}: {m.group(0)!r}: {line.strip()[:100]}")
+    return found
 
 
 def prose_lines(text: str) -> list[str]:
@@ -109,3 +134,68 @@ def test_relative_links_resolve(page: Path):
         if frag and dest.suffix == ".md" and frag not in anchors(dest):
             broken.append(f"{target}: no heading with anchor #{frag} in {dest.relative_to(ROOT)}")
     assert not broken, f"{page.relative_to(ROOT)}: broken links:\n" + "\n".join(broken)
+
+
+def test_guides_are_found():
+    """The date check below runs on real pages: the README and every guide, but never the two dated pages."""
+    names = {p.name for p in GUIDES}
+    assert README in GUIDES
+    assert {"rl.md", "development.md", "learning.md", "inference.md", "workflow.md", "reliability.md"} <= names
+    assert not names & DATED, names & DATED
+    assert all((ROOT / "docs" / name).is_file() for name in DATED)
+    assert all(p.read_text().strip() for p in GUIDES)
+
+
+@pytest.mark.parametrize("page", GUIDES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_guides_hold_no_dates_or_commit_hashes(page: Path):
+    found = dated(page.read_text())
+    assert not found, (
+        f"{page.relative_to(ROOT)} says what holds now: a dated figure goes to docs/benchmarks.md (the latest "
+        "of each), dated history to docs/log.md, and the page links there. Found:\n" + "\n".join(found)
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "measured on 2026-11-27",
+        "the log of 2026-11",
+        "on Nov 27 the engine",
+        "since November 3rd",
+        "on 27 Nov the run",
+        "(27 November, 2 cores)",
+        "11/27/2026",
+        "the code of d777a83",
+        "commit a310c92e5f0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d",
+        "`git show 1D8783B`",
+    ],
+)
+def test_date_check_catches(text: str):
+    assert dated(f"A guide line.\n{text}\n"), text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0.626 with it, 0.632 without",
+        "weights/step_200 and rollouts/step_1",
+        "torch 2.11.0+cu130, cuDNN 91900, 1,272 requests",
+        "lr 1e-3, 9.5e-07, 16,384 tokens",
+        "a facade, deadbeef, decade, 1234567",
+        "Use 2 runs; in March or May it may; Decode 4 tokens; Marker 3; Octet 8",
+        "sha256:" + "0123456789abcdef" * 4,
+        "https://example.org/blob/d777a83/x.py and src/asyncrl/d777a83.py",
+        "the #1f77b4 line; Qwen3-0.6B; x86_64; e4m3",
+    ],
+)
+def test_date_check_leaves_alone(text: str):
+    assert not dated(text), dated(text)
+
+
+def test_date_check_fails_on_an_injected_date(tmp_path: Path):
+    """A copy of a real guide passes, and the same copy with one dated line does not."""
+    page = ROOT / "docs" / "rl.md"
+    assert not dated(page.read_text())
+    injected = page.read_text().replace("\n\n", "\n\nMeasured on 2026-11-27 (2 cores).\n\n", 1)
+    found = dated(injected)
+    assert len(found) == 1 and "'2026-11-27'" in found[0], found
