@@ -20,14 +20,18 @@ Invariants:
 - A merged request that fails in any way (an HTTP error, a malformed or short answer) is sent again one
   request at a time, so every requester sees exactly what it would have seen alone.
 - Cancelling a requester cancels the merged request once every requester of it has gone.
+- Requests and answers are in the HTTP library of the client it wraps: httpx under openai 2 (verifiers 0.4),
+  httpx2 under openai 3 (verifiers 0.3's lock); `http_of(request)` says which.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from types import ModuleType
 from typing import Any
 
+import httpx
 import httpx2
 
 MERGEABLE_PATHS = ("/chat/completions", "/chat/completions/tokens")
@@ -124,7 +128,8 @@ class MergingTransport(httpx2.AsyncBaseTransport):
         first = requests[0]
         body = json.loads(first.content)
         body["n"] = len(requests)
-        merged = httpx2.Request(
+        http = http_of(first)
+        merged = http.Request(
             first.method,
             first.url,
             headers=[(k, v) for k, v in first.headers.raw if k.lower() not in _DROPPED_HEADERS],
@@ -144,7 +149,7 @@ class MergingTransport(httpx2.AsyncBaseTransport):
             return None
         headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _DROPPED_HEADERS]
         return [
-            httpx2.Response(200, headers=headers, content=json.dumps(a).encode(), request=r)
+            http.Response(200, headers=headers, content=json.dumps(a).encode(), request=r)
             for a, r in zip(answers, requests)
         ]
 
@@ -156,11 +161,16 @@ def mergeable_key(request: httpx2.Request) -> tuple | None:
     try:
         content = request.content
         body = json.loads(content)
-    except (httpx2.RequestNotRead, ValueError):
+    except (httpx.RequestNotRead, httpx2.RequestNotRead, ValueError):
         return None
     if not isinstance(body, dict) or body.get("stream") or body.get("n", 1) != 1 or body.get("seed") is not None:
         return None
     return str(request.url), request.headers.get("authorization"), content
+
+
+def http_of(request: httpx.Request | httpx2.Request) -> ModuleType:
+    """The HTTP library `request` is of (httpx or httpx2): the merged request and the answers are built in it."""
+    return httpx2 if isinstance(request, httpx2.Request) else httpx
 
 
 def split_answer(content: bytes, k: int) -> list[dict[str, Any]] | None:

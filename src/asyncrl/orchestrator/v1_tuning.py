@@ -19,8 +19,10 @@ this process sets, not by a change to any library's code:
   orchestrator spends per reverse-text rollout), and a dir left in ~/.cache/verifiers by every episode of an
   orchestrator killed mid-step,
   for a dir the in-process chat harness never uses. Runtimes are made as `LazyWorkdirRuntime` instead:
-  the same dir, at the same path (its `info.id`), made the first time anything runs or reads or writes
-  there, and removed at the end only if it was made.
+  the same dir, at the path verifiers' own `start` gives it (its `info.id`), made the first time anything
+  runs or reads or writes there, and removed at the end only if it was made.
+
+Each patch here is an entry of the register, `asyncrl.core.patches` (with its tripwire).
 
 Invariants: nothing an episode sends, receives or records changes (the same requests, the same token
 ids and logprobs, the same traces); `tune_for_episodes` is idempotent; a GC threshold already above
@@ -91,6 +93,7 @@ def cache_factory_check() -> None:
             return check(factory)
 
     cached.asyncrl_cached = True
+    cached.__wrapped__ = check
     _fields.takes_validated_data_argument = cached
 
 
@@ -106,14 +109,18 @@ def lazy_runtime_workdirs() -> None:
 
 
 class LazyWorkdir:
-    """Mixed in before verifiers' SubprocessRuntime: `workdir` is planned at `start` (the path and `info.id`
-    that `start` gives it) and made on first access; `teardown`/`cleanup` remove it only if it was made."""
+    """Mixed in before verifiers' SubprocessRuntime: verifiers' own `start` plans `workdir` (its path and
+    `info.id`), its mkdir deferred; the dir is made on first access; `teardown`/`cleanup` remove it only if it
+    was made."""
 
     _planned: Path | None = None
     _made = False
+    _starting = False
 
     @property
-    def workdir(self) -> Path | None:
+    def workdir(self) -> Path | _Unmade | None:
+        if self._starting:
+            return _Unmade(self._planned)
         if self._planned is not None and not self._made:
             self._planned.mkdir(parents=True, exist_ok=True)
             self._made = True
@@ -124,10 +131,11 @@ class LazyWorkdir:
         self._planned, self._made = path, False
 
     async def start(self) -> None:
-        from verifiers.v1.runtimes import subprocess
-
-        self._planned = subprocess.CACHE_DIR / "runtimes" / "subprocess" / self.name
-        self.info.id = str(self._planned)
+        self._starting = True
+        try:
+            await super().start()
+        finally:
+            self._starting = False
 
     async def teardown(self) -> None:
         self._forget_unmade()
@@ -140,3 +148,16 @@ class LazyWorkdir:
     def _forget_unmade(self) -> None:
         if not self._made:
             self._planned = None  # nothing was ever put there: nothing to remove
+
+
+class _Unmade:
+    """The planned work dir as verifiers' `start` sees it: its path (`str`), its `mkdir` left to first use."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def mkdir(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __str__(self) -> str:
+        return str(self.path)

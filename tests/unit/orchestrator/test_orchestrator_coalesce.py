@@ -174,3 +174,23 @@ def test_split_answer_rejects_what_it_cannot_split():
     assert split_answer(json.dumps({"choices": [{"index": 0}]}).encode(), 2) is None
     got = split_answer(json.dumps({"id": "a", "choices": [{"index": 1}, {"index": 0}]}).encode(), 2)
     assert [g["id"] for g in got] == ["a-0", "a-1"] and "usage" not in got[0]
+
+
+def test_an_httpx_client_merges_too():
+    """openai 2 (verifiers 0.4's lock) builds its clients on httpx, openai 3 on httpx2: the merged request and
+    its answers are built in the wrapped client's library (httpx2's Request refused httpx's URL before)."""
+    import httpx
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        reply = await FakeServer()(request)
+        return httpx.Response(reply.status_code, content=reply.content)
+
+    async def go():
+        transport = MergingTransport(httpx.MockTransport(answer))
+        async with httpx.AsyncClient(transport=transport) as http:
+            replies = await asyncio.gather(*(http.post(URL, json=body()) for _ in range(4)))
+        return transport, replies
+
+    transport, replies = asyncio.run(go())
+    assert (transport.sent, transport.merged) == (1, 4)
+    assert all(isinstance(r, httpx.Response) and len(r.json()["choices"]) == 1 for r in replies)

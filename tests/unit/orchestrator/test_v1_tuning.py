@@ -55,6 +55,38 @@ def test_default_factories_give_the_same_values_with_the_check_cached():
     assert Node.model_construct(a=1).ids is not Node.model_construct(a=1).ids  # still a fresh list each time
 
 
+def test_the_factory_check_cache_is_hit_by_verifiers_trace_nodes(monkeypatch):
+    """What the cache is for: verifiers' `MessageNode.model_construct` (every trace node) asks pydantic's check
+    for every field of every node without it, and once per distinct factory with it."""
+    from pydantic._internal import _fields
+    from verifiers.v1.graph import MessageNode
+
+    from asyncrl.orchestrator.v1_tuning import cache_factory_check
+
+    asked = []
+    installed = _fields.takes_validated_data_argument
+    upstream = getattr(installed, "__wrapped__", installed)  # another test may have cached it already
+
+    def counted(factory) -> bool:
+        asked.append(factory)
+        return upstream(factory)
+
+    def nodes(k: int) -> int:
+        before = len(asked)
+        for i in range(k):
+            MessageNode.model_construct(parent=None, token_ids=[i])
+        return len(asked) - before
+
+    monkeypatch.setattr(_fields, "takes_validated_data_argument", counted)
+    per_node = nodes(1)
+    assert per_node >= 1 and nodes(3) == 3 * per_node  # uncached: asked again for every node
+    cache_factory_check()
+    assert _fields.takes_validated_data_argument.__wrapped__ is counted
+    assert nodes(1) == len(set(asked[:per_node])) < per_node  # once per distinct factory (`list` is several's)
+    assert nodes(100) == 0  # every later node answered from the cache
+    assert MessageNode.model_construct(parent=None).token_ids == []
+
+
 def test_the_young_generation_threshold_is_raised_and_a_higher_one_kept():
     gc.set_threshold(700, 10, 10)
     tune_for_episodes()
