@@ -141,6 +141,6 @@ def test_uv_sync_from_a_fresh_clone(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     where, version = out.stdout.split()
     assert where == str(clone / "src/asyncrl/__init__.py") and version.startswith("2.13.0")
-    for script in ("rl", "sft", "eval"):
+    for script in ("rl", "sft", "eval", "evals"):
         helped = subprocess.run([clone / ".venv/bin" / script, "--help"], env=env, capture_output=True, timeout=120)
         assert helped.returncode == 0, (script, helped.stderr[-1000:])
