@@ -61,7 +61,7 @@ def build_qwen3_06b_shape(out: Path) -> Path:
     return out
 
 
-def run_bench(
+def time_trainer(
     model_dir: Path, out: Path, ranks: int, seq: int, per_row: int, bs: int, steps: int, extra: list[str], threads: int
 ) -> dict:
     """`per_row` samples packed per row of fake data; `extra` may set --data.micro-batch-size (rows per forward)."""
@@ -122,7 +122,7 @@ def rows_sweep(root: Path, steps: int, threads: int) -> list[tuple[int, str, dic
         for dtype in DTYPES:
             extra = ["--device", "cpu", "--data.micro-batch-size", str(rows), "--model.optimization-dtype", dtype]
             out = root / f"out-rows{rows}-{dtype}"
-            results.append((rows, dtype, run_bench(model_dir, out, 1, *shape, steps, extra, threads)))
+            results.append((rows, dtype, time_trainer(model_dir, out, 1, *shape, steps, extra, threads)))
     return results
 
 
@@ -169,7 +169,7 @@ def main() -> None:
                 if not model_dir.exists():
                     build_tiny_model(model_dir, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv)
                 out = root / f"out-{name}-{ranks}"
-                r = run_bench(
+                r = time_trainer(
                     model_dir,
                     out,
                     ranks,
@@ -186,7 +186,7 @@ def main() -> None:
             extra = ["--device", "cuda", "--model.optimization-dtype", "bfloat16", "--model.reduce-dtype", "float32"]
             if args.ac:
                 extra += ["--model.ac.freq", "1"]
-            r = run_bench(model_dir, root / "out-qwen", 1, args.seq_len, 1, 1, args.steps, extra, threads=8)
+            r = time_trainer(model_dir, root / "out-qwen", 1, args.seq_len, 1, 1, args.steps, extra, threads=8)
             results.append(
                 (
                     "qwen3-0.6b-shape",

@@ -38,7 +38,7 @@ ONE_GPU = ["--inference-gpu-ids", "[0]", "--trainer-gpu-ids", "[0]", "--inferenc
 EXTRA = os.environ.get("GPU_CHECK_EXTRA_TRAINER_ARGS", "").split()  # e.g. a broken flag, to see the check fail
 PORT = 8011
 MIN_SECONDS = 30  # a row is not started with less of the budget left
-SHARED_PREFIX_TEST = Path("tests/unit/trainer/test_trainer_shared_prefix.py")
+SHARED_PREFIX_TEST = Path("tests/unit/trainer/test_shared_prefix.py")
 NO_VLLM = "not run: vLLM cannot be carried to the lent machine (its wheels are far over a call's 64 MiB)"
 
 

@@ -7,8 +7,8 @@
 #   classic.lock  asyncrl[dev] with verifiers 0.3 (classic environments), for the classic-API tests'
 #                 .venv-classic (scripts/test.sh); no environments/*, which are verifiers v1 packages
 #   uv.lock       (repo root) what `uv sync` installs: pyproject.toml's [dependency-groups] dev + extras,
-#                 every package of cpu.lock at cpu.lock's version, and torch==2.13.0 (tests/unit/test_locks.py
-#                 checks the two agree)
+#                 every package of cpu.lock at cpu.lock's version, and PyPI's torch==2.13.0
+#                 (tests/unit/scripts/test_locks.py checks the two agree and that no lock names a local path)
 #
 # Resolved with uv against pip's own index settings; torch is pinned and left out of every lock (setup
 # installs torch==2.13.0 (CPU) first, or keeps the CUDA build you installed).
@@ -49,13 +49,11 @@ extra=()
 compile classic.lock "# asyncrl[dev] with verifiers 0.3 (classic API tests), written by scripts/lock.sh; torch left out." \
   "-e file://$root#egg=asyncrl[dev]" "verifiers>=0.3.1,<0.4"
 
-# uv.lock: each cpu.lock pin is passed as the version to take (-P name==version), so both locks agree; of
-# pip's sources only its find-links (where the CPU torch wheel lies here), so the lock names PyPI otherwise
-links=()
-for ((i = 0; i < ${#sources[@]}; i += 2)); do
-  [ "${sources[i]}" = --find-links ] && links+=(--find-links "${sources[i + 1]}")
-done
+# uv.lock: each cpu.lock pin is passed as the version to take (-P name==version), so both locks agree. It is
+# resolved against PyPI alone (none of pip's sources, no UV_* index settings), so it names no path of this
+# machine and `uv sync --locked` works wherever PyPI does: its torch is PyPI's 2.13.0 (the CUDA build on Linux)
 pins=()
 while read -r pin; do pins+=(-P "$pin"); done < <(grep -E '^[A-Za-z0-9._-]+==' requirements/cpu.lock)
-"$tools/bin/uv" lock -q --python 3.11 --index-strategy unsafe-best-match "${links[@]}" "${pins[@]}"
+env -u UV_FIND_LINKS -u UV_INDEX -u UV_INDEX_URL -u UV_EXTRA_INDEX_URL -u UV_DEFAULT_INDEX \
+  "$tools/bin/uv" lock -q --python 3.11 "${pins[@]}"
 echo "wrote uv.lock ($(grep -c '^name = ' uv.lock) packages)"

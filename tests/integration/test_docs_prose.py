@@ -1,7 +1,7 @@
 """What the PRIME-RL docs' prose promises, run as the docs state it.
 
 Each section is one item of issue 32 ("Seed parity, round 2"): a behaviour the PRIME-RL docs
-(/work/shared/seeds/*.md) describe in prose, run with the docs' own lines, a tiny local model (the session's
+(../shared/seeds/*.md) describe in prose, run with the docs' own lines, a tiny local model (the session's
 `tiny_model_dir`) and the shipped CPU configs in place of hub models and GPUs. Kept cheap: command-line checks
 are `--help` / `--dry-run` subprocesses (no model load); the runs are `rl` runs of 2-3 steps, marked slow.
 """
@@ -22,7 +22,7 @@ from asyncrl.transport.weights import weights_problem
 from asyncrl.utils.process import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-GUIDE = REPO / "examples" / "seeds" / "full_guide.toml"  # the guide's full config, verbatim
+GUIDE = REPO / "examples" / "prime_rl_docs" / "full_guide.toml"  # the guide's full config, verbatim
 
 
 def entrypoint(name: str, *args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

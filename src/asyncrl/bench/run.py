@@ -89,7 +89,7 @@ def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg())}
 
 
-def run_bench(config: RLConfig, launch: Callable[[RLConfig], None]) -> dict[str, Any]:
+def run_bench_job(config: RLConfig, launch: Callable[[RLConfig], None]) -> dict[str, Any]:
     """Run the bench job with `launch` (the launcher's, passed in by `rl`: bench never imports its sibling);
     returns what it writes to `{output_dir}/bench.json`."""
     layout = RunLayout.for_config(config.trainer)

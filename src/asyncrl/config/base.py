@@ -60,7 +60,7 @@ class CkptConfig(BaseConfig):
     resume_step: int | None = Field(None, ge=-1, description="resume from this step (-1 = latest)")
 
 
-class BenchDataConfig(BaseConfig):
+class FakeDataConfig(BaseConfig):
     """Shape of the trainer's fake data (`--data.fake`, for `trainer --bench`): `batch_size` samples of `seq_len`
     tokens, `samples_per_row` of them packed into each row (rows per forward: `data.micro_batch_size`)."""
 
@@ -85,7 +85,7 @@ class BenchDataConfig(BaseConfig):
         return {("samples_per_row" if k == "micro_batch_size" else k): v for k, v in raw.items()}
 
     @model_validator(mode="after")
-    def _divides(self) -> BenchDataConfig:
+    def _divides(self) -> FakeDataConfig:
         if self.batch_size % self.samples_per_row:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be divisible by samples_per_row ({self.samples_per_row})"

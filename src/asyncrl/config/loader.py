@@ -19,7 +19,7 @@ Why not a published parser. pydantic-settings' `CliSettingsSource` has precedenc
 no `@ file` grammar (let alone per-section files), and it rejects `--snake_case` flags in kebab mode,
 `--flag false`, `--no-section` and Python-literal dicts; an unknown flag gets argparse's whole usage block
 and no suggestion. prime-pydantic-config 0.4.3 (PRIME-RL's parser) was run on the before/after harness
-(tests/unit/config/test_config_harness.py): 844 of 2,368 cases gave the same result. It has no environment
+(tests/unit/config/test_harness.py): 844 of 2,368 cases gave the same result. It has no environment
 variables, no `--section=@file`, `@file` at the top level or `--section` / `--section.x=v` on an optional
 section; it reads `--list a,b` as one string; it has no older spellings or aliases, no hook for rl's
 CLI-over-files precedence; its errors are multi-line boxes with exit 1, and a directory or a non-table file

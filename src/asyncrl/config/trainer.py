@@ -9,8 +9,8 @@ from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import (
     BaseConfig,
-    BenchDataConfig,
     CkptConfig,
+    FakeDataConfig,
     LogConfig,
     ModelConfig,
     WandbConfig,
@@ -134,7 +134,7 @@ class TrainerDataConfig(BaseConfig):
     micro_batch_size: int = Field(
         MICRO_BATCH_ROWS, ge=1, description="packed rows per forward/backward (lower it on OOM; 1: one row at a time)"
     )
-    fake: BenchDataConfig | None = Field(None, description="train on fake data of this shape (with --bench)")
+    fake: FakeDataConfig | None = Field(None, description="train on fake data of this shape (with --bench)")
 
 
 class TrainerConfig(BaseConfig):

@@ -20,9 +20,9 @@ def run(config: RLConfig) -> None:
     from asyncrl.launcher import launch
 
     if config.bench:
-        from asyncrl.bench.run import run_bench
+        from asyncrl.bench.run import run_bench_job
 
-        run_bench(config, launch)  # bench and launcher are siblings: the entrypoint wires them
+        run_bench_job(config, launch)  # bench and launcher are siblings: the entrypoint wires them
         return
     launch(config)
 

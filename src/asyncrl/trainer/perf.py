@@ -79,7 +79,7 @@ def format_mfu(value: float | None) -> str:
     return f"{value:.1f}%" if value is not None else "n/a"
 
 
-def bench_summary(history: list[dict]) -> str:
+def throughput_summary(history: list[dict]) -> str:
     """The `--bench` result lines shared by both trainers: tokens/s, MFU, step time, peak memory."""
     timed = history[1:] or history  # the first step pays for warm-up
     seconds = sum(m["step_time_s"] for m in timed)

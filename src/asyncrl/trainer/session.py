@@ -44,12 +44,12 @@ from asyncrl.trainer.dist import DistContext, init_distributed, peer_lost
 from asyncrl.trainer.export import export_adapter, export_weights
 from asyncrl.trainer.model import LoadedModel, load_model
 from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler
-from asyncrl.trainer.perf import FlopModel, bench_summary, mfu, peak_flops, peak_memory_gib, reset_peak_memory
+from asyncrl.trainer.perf import FlopModel, mfu, peak_flops, peak_memory_gib, reset_peak_memory, throughput_summary
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
 from asyncrl.utils.monitor import MetricsSink
 from asyncrl.utils.progress import Bar
 
-BENCH_STEPS = 5  # --bench without --max-steps: one warm-up step + four timed ones
+THROUGHPUT_STEPS = 5  # --bench without --max-steps: one warm-up step + four timed ones
 
 TrainConfig = TrainerConfig | SFTConfig
 
@@ -140,7 +140,7 @@ class Loop:
     def log_line(self, step: int, m: dict) -> str:
         raise NotImplementedError
 
-    def bench_header(self) -> str:
+    def throughput_header(self) -> str:
         raise NotImplementedError
 
     def finish(self, history: list[dict], step: int) -> None:
@@ -182,7 +182,7 @@ class TrainSession:
         self.config, self.ctx, self.slot = config, ctx, slot
         self.out = Path(config.output_dir)
         self.layout = RunLayout.for_config(config)
-        self.max_steps = config.max_steps if config.max_steps or not config.bench else BENCH_STEPS
+        self.max_steps = config.max_steps if config.max_steps or not config.bench else THROUGHPUT_STEPS
         self.loop = loop_cls(self)
         self.resume_step = self._resume_step()  # a bad one fails before the (slow) model load
         if slot is None:
@@ -418,9 +418,9 @@ class TrainSession:
         self.sink.close()
         self.loop.finish(history, step)
         if self.config.bench and self.ctx.is_main:
-            print_bench(self.loop.bench_header(), history)
+            print_throughput(self.loop.throughput_header(), history)
 
 
-def print_bench(header: str, history: list[dict]) -> None:
+def print_throughput(header: str, history: list[dict]) -> None:
     print(header)
-    print(bench_summary(history))
+    print(throughput_summary(history))

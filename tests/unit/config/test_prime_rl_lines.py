@@ -378,7 +378,7 @@ ROWS = [
         "rl @ config.toml --ckpt --ckpt.interval 5 --ckpt.keep-last 3",
         "asyncrl",
         "gpu+network",
-        fill="rl @ examples/seeds/single_gpu.toml --ckpt --ckpt.interval 5 --ckpt.keep-last 3",
+        fill="rl @ examples/prime_rl_docs/single_gpu.toml --ckpt --ckpt.interval 5 --ckpt.keep-last 3",
     ),
     # ---- training-and-evaluation-guide.md
     Row(
@@ -386,14 +386,14 @@ ROWS = [
         "rl @ configs/prime-rl/my-config.toml",
         "asyncrl",
         "gpu+network",
-        fill="rl @ examples/seeds/full_guide.toml",
+        fill="rl @ examples/prime_rl_docs/full_guide.toml",
     ),
     Row(
         "training-and-evaluation-guide.md:207",
         "rl @ configs/prime-rl/my-config.toml --trainer.ckpt.resume-step 50",
         "asyncrl",
         "gpu+network",
-        fill="rl @ examples/seeds/full_guide.toml --trainer.ckpt.resume-step 50",
+        fill="rl @ examples/prime_rl_docs/full_guide.toml --trainer.ckpt.resume-step 50",
     ),
     Row(
         "training-and-evaluation-guide.md:220",

@@ -5,7 +5,10 @@ them for real against our server.
 """
 
 import asyncio
+import importlib
 import json
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -88,6 +91,16 @@ def test_eval_cli_missing_env_is_one_line(tmp_path, capsys):
     assert (
         capsys.readouterr().err.strip().splitlines()[-1].startswith("error: environment 'no-such-env' is not installed")
     )
+
+
+def test_evals_is_the_eval_command(capsys):
+    # `evals`: the shell builtin `eval` shadows the console script `eval` in some shells
+    scripts = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["evals"] == scripts["eval"] == "asyncrl.entrypoints.eval:main"
+    module, _, name = scripts["evals"].partition(":")
+    with pytest.raises(SystemExit) as e:
+        getattr(importlib.import_module(module), name)(["--help"])
+    assert e.value.code == 0 and "--environment-ids" in capsys.readouterr().out
 
 
 # ---- synthesize: resume bookkeeping ---------------------------------------------------------------

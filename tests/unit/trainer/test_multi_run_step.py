@@ -18,7 +18,7 @@ from asyncrl.config.trainer import TrainerConfig
 from asyncrl.trainer.lora import apply_multi_lora
 from asyncrl.trainer.rl.data import PackedRow, micro_batches, mixed_micro_batches
 from asyncrl.trainer.rl.loop import RLLoop
-from tests.unit.trainer.test_trainer_micro_batch import loss_config, make_row
+from tests.unit.trainer.test_micro_batch import loss_config, make_row
 
 CPU = torch.device("cpu")
 SLOTS = 4

@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from loguru import logger
 
-from asyncrl.config.base import BenchDataConfig
+from asyncrl.config.base import FakeDataConfig
 from asyncrl.core.errors import UserError
 from asyncrl.trainer.loss import LossInputs
 from asyncrl.transport.batch import (
@@ -339,7 +339,7 @@ class RolloutSource:
 class FakeSource:
     """Random rows shaped like real batches: samples_per_row samples of seq_len tokens packed per row."""
 
-    def __init__(self, cfg: BenchDataConfig, vocab_size: int, rank: int, world_size: int, seed: int) -> None:
+    def __init__(self, cfg: FakeDataConfig, vocab_size: int, rank: int, world_size: int, seed: int) -> None:
         rows = cfg.batch_size // cfg.samples_per_row
         if rows % world_size:
             raise UserError(

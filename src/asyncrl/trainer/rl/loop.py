@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from loguru import logger
 
-from asyncrl.config.base import BenchDataConfig
+from asyncrl.config.base import FakeDataConfig
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.core import failpoint
 from asyncrl.core.errors import UserError
@@ -99,7 +99,7 @@ class RLLoop(Loop):
     def start(self) -> None:
         s, cfg = self.session, self.config
         if cfg.bench or cfg.data.fake is not None:
-            shape = cfg.data.fake or BenchDataConfig()
+            shape = cfg.data.fake or FakeDataConfig()
             self.source = FakeSource(shape, s.vocab_size, s.ctx.rank, s.ctx.world_size, cfg.seed)
         else:
             self.source = RolloutSource(s.layout, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout, s.vocab_size)
@@ -373,7 +373,7 @@ class RLLoop(Loop):
             + (f" | teacher_kl {m['teacher_kl']:.4f}" if "teacher_kl" in m else "")
         )
 
-    def bench_header(self) -> str:
+    def throughput_header(self) -> str:
         cfg, fake = self.config, self.config.data.fake
         shape = f"seq {fake.seq_len} x {fake.samples_per_row}/row x bs {fake.batch_size}" if fake else "default fake"
         world, rows, dtype = self.session.ctx.world_size, cfg.data.micro_batch_size, cfg.model.optimization_dtype

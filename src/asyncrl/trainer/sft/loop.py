@@ -188,7 +188,7 @@ class SFTLoop(Loop):
             f"{m['tokens_per_s']:,.0f} tok/s | mfu {format_mfu(m['mfu'])} | mem {m['peak_mem_gib']:.2f} GiB"
         )
 
-    def bench_header(self) -> str:
+    def throughput_header(self) -> str:
         cfg, d = self.config, self.data
         data = "fake (variable length)" if d.type == "fake" else d.name
         return (

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from asyncrl.config.base import BenchDataConfig
+from asyncrl.config.base import FakeDataConfig
 from asyncrl.core.errors import UserError
 from asyncrl.trainer.rl.data import FakeSource, RolloutSource, prepare
 from asyncrl.transport.batch import write_batch
@@ -52,7 +52,7 @@ def test_missing_batch_times_out_with_hint(tmp_path):
 
 
 def test_fake_source_shape_and_split():
-    cfg = BenchDataConfig(batch_size=8, samples_per_row=2, seq_len=16)
+    cfg = FakeDataConfig(batch_size=8, samples_per_row=2, seq_len=16)
     rows = FakeSource(cfg, vocab_size=100, rank=1, world_size=2, seed=0).get(0)
     assert len(rows) == 2  # 4 micro-batches over 2 ranks
     r = prepare(rows[0], torch.device("cpu"))

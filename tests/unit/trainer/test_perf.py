@@ -28,12 +28,12 @@ def test_mfu():
     assert peak_flops(torch.device("cpu")) is None
 
 
-def test_bench_summary_skips_the_warmup_step():
-    from asyncrl.trainer.perf import bench_summary
+def test_throughput_summary_skips_the_warmup_step():
+    from asyncrl.trainer.perf import throughput_summary
 
     history = [{"tokens": 10, "step_time_s": 100.0, "mfu": None, "peak_mem_gib": 9.0}] + [
         {"tokens": 1000, "step_time_s": 0.5, "mfu": m, "peak_mem_gib": 1.5} for m in (10.0, 20.0)
     ]
-    text = bench_summary(history)
+    text = throughput_summary(history)
     assert "tokens/s 2,000 | MFU 15.00% | step 0.500s" in text and "steps timed 2" in text
-    assert "n/a" in bench_summary([dict(h, mfu=None) for h in history])
+    assert "n/a" in throughput_summary([dict(h, mfu=None) for h in history])

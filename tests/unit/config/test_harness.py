@@ -5,7 +5,7 @@ resolved config (as the keys that differ from that entrypoint's defaults), or th
 stderr lines (the one-line error, the older-spelling notes). `tests/unit/config/data/config_harness.jsonl` holds
 the results of the loader as it was before it was split; any change in behaviour fails here, case by case.
 
-Record anew (only when a behaviour change is intended): `python tests/unit/config/test_config_harness.py --record`.
+Record anew (only when a behaviour change is intended): `python tests/unit/config/test_harness.py --record`.
 The cases come from walking each model's pydantic fields, not from the loader, so a loader change cannot
 change what is asked.
 """
