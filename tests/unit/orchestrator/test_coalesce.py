@@ -12,9 +12,17 @@ import json
 import httpx2
 import pytest
 
+from asyncrl.orchestrator import coalesce
 from asyncrl.orchestrator.coalesce import MergingTransport, split_answer
 
 URL = "http://server/v1/chat/completions"
+
+
+@pytest.fixture(autouse=True)
+def wide_window(monkeypatch):
+    """These tests check what merging does, not how long a merge waits for its group: a 2 ms window let a loaded
+    machine (a process descheduled between two arrivals) split a group that arrived together. 0.2 s here."""
+    monkeypatch.setattr(coalesce, "MERGE_WINDOW_S", 0.2)
 
 
 class FakeServer:
@@ -22,14 +30,21 @@ class FakeServer:
         self.bodies: list[dict] = []
         self.status, self.short, self.delay = status, short, delay
         self.cancelled = 0
+        self.gate: asyncio.Event | None = None  # set: each request waits for it instead of `delay`
+        self.arrived: asyncio.Event | None = None  # set when a request reaches the server
+        self.gone: asyncio.Event | None = None  # set when a request in the server is cancelled
 
     async def __call__(self, request: httpx2.Request) -> httpx2.Response:
         body = json.loads(request.content) if request.content else {}
         self.bodies.append(body)
+        if self.arrived is not None:
+            self.arrived.set()
         try:
-            await asyncio.sleep(self.delay)
+            await (self.gate.wait() if self.gate is not None else asyncio.sleep(self.delay))
         except asyncio.CancelledError:
             self.cancelled += 1
+            if self.gone is not None:
+                self.gone.set()
             raise
         n = body.get("n", 1)
         if self.status != 200 and n > 1:  # e.g. a server that caps n: only the merged request fails
@@ -126,29 +141,34 @@ def test_a_failed_merge_is_sent_again_one_by_one(failure):
 
 
 def test_cancelling_every_requester_cancels_the_merged_request_and_one_does_not():
+    """In order, never by the clock: the merged request is in the server before anyone cancels."""
+
     async def go():
-        server = FakeServer(delay=0.5)
+        server = FakeServer()
+        server.gate, server.arrived, server.gone = asyncio.Event(), asyncio.Event(), asyncio.Event()
         http, _ = client(server)
         tasks = [asyncio.create_task(http.post(URL, json=body())) for _ in range(3)]
-        await asyncio.sleep(0.05)
+        await server.arrived.wait()  # the three went out merged (one request, n = 3)
         tasks[0].cancel()
-        await asyncio.sleep(0.05)
-        assert server.cancelled == 0  # two requesters still wait
+        await asyncio.gather(tasks[0], return_exceptions=True)
+        still_in_server = server.cancelled == 0  # two requesters still wait
         for t in tasks[1:]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.sleep(0.05)
-        cancelled_all = server.cancelled
+        await server.gone.wait()  # hangs (the test times out) if the merged request is never cancelled
+        cancelled_all, server.arrived = server.cancelled, asyncio.Event()
 
-        server.delay = 0.05
         kept = [asyncio.create_task(http.post(URL, json=body())) for _ in range(3)]
-        await asyncio.sleep(0.01)
+        await server.arrived.wait()
         kept[0].cancel()
+        await asyncio.gather(kept[0], return_exceptions=True)
+        server.gate.set()
         done = await asyncio.gather(*kept, return_exceptions=True)
-        return cancelled_all, done
+        return still_in_server, cancelled_all, server.bodies, done
 
-    cancelled_all, done = asyncio.run(go())
-    assert cancelled_all == 1
+    still_in_server, cancelled_all, bodies, done = asyncio.run(asyncio.wait_for(go(), 60))
+    assert still_in_server and cancelled_all == 1
+    assert [b["n"] for b in bodies] == [3, 3]
     assert isinstance(done[0], asyncio.CancelledError)
     assert all(isinstance(r, httpx2.Response) and r.status_code == 200 for r in done[1:])
 
