@@ -15,7 +15,7 @@ Shared-prefix rows (continuations that reuse the first sample's prompt, see `tra
 continuation is a sample of its own, and when any row of a batch is shared the batch also carries
 `parents` (the token whose logits score each token, row-local; -1: none) and a [rows, 1, L, L] bool
 `attention_mask` (concatenated rows: block-diagonal). Batches of plain rows carry neither, and the
-forward pass is exactly the plain one. Attention that takes no such mask gets `expand`ed rows instead.
+forward pass is exactly the plain one. Attention that takes no such mask gets `Row.expanded` rows instead.
 
 Forward-KL distillation rows also carry `teacher_ids` / `teacher_targets` ([rows, length, K]; padding and rows
 without them: mass 0); a batch without them carries None and its loss has no cross-entropy term.
