@@ -40,12 +40,13 @@ from safetensors.torch import load_file
 
 from asyncrl.transport.batch import write_batch
 from asyncrl.transport.layout import RunLayout
+from asyncrl.transport.row import Row
 from asyncrl.utils.tiny_model import build_tiny_model
 
 ROWS, SAMPLES, SAMPLE_LEN, PROMPT = 8, 4, 128, 32  # per step: 8 rows of 4 samples x 128 tokens
 
 
-def batches(model_dir: Path, steps: int) -> list[list[dict]]:
+def batches(model_dir: Path, steps: int) -> list[list[Row]]:
     """`steps` batches of ROWS packed rows; inference logprobs from the base model (ratios start at 1)."""
     from transformers import AutoModelForCausalLM
 
@@ -66,10 +67,7 @@ def batches(model_dir: Path, steps: int) -> list[list[dict]]:
                 mu = token_logprobs(model(input_ids=ids[None], position_ids=pos[None]).logits[0], ids, temps)
             mask = pos >= PROMPT
             adv = torch.randn(SAMPLES, generator=g).repeat_interleave(SAMPLE_LEN) * mask
-            rows.append(
-                {"input_ids": ids, "position_ids": pos, "loss_mask": mask, "advantages": adv,
-                 "inference_logprobs": mu * mask, "temperatures": temps}
-            )  # fmt: skip
+            rows.append(Row(ids, pos, mask, adv, mu * mask, temps))
         out.append(rows)
     return out
 
@@ -101,7 +99,7 @@ def label(lora: bool, runs: int | None, src: str | None) -> str:
 
 
 def measure(
-    model: Path, data: list[list[dict]], root: Path, lora: bool, runs: int | None, src: str | None = None
+    model: Path, data: list[list[Row]], root: Path, lora: bool, runs: int | None, src: str | None = None
 ) -> dict:
     """Train one configuration in its own process; throughput from its metrics rows, peak RSS from wait4."""
     out = root / label(lora, runs, src)

@@ -18,7 +18,6 @@ from server_proc import serve_in_thread
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.transport.batch import read_batch
 from asyncrl.transport.layout import RunLayout
-from asyncrl.transport.prefix import expand
 
 pytestmark = pytest.mark.slow
 KEY_VAR, KEY = "ASYNCRL_TEST_TEACHER_KEY", "teacher-key"
@@ -84,10 +83,10 @@ def test_two_distillation_steps_against_real_servers(shared_inference_process, t
     samples, max_err = 0, 0.0
     for step in range(2):
         for packed in read_batch(RunLayout(tmp_path), step, 0):
-            mb = expand(packed)
-            starts = (mb["position_ids"] == 0).nonzero().flatten().tolist() + [len(mb["input_ids"])]
+            mb = packed.expanded()
+            starts = (mb.position_ids == 0).nonzero().flatten().tolist() + [len(mb.input_ids)]
             for a, b in zip(starts, starts[1:]):
-                ids, mask = mb["input_ids"][a:b], mb["loss_mask"][a:b]
+                ids, mask = mb.input_ids[a:b], mb.loss_mask[a:b]
                 if not mask.any():
                     continue
                 samples += 1
@@ -96,9 +95,9 @@ def test_two_distillation_steps_against_real_servers(shared_inference_process, t
                 kl = torch.tensor(
                     [0.0] + [top_k_kl(s_dist[t], t_dist[t], int(ids[t + 1])) for t in range(len(ids) - 1)]
                 )
-                want = (lp - mb["inference_logprobs"][a:b] + kl)[mask]
-                max_err = max(max_err, (mb["advantages"][a:b][mask] - want).abs().max().item())
-                assert (mb["advantages"][a:b][~mask] == 0).all()
+                want = (lp - mb.inference_logprobs[a:b] + kl)[mask]
+                max_err = max(max_err, (mb.advantages[a:b][mask] - want).abs().max().item())
+                assert (mb.advantages[a:b][~mask] == 0).all()
     assert samples == 8 and max_err < 1e-3
 
 

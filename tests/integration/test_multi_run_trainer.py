@@ -157,7 +157,7 @@ def test_a_failing_or_stopped_run_ends_alone(tiny_model_dir, tmp_path):
     a = add_run(tmp_path, "a", tiny_model_dir, range(3), seed=6)
     bad = add_run(tmp_path, "bad", tiny_model_dir, range(1), seed=7)
     rows = synthetic_rows(tiny_model_dir, ROWS, seed=8)
-    rows[0]["advantages"] = torch.where(rows[0]["loss_mask"], float("nan"), 0.0)
+    rows[0].advantages = torch.where(rows[0].loss_mask, float("nan"), 0.0)
     write_batch(bad, 1, [rows])
     quiet = add_run(tmp_path, "quiet", tiny_model_dir, range(1), seed=9)  # its orchestrator "died" after step 0
     (quiet.root / "STOP").write_text("its orchestrator died (exit code -9)\n")

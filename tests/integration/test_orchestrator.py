@@ -27,7 +27,7 @@ from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.transport.batch import read_batch, read_meta, wait_for_batch
 from asyncrl.transport.files import publish_dir
 from asyncrl.transport.layout import RunLayout
-from asyncrl.transport.prefix import expand, segments
+from asyncrl.transport.prefix import segments
 
 pytestmark = pytest.mark.slow
 sys.path.insert(0, str(Path(__file__).resolve().parent / "v1_envs"))  # reverse_v1, not installed
@@ -137,7 +137,7 @@ class WeightTrainer(threading.Thread):
 
 
 def _segments(mb):
-    starts = (mb["position_ids"] == 0).nonzero().flatten().tolist() + [len(mb["position_ids"])]
+    starts = (mb.position_ids == 0).nonzero().flatten().tolist() + [len(mb.position_ids)]
     return [slice(a, b) for a, b in zip(starts, starts[1:])]
 
 
@@ -156,19 +156,19 @@ def check_batches(trainer: WeightTrainer, model_dir: Path, steps: int, k: int, s
         model.load_state_dict(trainer.policies[meta["policy_step"]])
         adv_sum, samples, max_err = 0.0, 0, 0.0
         for packed in mbs:
-            assert len(packed["input_ids"]) <= seq_len
-            mb = expand(packed)  # shared prompts copied back: one plain sample per segment
-            shared_rows += segments(packed["position_ids"]).shared
+            assert len(packed.input_ids) <= seq_len
+            mb = packed.expanded()  # shared prompts copied back: one plain sample per segment
+            shared_rows += segments(packed.position_ids).shared
             for sl in _segments(mb):
-                ids, mask, adv = mb["input_ids"][sl], mb["loss_mask"][sl], mb["advantages"][sl]
+                ids, mask, adv = mb.input_ids[sl], mb.loss_mask[sl], mb.advantages[sl]
                 if not mask.any():
                     continue  # a dummy row
                 samples += 1
                 assert ids[0] == im_start and not mask[0]  # starts with the (unmasked) chat prompt
                 assert torch.all(adv[mask] == adv[mask][0])  # a shared prompt carries its first sample's
                 adv_sum += adv[mask][0].item()
-                assert (mb["inference_logprobs"][sl][~mask] == 0).all()
-                assert torch.all(mb["temperatures"][sl] == 1.0)
+                assert (mb.inference_logprobs[sl][~mask] == 0).all()
+                assert torch.all(mb.temperatures[sl] == 1.0)
                 turns = int(((mask[1:].int() - mask[:-1].int()) == 1).sum())  # masked runs = model turns
                 turns_per_sample.append(turns)
                 if turns == 2:  # an interleaved sample: the env's message sits unmasked between the turns
@@ -176,7 +176,7 @@ def check_batches(trainer: WeightTrainer, model_dir: Path, steps: int, k: int, s
                 with torch.no_grad():
                     logits = model(input_ids=ids[None]).logits[0].float()
                 lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
-                got = mb["inference_logprobs"][sl][1:][mask[1:]]
+                got = mb.inference_logprobs[sl][1:][mask[1:]]
                 max_err = max(max_err, (lp[mask[1:]] - got).abs().max().item())
         assert samples == meta["num_samples"] > 0
         assert abs(adv_sum) < 1e-4  # reward - group mean sums to zero within each group

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,12 @@ from asyncrl.core.errors import UserError
 from asyncrl.trainer.loss import token_logprobs
 from asyncrl.transport.batch import write_batch
 from asyncrl.transport.layout import RunLayout, step_dirs
+from asyncrl.transport.row import Row
 
 pytestmark = pytest.mark.slow
 
 
-def synthetic_rows(model_dir: Path, samples: list[list[int]], seed: int) -> list[dict]:
+def synthetic_rows(model_dir: Path, samples: list[list[int]], seed: int) -> list[Row]:
     """One packed row per group of sample lengths; 3 prompt tokens per sample, μ from the base model."""
     from transformers import AutoModelForCausalLM
 
@@ -44,16 +46,7 @@ def synthetic_rows(model_dir: Path, samples: list[list[int]], seed: int) -> list
             mu = token_logprobs(logits, ids, temps)
         mask = pos >= 3
         adv = torch.cat([torch.full((k,), float(torch.randn(1, generator=g))) for k in lengths]) * mask
-        rows.append(
-            {
-                "input_ids": ids,
-                "position_ids": pos,
-                "loss_mask": mask,
-                "advantages": adv,
-                "inference_logprobs": mu * mask,
-                "temperatures": temps,
-            }
-        )
+        rows.append(Row(ids, pos, mask, adv, mu * mask, temps))
     return rows
 
 
@@ -129,7 +122,7 @@ def test_gradient_does_not_depend_on_packing(tiny_model_dir, tmp_path):
     r = rows[0]
     split, start = [], 0
     for k in (9, 7, 12):
-        split.append({f: v[start : start + k] for f, v in r.items()})
+        split.append(r.map(lambda v, a=start, b=start + k: v[a:b]))
         start += k
     single = tmp_path / "single"
     write_batch(RunLayout(single), 0, [split])
@@ -187,7 +180,7 @@ def test_ref_kl_entropy_bonus_and_ratio_quantiles(tiny_model_dir, tmp_path, lora
 
 def test_nan_loss_stops_without_weights(tiny_model_dir, tmp_path):
     rows = synthetic_rows(tiny_model_dir, [[8]], seed=0)
-    rows[0]["advantages"] = torch.full_like(rows[0]["advantages"], float("nan"))
+    rows[0].advantages = torch.full_like(rows[0].advantages, float("nan"))
     write_batch(RunLayout(tmp_path), 0, [rows])
     with pytest.raises(UserError, match="loss is nan at step 0"):
         run_train(config(tiny_model_dir, tmp_path))
@@ -338,43 +331,34 @@ def test_two_process_fsdp_trains_checkpoints_resumes_exactly(tiny_model_dir, tmp
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
 
 
-def shared_row(model_dir: Path, seed: int) -> dict:
+def shared_row(model_dir: Path, seed: int) -> Row:
     """A row with a group (prompt 6 + completion 5, continuations forking at 6 and 3) and a plain sample of 8;
     μ is the base model's logprob of the expanded row."""
     from transformers import AutoModelForCausalLM
-
-    from asyncrl.transport.prefix import expand
 
     g = torch.Generator().manual_seed(seed)
     pos = torch.cat([torch.arange(11), torch.arange(6, 10), torch.arange(3, 8), torch.arange(8)])
     starts = [0, 11, 15, 20, 28]
     adv = torch.cat([torch.full((b - a,), float(torch.randn(1, generator=g))) for a, b in zip(starts, starts[1:])])
-    row = {
-        "input_ids": torch.randint(0, 256, pos.shape, generator=g),
-        "position_ids": pos,
-        "loss_mask": pos >= 6,
-        "temperatures": torch.full(pos.shape, 0.9),
-        "index": torch.arange(pos.numel()),
-    }
-    plain = expand(row)
+    zeros = torch.zeros(pos.shape)
+    row = Row(torch.randint(0, 256, pos.shape, generator=g), pos, pos >= 6, zeros, zeros, torch.full(pos.shape, 0.9))
+    plain = row.expanded()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        ids, positions = plain["input_ids"][None], plain["position_ids"][None]
+        ids, positions = plain.input_ids[None], plain.position_ids[None]
         logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+    source = replace(row, input_ids=torch.arange(pos.numel())).expanded().input_ids  # each plain token's own
     mu = torch.zeros(pos.shape)
-    mu[plain["index"]] = token_logprobs(logits, plain["input_ids"], plain["temperatures"])
-    del row["index"]
-    return {**row, "advantages": adv * row["loss_mask"], "inference_logprobs": mu * row["loss_mask"]}
+    mu[source] = token_logprobs(logits, plain.input_ids, plain.temperatures)
+    return replace(row, advantages=adv * row.loss_mask, inference_logprobs=mu * row.loss_mask)
 
 
 @pytest.mark.parametrize(("attn", "dtype"), [("sdpa", "float32"), ("eager", "bfloat16")])
 def test_shared_prefix_rows_train_like_their_expanded_rows(tiny_model_dir, tmp_path, attn, dtype):
-    from asyncrl.transport.prefix import expand
-
     rows = [shared_row(tiny_model_dir, seed=s) for s in range(2)]
     model = {"name": str(tiny_model_dir), "attn_implementation": attn, "optimization_dtype": dtype}
     runs = []
-    for name, batch in [("shared", rows), ("expanded", [expand(r) for r in rows])]:
+    for name, batch in [("shared", rows), ("expanded", [r.expanded() for r in rows])]:
         write_batch(RunLayout(tmp_path / name), 0, [batch])
         cfg = config(tiny_model_dir, tmp_path / name, max_steps=1, model=model, data={"micro_batch_size": 2})
         runs.append(run_train(cfg)[0])

@@ -15,18 +15,18 @@ import torch
 
 from asyncrl.core.errors import UserError, disk_full
 from asyncrl.orchestrator import ckpt
-from asyncrl.transport.batch import FIELDS, read_batch, write_batch
+from asyncrl.transport.batch import read_batch, write_batch
 from asyncrl.transport.files import publish_dir
 from asyncrl.transport.layout import RunLayout
+from asyncrl.transport.row import Row
 from asyncrl.utils.monitor import drop_rows_from
 
 pytestmark = pytest.mark.reliability
 
 
 def test_a_torn_rollout_batch_is_named(tmp_path):
-    mb = {k: torch.zeros(8, dtype=torch.bool if k == "loss_mask" else torch.float32) for k in FIELDS}
-    mb["input_ids"] = mb["position_ids"] = torch.arange(8)
-    mb["temperatures"] = torch.ones(8)  # a temperature of 0 is refused when read
+    zeros = torch.zeros(8)
+    mb = Row(torch.arange(8), torch.arange(8), zeros.bool(), zeros, zeros, torch.ones(8))  # temperature 0: refused
     write_batch(RunLayout(tmp_path), 3, [[mb]])
     assert len(read_batch(RunLayout(tmp_path), 3, 0)) == 1
     path = RunLayout(tmp_path).batch_dir(3) / "rank_0.pt"

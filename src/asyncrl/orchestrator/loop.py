@@ -57,8 +57,9 @@ from asyncrl.orchestrator.packing import PackItem, PackStats, pack
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts, gather_all
 from asyncrl.orchestrator.samples import TrajectoryConverter
 from asyncrl.orchestrator.teacher import PROBE, TeacherClient, with_student
-from asyncrl.transport.batch import MicroBatch, write_batch
+from asyncrl.transport.batch import write_batch
 from asyncrl.transport.layout import ADAPTER, RunLayout, trainer_world_size
+from asyncrl.transport.row import Row
 from asyncrl.transport.weights import weights_problem
 from asyncrl.utils.monitor import MetricsSink, drop_rows_from
 
@@ -248,7 +249,7 @@ class Orchestrator:
                     items.append(item)
         return items
 
-    def _pack(self, items: list[PackItem]) -> tuple[list[list[MicroBatch]], PackStats]:
+    def _pack(self, items: list[PackItem]) -> tuple[list[list[Row]], PackStats]:
         return pack(items, self.config.seq_len, self._trainer_ranks, share=self.config.share_prefix)
 
     def _learn_trainer_ranks(self) -> None:

@@ -1,4 +1,4 @@
-"""Pack training samples into micro-batches for the trainer's data-parallel ranks.
+"""Pack training samples into micro-batches (`transport.row.Row`s) for the trainer's data-parallel ranks.
 
 Samples are concatenated into rows of at most `seq_len` tokens by first-fit-decreasing bin packing;
 position ids restart at 0 at each sample (the trainer reads sample boundaries from them). Rows are
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.orchestrator.samples import TokenSample
-from asyncrl.transport.batch import MicroBatch, masked_copy
+from asyncrl.transport.row import Row
 
 
 @dataclass
@@ -157,17 +157,17 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def make_row(items: list[PackItem], width: int = 0) -> MicroBatch:
-    """One packed micro-batch row from samples (in order), each written in full."""
+def make_row(items: list[PackItem], width: int = 0) -> Row:
+    """One packed row from samples (in order), each written in full."""
     return pieces_row([(it, 0) for it in items], width)
 
 
-def units_row(units: list[Unit], width: int = 0) -> MicroBatch:
-    """One packed micro-batch row from units (in order)."""
+def units_row(units: list[Unit], width: int = 0) -> Row:
+    """One packed row from units (in order)."""
     return pieces_row([piece for u in units for piece in u.pieces()], width)
 
 
-def pieces_row(pieces: list[tuple[PackItem, int]], width: int = 0) -> MicroBatch:
+def pieces_row(pieces: list[tuple[PackItem, int]], width: int = 0) -> Row:
     """A row of samples each written from its given first position on (0: in full); with `width` > 0 also the
     teacher's targets, `width` per token."""
     ids, pos, mask, adv, lps, temps = [], [], [], [], [], []
@@ -180,18 +180,18 @@ def pieces_row(pieces: list[tuple[PackItem, int]], width: int = 0) -> MicroBatch
         adv += it.advantages(start)
         lps += [lp if m else 0.0 for lp, m in zip(s.logprobs[start:], s.loss_mask[start:])]
         temps += [it.temperature] * n
-    row = {
-        "input_ids": torch.tensor(ids, dtype=torch.long),
-        "position_ids": torch.tensor(pos, dtype=torch.long),
-        "loss_mask": torch.tensor(mask, dtype=torch.bool),
-        "advantages": torch.tensor(adv, dtype=torch.float32),
-        "inference_logprobs": torch.tensor(lps, dtype=torch.float32),
-        "temperatures": torch.tensor(temps, dtype=torch.float32),
-    }
-    return row | (targets_fields(pieces, width) if width else {})
+    return Row(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        position_ids=torch.tensor(pos, dtype=torch.long),
+        loss_mask=torch.tensor(mask, dtype=torch.bool),
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        inference_logprobs=torch.tensor(lps, dtype=torch.float32),
+        temperatures=torch.tensor(temps, dtype=torch.float32),
+        **(targets_fields(pieces, width) if width else {}),
+    )
 
 
-def targets_fields(pieces: list[tuple[PackItem, int]], width: int) -> MicroBatch:
+def targets_fields(pieces: list[tuple[PackItem, int]], width: int) -> dict[str, torch.Tensor]:
     """`teacher_ids` and `teacher_targets` (L, width) of a row's pieces, zero where a token has none."""
     per_token = [d for it, start in pieces for d in (it.teacher_targets or [{}] * len(it.sample))[start:]]
     ids = torch.zeros(len(per_token), width, dtype=torch.long)
@@ -203,16 +203,16 @@ def targets_fields(pieces: list[tuple[PackItem, int]], width: int) -> MicroBatch
     return {"teacher_ids": ids, "teacher_targets": targets}
 
 
-def dummy_row(template: MicroBatch | None, temperature: float = 1.0) -> MicroBatch:
+def dummy_row(template: Row | None, temperature: float = 1.0) -> Row:
     """A row that contributes nothing to the loss (the template's tokens, everything masked)."""
     if template is None:
         template = make_row([PackItem(TokenSample([0], [False], [0.0]), 0.0, temperature)])
-    return masked_copy(template)
+    return template.masked()
 
 
 def pack(
     items: list[PackItem], seq_len: int, num_ranks: int = 1, share: bool = False
-) -> tuple[list[list[MicroBatch]], PackStats]:
+) -> tuple[list[list[Row]], PackStats]:
     """Micro-batches per rank (equal counts, at least one each) and packing statistics.
 
     With `share`, the samples of each `PackItem.group` write their common prompt once (module docstring).
@@ -232,7 +232,7 @@ def pack(
     stats.num_tokens_unshared = sum(len(it.sample) for it in cut_items)
     stats.num_loss_tokens = sum(sum(it.sample.loss_mask) for it in cut_items)
     per_rank = spread(rows, num_ranks)
-    template = min(rows, key=lambda r: len(r["input_ids"])) if rows else None  # cheapest dummy
+    template = min(rows, key=lambda r: r.input_ids.numel()) if rows else None  # cheapest dummy
     temperature = items[0].temperature if items else 1.0
     for mbs in per_rank:
         while len(mbs) < slots_per_rank(len(rows), num_ranks):
@@ -252,13 +252,13 @@ def slots_per_rank(num_rows: int, num_ranks: int) -> int:
     return max(1, -(-num_rows // num_ranks))
 
 
-def spread(rows: list[MicroBatch], num_ranks: int) -> list[list[MicroBatch]]:
+def spread(rows: list[Row], num_ranks: int) -> list[list[Row]]:
     """Rows over ranks, largest first, each to the least-loaded rank with a free slot (ceil(rows/ranks) each)."""
-    per_rank: list[list[MicroBatch]] = [[] for _ in range(num_ranks)]
+    per_rank: list[list[Row]] = [[] for _ in range(num_ranks)]
     tokens = [0] * num_ranks
     per_rank_count = slots_per_rank(len(rows), num_ranks)
-    for row in sorted(rows, key=lambda r: -len(r["input_ids"])):
+    for row in sorted(rows, key=lambda r: -r.input_ids.numel()):
         rank = min((r for r in range(num_ranks) if len(per_rank[r]) < per_rank_count), key=lambda r: tokens[r])
         per_rank[rank].append(row)
-        tokens[rank] += len(row["input_ids"])
+        tokens[rank] += row.input_ids.numel()
     return per_rank

@@ -1,2 +1,2 @@
-"""Wire formats between processes: the run directory (`layout`), rollout batches (orchestrator -> trainer),
-atomically published dirs (`files`; weights, trainer -> server)."""
+"""Wire formats between processes: the run directory (`layout`), rollout batches of packed rows (`batch`, `row`;
+orchestrator -> trainer), atomically published dirs (`files`; weights, trainer -> server)."""

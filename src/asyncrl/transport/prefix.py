@@ -1,6 +1,6 @@
 """Shared-prefix rows: how a packed row says "these samples share their first tokens", read from position_ids.
 
-A packed row (see `transport.batch`) is a run of groups; a group starts where position_ids is 0. A group
+A packed row (see `transport.row`) is a run of groups; a group starts where position_ids is 0. A group
 is its first sample (positions 0, 1, ..., L-1) followed by any number of continuations: a continuation
 starts where the positions neither go on by +1 nor restart at 0. A continuation whose first position is
 p stands for the sample `first[:p] + continuation`: it shares the first sample's tokens before position p.
@@ -102,11 +102,12 @@ def attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return causal & (same_segment | from_prefix)
 
 
-def expand(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same row with no sharing: each continuation gets its shared tokens copied in front of it."""
-    s = segments(mb["position_ids"])
+def unshare(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """How to write the row with no sharing, or None when it has no continuation: the token indices in order,
+    each continuation's shared tokens copied in front of it, and the positions of the written row."""
+    s = segments(position_ids)
     if not s.shared:
-        return mb
+        return None
     idx = torch.arange(s.sample_ids.numel(), device=s.sample_ids.device)
     order = []
     for seg in range(s.num_samples):
@@ -115,6 +116,4 @@ def expand(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if p:
             tokens = torch.cat([idx[(s.group_ids == s.group_ids[tokens[0]]) & s.first][:p], tokens])
         order.append(tokens)
-    out = {k: v[torch.cat(order)] for k, v in mb.items()}
-    out["position_ids"] = torch.cat([torch.arange(t.numel(), device=idx.device) for t in order])
-    return out
+    return torch.cat(order), torch.cat([torch.arange(t.numel(), device=idx.device) for t in order])

@@ -29,7 +29,6 @@ from asyncrl.orchestrator.samples import TokenSample, TrajectoryConverter
 from asyncrl.orchestrator.teacher import PROBE, TeacherClient
 from asyncrl.transport.batch import read_batch
 from asyncrl.transport.layout import RunLayout
-from asyncrl.transport.prefix import expand
 
 
 class StudentServer(FakeServer):
@@ -170,16 +169,16 @@ def test_teacher_targets_survive_truncation_shared_prefixes_and_fillers():
     items = [PackItem(a, 0.0, 1.0, group=0, teacher_targets=ta), PackItem(b, 0.0, 1.0, group=0, teacher_targets=tb)]
     rows, stats = pack(items, seq_len=16, num_ranks=2, share=True)
     assert stats.num_tokens < stats.num_tokens_unshared and stats.num_dummies == 1
-    full = expand(rows[0][0])
-    assert full["teacher_ids"].shape == (8, 3)  # the widest position lists 3
-    mass = {(t, int(i)): float(w) for t in range(8) for i, w in zip(full["teacher_ids"][t], full["teacher_targets"][t])}
+    full = rows[0][0].expanded()
+    assert full.teacher_ids.shape == (8, 3)  # the widest position lists 3
+    mass = {(t, int(i)): float(w) for t in range(8) for i, w in zip(full.teacher_ids[t], full.teacher_targets[t])}
     assert {k: v for k, v in mass.items() if v} == {(2, 3): 0.5, (2, 9): 0.5, (3, 4): 1.0, (6, 3): 1.0,
                                                       (7, 7): 0.25, (7, 8): 0.25, (7, 9): 0.5}  # fmt: skip
-    assert not rows[1][0]["teacher_targets"].any() and rows[1][0]["teacher_ids"].shape[1] == 3  # the filler
+    assert not rows[1][0].teacher_targets.any() and rows[1][0].teacher_ids.shape[1] == 3  # the filler
     cut, _ = pack(items[:1], seq_len=3)
-    assert cut[0][0]["teacher_targets"].sum(-1).tolist() == [0, 0, 1.0]
+    assert cut[0][0].teacher_targets.sum(-1).tolist() == [0, 0, 1.0]
     plain, _ = pack([PackItem(a, 0.0, 1.0)], seq_len=16)
-    assert "teacher_ids" not in plain[0][0]  # reverse_kl and reward batches: the fields of before
+    assert plain[0][0].teacher_ids is None  # reverse_kl and reward batches: the fields of before
 
 
 def test_per_token_advantages_survive_truncation_and_shared_prefixes():
@@ -191,10 +190,10 @@ def test_per_token_advantages_survive_truncation_and_shared_prefixes():
     ]
     rows, stats = pack(items, seq_len=16, share=True)
     assert stats.num_tokens < stats.num_tokens_unshared  # the prompt [1, 2] is packed once
-    adv = expand(rows[0][0])["advantages"].tolist()
+    adv = rows[0][0].expanded().advantages.tolist()
     assert adv == pytest.approx([0, 0, 0.1, 0.2, 0.3, 0, 0, 0.4, 0.5, 0.6])
     cut, _ = pack(items[:1], seq_len=4)
-    assert cut[0][0]["advantages"].tolist() == pytest.approx([0, 0, 0.1, 0.2])
+    assert cut[0][0].advantages.tolist() == pytest.approx([0, 0, 0.1, 0.2])
 
 
 def test_without_a_teacher_batches_are_exactly_todays(tmp_path):
@@ -208,7 +207,7 @@ def test_without_a_teacher_batches_are_exactly_todays(tmp_path):
         old_items = [PackItem(s, r.advantage, 1.0, group=i) for i, r in valid for s in r.samples]
         old, _ = pack(old_items, 64, 1, share=True)
         assert got.teacher is None and len(new[0]) == len(old[0])
-        for x, y in zip(new[0], old[0]):
+        for x, y in ((a.to_wire(), b.to_wire()) for a, b in zip(new[0], old[0])):
             assert x.keys() == y.keys()
             assert all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x)
     half = Orchestrator(_config(tmp_path, reward={"weight": 0.5}), fake_mixture(), FakeRunner(), FakeServer())
@@ -424,11 +423,11 @@ def test_distillation_steps_write_teacher_advantages_and_metrics(tmp_path, tiny_
     kls, lps, checked = [], [], 0
     for step in range(2):
         for mb in read_batch(RunLayout(tmp_path), step, 0):
-            mb = expand(mb)
-            starts = (mb["position_ids"] == 0).nonzero().flatten().tolist() + [len(mb["input_ids"])]
+            mb = mb.expanded()
+            starts = (mb.position_ids == 0).nonzero().flatten().tolist() + [len(mb.input_ids)]
             for a, b in zip(starts, starts[1:]):
-                ids, mask = mb["input_ids"][a:b].tolist(), mb["loss_mask"][a:b]
-                adv, sampler = mb["advantages"][a:b], mb["inference_logprobs"][a:b]
+                ids, mask = mb.input_ids[a:b].tolist(), mb.loss_mask[a:b]
+                adv, sampler = mb.advantages[a:b], mb.inference_logprobs[a:b]
                 if not mask.any():
                     continue
                 teacher = torch.tensor(srv.logprobs(ids))
@@ -454,18 +453,18 @@ def test_forward_kl_steps_write_the_teachers_targets_and_no_distillation_advanta
         asyncio.run(orch.run())
         checked = 0
         for mb in read_batch(RunLayout(tmp_path), 0, 0):
-            mb = expand(mb)
-            assert not mb["advantages"].any()  # reward weight 0: the teacher's signal is all in the targets
-            starts = (mb["position_ids"] == 0).nonzero().flatten().tolist() + [len(mb["input_ids"])]
+            mb = mb.expanded()
+            assert not mb.advantages.any()  # reward weight 0: the teacher's signal is all in the targets
+            starts = (mb.position_ids == 0).nonzero().flatten().tolist() + [len(mb.input_ids)]
             for a, b in zip(starts, starts[1:]):
-                ids, mask = mb["input_ids"][a:b].tolist(), mb["loss_mask"][a:b]
-                mass = mb["teacher_targets"][a:b]
+                ids, mask = mb.input_ids[a:b].tolist(), mb.loss_mask[a:b]
+                mass = mb.teacher_targets[a:b]
                 assert not mass[~mask].any()
                 dist = srv.distributions(ids)
                 for t in mask.nonzero().flatten().tolist():
                     listed = set(dist[t - 1].topk(2).indices.tolist()) | {ids[t]}
                     z = sum(math.exp(dist[t - 1][x].item()) for x in listed)
-                    got = {int(i): float(w) for i, w in zip(mb["teacher_ids"][a + t], mass[t]) if w > 0}
+                    got = {int(i): float(w) for i, w in zip(mb.teacher_ids[a + t], mass[t]) if w > 0}
                     want = {x: 0.5 * math.exp(dist[t - 1][x].item()) / z for x in listed}
                     assert got == pytest.approx(want, abs=1e-5)
                     checked += 1

@@ -6,8 +6,7 @@ from orch_fakes import fake_output
 
 from asyncrl.orchestrator.packing import PackItem, first_fit_decreasing, pack, shared_prefix
 from asyncrl.orchestrator.samples import TokenSample, TrajectoryConverter
-from asyncrl.transport.batch import check_micro_batch
-from asyncrl.transport.prefix import check_shared, expand, segments
+from asyncrl.transport.prefix import check_shared, segments
 
 
 def _sample(n_prompt: int, n_completion: int, base: int) -> TokenSample:
@@ -21,7 +20,7 @@ def _sample(n_prompt: int, n_completion: int, base: int) -> TokenSample:
 
 def _split_row(mb):
     """Recover the samples of one row from position ids restarting at 0."""
-    starts = (mb["position_ids"] == 0).nonzero().flatten().tolist() + [len(mb["position_ids"])]
+    starts = (mb.position_ids == 0).nonzero().flatten().tolist() + [len(mb.position_ids)]
     return [slice(a, b) for a, b in zip(starts, starts[1:])]
 
 
@@ -42,22 +41,22 @@ def test_rows_keep_sample_boundaries_masks_and_values():
     per_rank, stats = pack(items, seq_len=16, num_ranks=1)
     rows = per_rank[0]
     assert stats.num_samples == 6 and stats.num_truncated == 0 and stats.num_dummies == 0
-    assert stats.num_tokens == sum(len(s) for s in samples) == sum(len(r["input_ids"]) for r in rows)
+    assert stats.num_tokens == sum(len(s) for s in samples) == sum(len(r.input_ids) for r in rows)
     seen = []
     for mb in rows:
-        check_micro_batch(mb)
-        assert len(mb["input_ids"]) <= 16
-        assert mb["loss_mask"].dtype == torch.bool and mb["input_ids"].dtype == torch.long
-        assert (mb["inference_logprobs"][~mb["loss_mask"]] == 0).all()
-        assert mb["temperatures"] == pytest.approx(0.7)
+        mb.check()
+        assert len(mb.input_ids) <= 16
+        assert mb.loss_mask.dtype == torch.bool and mb.input_ids.dtype == torch.long
+        assert (mb.inference_logprobs[~mb.loss_mask] == 0).all()
+        assert mb.temperatures == pytest.approx(0.7)
         for sl in _split_row(mb):
-            ids = mb["input_ids"][sl].tolist()
+            ids = mb.input_ids[sl].tolist()
             k = next(i for i, s in enumerate(samples) if s.input_ids == ids)
             seen.append(k)
-            assert mb["position_ids"][sl].tolist() == list(range(len(ids)))
-            assert mb["loss_mask"][sl].tolist() == samples[k].loss_mask
-            assert mb["inference_logprobs"][sl].tolist() == pytest.approx(samples[k].logprobs)
-            assert mb["advantages"][sl] == pytest.approx(0.1 * k)
+            assert mb.position_ids[sl].tolist() == list(range(len(ids)))
+            assert mb.loss_mask[sl].tolist() == samples[k].loss_mask
+            assert mb.inference_logprobs[sl].tolist() == pytest.approx(samples[k].logprobs)
+            assert mb.advantages[sl] == pytest.approx(0.1 * k)
     assert sorted(seen) == list(range(6))
 
 
@@ -65,10 +64,10 @@ def test_overlong_samples_are_truncated_and_counted():
     items = [PackItem(_sample(5, 30, 0), 1.0, 1.0), PackItem(_sample(2, 2, 500), -1.0, 1.0)]
     per_rank, stats = pack(items, seq_len=16, num_ranks=1)
     assert stats.num_truncated == 1
-    lengths = sorted(len(mb["input_ids"]) for mb in per_rank[0])
+    lengths = sorted(len(mb.input_ids) for mb in per_rank[0])
     assert max(lengths) <= 16 and sum(lengths) == 16 + 4
-    first = next(mb for mb in per_rank[0] if mb["input_ids"][0] == 0)
-    assert first["input_ids"][:16].tolist() == list(range(16))
+    first = next(mb for mb in per_rank[0] if mb.input_ids[0] == 0)
+    assert first.input_ids[:16].tolist() == list(range(16))
 
 
 @pytest.mark.parametrize("num_samples,num_ranks", [(1, 2), (5, 2), (7, 4), (16, 3), (2, 8)])
@@ -78,25 +77,25 @@ def test_equal_micro_batch_counts_with_masked_dummies(num_samples, num_ranks):
     per_rank, stats = pack(items, seq_len=16, num_ranks=num_ranks)
     counts = {len(mbs) for mbs in per_rank}
     assert len(counts) == 1 and counts.pop() >= 1
-    real = [mb for mbs in per_rank for mb in mbs if mb["loss_mask"].any()]
-    dummies = [mb for mbs in per_rank for mb in mbs if not mb["loss_mask"].any()]
+    real = [mb for mbs in per_rank for mb in mbs if mb.loss_mask.any()]
+    dummies = [mb for mbs in per_rank for mb in mbs if not mb.loss_mask.any()]
     assert len(real) == stats.num_rows and len(dummies) == stats.num_dummies
     for mb in dummies:
-        check_micro_batch(mb)
-        assert (mb["advantages"] == 0).all() and (mb["inference_logprobs"] == 0).all()
-    assert sum(mb["loss_mask"].sum().item() for mb in real) == stats.num_loss_tokens
+        mb.check()
+        assert (mb.advantages == 0).all() and (mb.inference_logprobs == 0).all()
+    assert sum(mb.loss_mask.sum().item() for mb in real) == stats.num_loss_tokens
 
 
 def test_rows_are_balanced_across_ranks():
     items = [PackItem(_sample(4, 12, 100 * i), 1.0, 1.0) for i in range(8)]  # 8 rows of 16
     per_rank, _ = pack(items, seq_len=16, num_ranks=4)
-    assert [sum(len(mb["input_ids"]) for mb in mbs) for mbs in per_rank] == [32, 32, 32, 32]
+    assert [sum(len(mb.input_ids) for mb in mbs) for mbs in per_rank] == [32, 32, 32, 32]
 
 
 def test_empty_batch_still_gives_every_rank_a_dummy():
     per_rank, stats = pack([], seq_len=16, num_ranks=2)
     assert [len(m) for m in per_rank] == [1, 1] and stats.num_dummies == 2
-    assert not any(mb["loss_mask"].any() for mbs in per_rank for mb in mbs)
+    assert not any(mb.loss_mask.any() for mbs in per_rank for mb in mbs)
 
 
 # ---------------------------------------------------------------- shared prefixes
@@ -131,33 +130,33 @@ def _samples(rows) -> list[tuple]:
     Advantages count on loss tokens only: a shared prompt token carries the group's first sample's advantage."""
     out = []
     for mb in rows:
-        plain = expand(mb)
+        plain = mb.expanded()
         for sl in _split_row(plain):
-            loss = plain["loss_mask"][sl]
+            loss = plain.loss_mask[sl]
             out.append(
                 (
-                    tuple(plain["input_ids"][sl].tolist()),
+                    tuple(plain.input_ids[sl].tolist()),
                     tuple(loss.tolist()),
-                    tuple(plain["inference_logprobs"][sl].tolist()),
-                    tuple(plain["temperatures"][sl].tolist()),
-                    tuple((plain["advantages"][sl] * loss).tolist()),
+                    tuple(plain.inference_logprobs[sl].tolist()),
+                    tuple(plain.temperatures[sl].tolist()),
+                    tuple((plain.advantages[sl] * loss).tolist()),
                 )
             )
     return sorted(out)
 
 
 def _real_rows(per_rank):
-    return [mb for mbs in per_rank for mb in mbs if mb["loss_mask"].any()]
+    return [mb for mbs in per_rank for mb in mbs if mb.loss_mask.any()]
 
 
 def _check_rows(per_rank, seq_len):
     assert len({len(mbs) for mbs in per_rank}) == 1
     for mbs in per_rank:
         for mb in mbs:
-            check_micro_batch(mb)
-            check_shared(mb["position_ids"], mb["loss_mask"])
-            assert len(mb["input_ids"]) <= seq_len
-            assert (mb["inference_logprobs"][~mb["loss_mask"]] == 0).all()
+            mb.check()
+            check_shared(mb.position_ids, mb.loss_mask)
+            assert len(mb.input_ids) <= seq_len
+            assert (mb.inference_logprobs[~mb.loss_mask] == 0).all()
 
 
 @pytest.mark.parametrize("seed,seq_len,num_ranks", [(0, 64, 1), (1, 64, 3), (2, 32, 2), (3, 128, 4), (4, 24, 1)])
@@ -168,12 +167,12 @@ def test_shared_rows_expand_to_exactly_the_plain_samples(seed, seq_len, num_rank
     _check_rows(shared, seq_len)
     assert _samples(_real_rows(shared)) == _samples(_real_rows(plain))
     # every sample is its own segment: no continuation starts at the previous position + 1 (or at 0)
-    assert sum(segments(mb["position_ids"]).num_samples for mb in _real_rows(shared)) == len(items)
-    assert stats.num_tokens == sum(len(mb["input_ids"]) for mb in _real_rows(shared))
+    assert sum(segments(mb.position_ids).num_samples for mb in _real_rows(shared)) == len(items)
+    assert stats.num_tokens == sum(len(mb.input_ids) for mb in _real_rows(shared))
     assert stats.num_tokens_unshared == plain_stats.num_tokens == plain_stats.num_tokens_unshared
     assert stats.num_tokens < stats.num_tokens_unshared
     assert stats.num_loss_tokens == plain_stats.num_loss_tokens and stats.num_samples == len(items)
-    assert any(segments(mb["position_ids"]).shared for mb in _real_rows(shared))
+    assert any(segments(mb.position_ids).shared for mb in _real_rows(shared))
 
 
 def test_a_group_is_its_prompt_once_then_each_continuation():
@@ -181,11 +180,11 @@ def test_a_group_is_its_prompt_once_then_each_continuation():
     items = _group_items(0, prompt, [[1, 2], [3], [1, 5, 6]], advantages=[0.5, -1.0, 0.25], temperature=0.7)
     (rows,), stats = pack(items, seq_len=32, num_ranks=1, share=True)
     (mb,) = rows
-    assert mb["input_ids"].tolist() == [7, 8, 9, 10, 1, 2, 3, 1, 5, 6]
-    assert mb["position_ids"].tolist() == [0, 1, 2, 3, 4, 5, 4, 4, 5, 6]
-    assert mb["loss_mask"].tolist() == [False] * 4 + [True] * 6
-    assert mb["advantages"].tolist() == [0.5] * 6 + [-1.0] + [0.25] * 3
-    assert mb["temperatures"].tolist() == pytest.approx([0.7] * 10)
+    assert mb.input_ids.tolist() == [7, 8, 9, 10, 1, 2, 3, 1, 5, 6]
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 4, 4, 5, 6]
+    assert mb.loss_mask.tolist() == [False] * 4 + [True] * 6
+    assert mb.advantages.tolist() == [0.5] * 6 + [-1.0] + [0.25] * 3
+    assert mb.temperatures.tolist() == pytest.approx([0.7] * 10)
     assert (stats.num_tokens, stats.num_tokens_unshared) == (10, 18)
 
 
@@ -197,7 +196,7 @@ def test_groups_never_split_across_ranks_and_ranks_get_equal_counts():
     rank_of: dict[int, set[int]] = {}
     for rank, mbs in enumerate(per_rank):
         for mb in _real_rows([mbs]):
-            for tok in mb["input_ids"].tolist():
+            for tok in mb.input_ids.tolist():
                 if tok >= 1000:  # each group's prompt starts with its own marker token
                     rank_of.setdefault(tok // 1000 - 1, set()).add(rank)
     assert len(rank_of) == 10 and all(len(ranks) == 1 for ranks in rank_of.values())
@@ -211,8 +210,8 @@ def test_a_group_longer_than_seq_len_splits_into_units_repeating_the_prompt():
     rows = _real_rows(per_rank)
     assert len(rows) == 2 and stats.num_tokens == 2 * (10 + 3 * 6)
     for mb in rows:
-        assert mb["input_ids"][:10].tolist() == prompt
-        assert mb["position_ids"].tolist() == list(range(16)) + list(range(10, 16)) * 2
+        assert mb.input_ids[:10].tolist() == prompt
+        assert mb.position_ids.tolist() == list(range(16)) + list(range(10, 16)) * 2
     assert _samples(rows) == _samples(_real_rows(pack(items, 32, 1)[0]))
 
 
@@ -222,8 +221,8 @@ def test_overlong_samples_are_truncated_and_packed_plain_while_the_rest_share():
     per_rank, stats = pack(items, seq_len=16, num_ranks=1, share=True)
     _check_rows(per_rank, 16)
     assert stats.num_truncated == 1 and stats.num_tokens == 16 + 4 + 2 + 3
-    cut = next(mb for mb in per_rank[0] if len(mb["input_ids"]) == 16)
-    assert cut["position_ids"].tolist() == list(range(16)) and cut["input_ids"][4:].tolist() == [1] * 12
+    cut = next(mb for mb in per_rank[0] if len(mb.input_ids) == 16)
+    assert cut.position_ids.tolist() == list(range(16)) and cut.input_ids[4:].tolist() == [1] * 12
     assert _samples(per_rank[0]) == _samples(pack(items, 16, 1)[0][0])
 
 
@@ -234,7 +233,7 @@ def test_nothing_is_shared_when_samples_differ_at_the_first_token():
     ]
     shared, stats = pack(items, 16, 1, share=True)
     assert stats.num_tokens == stats.num_tokens_unshared == 8
-    assert not segments(shared[0][0]["position_ids"]).shared
+    assert not segments(shared[0][0].position_ids).shared
 
 
 def test_a_common_prefix_is_cut_before_any_samples_loss_token():
@@ -244,8 +243,8 @@ def test_a_common_prefix_is_cut_before_any_samples_loss_token():
     items = [PackItem(a, 1.0, 1.0, 0), PackItem(b, -1.0, 1.0, 0)]
     assert shared_prefix([a, b]) == 3
     (rows,), stats = pack(items, 16, 1, share=True)
-    assert rows[0]["position_ids"].tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5]
-    check_shared(rows[0]["position_ids"], rows[0]["loss_mask"])
+    assert rows[0].position_ids.tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5]
+    check_shared(rows[0].position_ids, rows[0].loss_mask)
     assert _samples(rows) == _samples(pack(items, 16, 1)[0][0])
 
 
@@ -274,8 +273,9 @@ def test_without_share_the_rows_are_the_plain_packing():
         assert a[1] == b[1] and a[1].num_tokens == a[1].num_tokens_unshared
         for mbs_a, mbs_b in zip(a[0], b[0], strict=True):
             for x, y in zip(mbs_a, mbs_b, strict=True):
-                assert all(torch.equal(x[k], y[k]) for k in x)
-                assert not segments(x["position_ids"]).shared
+                wire_x, wire_y = x.to_wire(), y.to_wire()
+                assert wire_x.keys() == wire_y.keys() and all(torch.equal(wire_x[k], wire_y[k]) for k in wire_x)
+                assert not segments(x.position_ids).shared
 
 
 def _converted(strategy: str, turns_per_rollout: list[list[tuple[list[int], list[int]]]]) -> list[PackItem]:
@@ -300,7 +300,7 @@ def test_multi_turn_groups_share_their_first_prompt(strategy, num_samples):
     per_rank, stats = pack(items, 64, 1, share=True)
     _check_rows(per_rank, 64)
     (mb,) = per_rank[0]
-    assert set(segments(mb["position_ids"]).fork.tolist()) == {0, 5}
+    assert set(segments(mb.position_ids).fork.tolist()) == {0, 5}
     assert stats.num_tokens == stats.num_tokens_unshared - 5 * (num_samples - 1)
     assert _samples(per_rank[0]) == _samples(pack(items, 64, 1)[0][0])
 

@@ -134,7 +134,7 @@ def test_wandb_offline_logging(tmp_path):
 @pytest.mark.parametrize("share", [True, False])
 def test_share_prefix_reaches_the_packed_batch_and_its_metrics(tmp_path, share):
     from asyncrl.transport.batch import read_batch, read_meta
-    from asyncrl.transport.prefix import check_shared, expand, segments
+    from asyncrl.transport.prefix import check_shared, segments
 
     cfg = _config(tmp_path, k=3, max_steps=1, share_prefix=share)
     asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(turns=2), FakeServer()).run())
@@ -143,13 +143,13 @@ def test_share_prefix_reaches_the_packed_batch_and_its_metrics(tmp_path, share):
     (record,) = [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
     # 2 groups x 4 rollouts of one interleaved sample: 4 prompt + 3 + 2 env + 2 tokens each
     assert meta["num_tokens_unshared"] == record["batch/tokens_unshared"] == 8 * 11
-    assert meta["num_tokens"] == record["batch/tokens"] == sum(len(mb["input_ids"]) for mb in rows)
+    assert meta["num_tokens"] == record["batch/tokens"] == sum(len(mb.input_ids) for mb in rows)
     assert meta["num_tokens"] == (2 * (4 + 4 * 7) if share else 8 * 11)
     assert record["batch/shared_frac"] == pytest.approx(1 - meta["num_tokens"] / meta["num_tokens_unshared"])
-    assert any(segments(mb["position_ids"]).shared for mb in rows) == share
+    assert any(segments(mb.position_ids).shared for mb in rows) == share
     for mb in rows:
-        check_shared(mb["position_ids"], mb["loss_mask"])
-    assert sum(segments(expand(mb)["position_ids"]).num_samples for mb in rows) == 8
+        check_shared(mb.position_ids, mb.loss_mask)
+    assert sum(segments(mb.expanded().position_ids).num_samples for mb in rows) == 8
 
 
 def test_without_num_train_workers_batches_are_packed_for_the_trainers_world_size(tmp_path, caplog_loguru):

@@ -1,5 +1,7 @@
 """How the trainer consumes packed batches: per-rank reads, sample boundaries, rank-count checks, fake data."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -8,19 +10,20 @@ from asyncrl.core.errors import UserError
 from asyncrl.trainer.rl.data import FakeSource, RolloutSource, prepare
 from asyncrl.transport.batch import write_batch
 from asyncrl.transport.layout import RunLayout
+from asyncrl.transport.row import Row
 
 
-def row(lengths: list[int], fill: int = 0) -> dict:
+def row(lengths: list[int], fill: int = 0) -> Row:
     n = sum(lengths)
     pos = torch.cat([torch.arange(k) for k in lengths])
-    return {
-        "input_ids": torch.full((n,), fill, dtype=torch.int64),
-        "position_ids": pos,
-        "loss_mask": pos > 0,
-        "advantages": torch.ones(n),
-        "inference_logprobs": torch.zeros(n),
-        "temperatures": torch.ones(n),
-    }
+    return Row(
+        input_ids=torch.full((n,), fill, dtype=torch.int64),
+        position_ids=pos,
+        loss_mask=pos > 0,
+        advantages=torch.ones(n),
+        inference_logprobs=torch.zeros(n),
+        temperatures=torch.ones(n),
+    )
 
 
 def test_prepare_marks_sample_boundaries():
@@ -36,13 +39,13 @@ def test_each_rank_reads_its_own_micro_batches(tmp_path):
     write_batch(layout, 3, [[row([2, 2], fill=1), row([4], fill=2)], [row([3], fill=3), row([1, 1], fill=4)]])
     r0 = RolloutSource(layout, 0, 2, timeout=1).get(3)
     r1 = RolloutSource(layout, 1, 2, timeout=1).get(3)
-    assert [int(mb["input_ids"][0]) for mb in r0] == [1, 2]
-    assert [int(mb["input_ids"][0]) for mb in r1] == [3, 4]
+    assert [int(mb.input_ids[0]) for mb in r0] == [1, 2]
+    assert [int(mb.input_ids[0]) for mb in r1] == [3, 4]
 
 
 def test_a_batch_for_another_rank_count_is_read_whole(tmp_path, caplog_loguru):
     write_batch(RunLayout(tmp_path), 0, [[row([2])], [row([3])]])
-    assert [len(mb["input_ids"]) for mb in RolloutSource(RunLayout(tmp_path), 0, 1, timeout=1).get(0)] == [3, 2]
+    assert [len(mb.input_ids) for mb in RolloutSource(RunLayout(tmp_path), 0, 1, timeout=1).get(0)] == [3, 2]
     assert any("packed for 2 trainer rank(s), this trainer runs 1" in m for m in caplog_loguru)
 
 
@@ -57,7 +60,7 @@ def test_fake_source_shape_and_split():
     assert len(rows) == 2  # 4 micro-batches over 2 ranks
     r = prepare(rows[0], torch.device("cpu"))
     assert r.input_ids.numel() == 32 and r.num_samples == 2 and int(r.input_ids.max()) < 100
-    assert torch.equal(rows[0]["input_ids"], FakeSource(cfg, 100, 1, 2, 0).get(0)[0]["input_ids"])  # deterministic
+    assert torch.equal(rows[0].input_ids, FakeSource(cfg, 100, 1, 2, 0).get(0)[0].input_ids)  # deterministic
     with pytest.raises(UserError, match="not divisible by 3"):
         FakeSource(cfg, 100, 0, 3, 0)
 
@@ -74,20 +77,20 @@ def test_rows_longer_than_trainer_seq_len_are_refused():
 def test_a_batch_packed_for_another_rank_count_is_dealt_out_again():
     from asyncrl.trainer.rl.data import deal_rows
 
-    filler = {**row([3]), "loss_mask": torch.zeros(3, dtype=torch.bool)}  # the packer's: dropped
+    filler = replace(row([3]), loss_mask=torch.zeros(3, dtype=torch.bool))  # the packer's: dropped
     packed_for_one = [row([9]), row([5]), row([7]), filler]
     ranks = [deal_rows(packed_for_one, 2, r) for r in range(2)]
-    assert [[len(mb["input_ids"]) for mb in mbs] for mbs in ranks] == [[9, 5], [7, 5]]  # as many per rank
-    assert not ranks[1][1]["loss_mask"].any() and not ranks[1][1]["advantages"].any()  # a masked copy
-    assert sum(int(mb["loss_mask"].sum()) for mbs in ranks for mb in mbs) == 8 + 4 + 6  # every real token, once
+    assert [[len(mb.input_ids) for mb in mbs] for mbs in ranks] == [[9, 5], [7, 5]]  # as many per rank
+    assert not ranks[1][1].loss_mask.any() and not ranks[1][1].advantages.any()  # a masked copy
+    assert sum(int(mb.loss_mask.sum()) for mbs in ranks for mb in mbs) == 8 + 4 + 6  # every real token, once
     assert len(deal_rows(packed_for_one, 1, 0)) == 3
 
 
-def with_targets(mb: dict, width: int, mass: float = 1.0) -> dict:
-    n = len(mb["input_ids"])
+def with_targets(mb: Row, width: int, mass: float = 1.0) -> Row:
+    n = len(mb.input_ids)
     ids = torch.arange(n * width).view(n, width) % 7
-    targets = torch.where(mb["loss_mask"][:, None], torch.full((n, width), mass), 0.0)
-    return {**mb, "teacher_ids": ids, "teacher_targets": targets}
+    targets = torch.where(mb.loss_mask[:, None], torch.full((n, width), mass), 0.0)
+    return replace(mb, teacher_ids=ids, teacher_targets=targets)
 
 
 def test_forward_kl_targets_travel_through_stacking_padding_and_concatenation():
@@ -107,4 +110,4 @@ def test_a_filler_copy_has_no_teacher_mass():
     from asyncrl.trainer.rl.data import deal_rows
 
     dealt = deal_rows([with_targets(row([4]), 2)], 2, 1)
-    assert dealt[0]["teacher_ids"].shape == (4, 2) and not dealt[0]["teacher_targets"].any()
+    assert dealt[0].teacher_ids.shape == (4, 2) and not dealt[0].teacher_targets.any()

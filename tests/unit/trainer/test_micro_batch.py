@@ -17,6 +17,7 @@ from asyncrl.trainer.loss import token_logprobs
 from asyncrl.trainer.model import check_packing
 from asyncrl.trainer.rl.data import PackedRow, micro_batches, plan_forwards, prepare, split_to, stack_rows
 from asyncrl.trainer.rl.loop import RLLoop
+from asyncrl.transport.row import Row
 
 CPU = torch.device("cpu")
 LAYOUT = [[9, 7, 12], [10, 6], [15], [5, 4]]  # samples per row: rows of 28, 16, 15 and 9 tokens
@@ -45,15 +46,7 @@ def make_row(model, lengths: list[int], g: torch.Generator) -> PackedRow:
     mu = logprobs_of(model, ids[None], pos[None], temps[None])[0] + 0.3 * torch.randn(n, generator=g)
     mu[4] += 3.0  # one ratio far off: masks and clips take part
     adv = torch.cat([torch.full((k,), float(torch.randn(1, generator=g))) for k in lengths])
-    row = {
-        "input_ids": ids,
-        "position_ids": pos,
-        "loss_mask": mask,
-        "advantages": adv,
-        "inference_logprobs": mu * mask,
-        "temperatures": temps,
-    }
-    return prepare(row, CPU)
+    return prepare(Row(ids, pos, mask, adv, mu * mask, temps), CPU)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Shared-prefix rows train exactly like their expanded (unshared) form, only with fewer tokens computed.
 
 Rows hold groups (a prompt computed once, continuations forking at different positions) next to plain
-samples. With sdpa and eager attention, the shared rows and their `transport.prefix.expand`ed rows must
+samples. With sdpa and eager attention, the shared rows and their `Row.expanded` rows must
 give the same logprobs on every loss token, the same loss and metrics, and the same gradients, one row
 per forward, several stacked, or concatenated. Other attention gets the rows expanded, logged once.
 ASYNCRL_TEST_DEVICE=cuda runs the same checks on a GPU's attention kernels (scripts/gpu_check.sh does).
@@ -9,6 +9,7 @@ ASYNCRL_TEST_DEVICE=cuda runs the same checks on a GPU's attention kernels (scri
 
 import os
 from collections import defaultdict
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +20,8 @@ from asyncrl.trainer.loss import token_logprobs
 from asyncrl.trainer.perf import FlopModel
 from asyncrl.trainer.rl.data import micro_batches, prepare, stack_rows
 from asyncrl.trainer.rl.loop import RLLoop
-from asyncrl.transport.prefix import expand, segments
+from asyncrl.transport.prefix import segments
+from asyncrl.transport.row import Row
 
 DEVICE = torch.device(os.environ.get("ASYNCRL_TEST_DEVICE", "cpu"))
 TOL = {"atol": 1e-5, "rtol": 1e-5} if DEVICE.type == "cpu" else {"atol": 1e-4, "rtol": 1e-4}  # other kernels
@@ -56,29 +58,28 @@ def layout_row(layout, g: torch.Generator) -> dict:
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-def logprobs(model, row: dict) -> torch.Tensor:
+def logprobs(model, row: Row) -> torch.Tensor:
     """The model's logprobs of a plain row."""
-    ids, pos = row["input_ids"][None].to(DEVICE), row["position_ids"][None].to(DEVICE)
+    ids, pos = row.input_ids[None].to(DEVICE), row.position_ids[None].to(DEVICE)
     logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-    return token_logprobs(logits, ids[0], row["temperatures"].to(DEVICE)).cpu()
+    return token_logprobs(logits, ids[0], row.temperatures.to(DEVICE)).cpu()
 
 
 @torch.no_grad()
-def shared_rows(model, noise: float, seed: int = 0) -> list[dict]:
+def shared_rows(model, noise: float, seed: int = 0) -> list[Row]:
     """Shared rows whose μ is the model's own logprob of the expanded row (+ noise), one ratio far off."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for layout in LAYOUT:
-        row = layout_row(layout, g)
-        row["input_ids"] = torch.randint(0, 256, row["position_ids"].shape, generator=g)
-        plain = expand({**row, "index": torch.arange(row["input_ids"].numel())})
-        mu = torch.zeros(row["input_ids"].shape)
-        mu[plain["index"]] = logprobs(model, plain)  # the shared tokens are copies: written twice, same value
+        parts = layout_row(layout, g)
+        ids = torch.randint(0, 256, parts["position_ids"].shape, generator=g)
+        row = Row(input_ids=ids, inference_logprobs=torch.zeros(ids.shape), **parts)
+        index = replace(row, input_ids=torch.arange(ids.numel())).expanded().input_ids
+        mu = torch.zeros(ids.shape)
+        mu[index] = logprobs(model, row.expanded())  # the shared tokens are copies: written twice, same value
         mu += noise * torch.randn(mu.shape, generator=g)
         mu[-1] += 3.0 * (noise > 0)  # masks and clips take part
-        row["advantages"] *= row["loss_mask"]
-        row["inference_logprobs"] = mu * row["loss_mask"]
-        rows.append(row)
+        rows.append(replace(row, advantages=row.advantages * row.loss_mask, inference_logprobs=mu * row.loss_mask))
     return rows
 
 
@@ -92,10 +93,10 @@ def model(request, tiny_model_dir):
 
 def test_rows_are_shared_and_shorter(model):
     rows = shared_rows(model, 0.3)
-    assert [segments(r["position_ids"]).shared for r in rows] == [True, True, False]
-    expanded = [expand(r) for r in rows]
-    assert sum(r["input_ids"].numel() for r in rows) < sum(r["input_ids"].numel() for r in expanded)
-    assert [int(r["loss_mask"].sum()) for r in rows] == [int(r["loss_mask"].sum()) for r in expanded]
+    assert [segments(r.position_ids).shared for r in rows] == [True, True, False]
+    expanded = [r.expanded() for r in rows]
+    assert sum(r.input_ids.numel() for r in rows) < sum(r.input_ids.numel() for r in expanded)
+    assert [int(r.loss_mask.sum()) for r in rows] == [int(r.loss_mask.sum()) for r in expanded]
 
 
 def loss_config(loss: str) -> dict:
@@ -103,7 +104,7 @@ def loss_config(loss: str) -> dict:
     return {"type": loss} | ({"dppo_mask_low": 0.01, "dppo_mask_high": 0.01, "kl_tau": 1e-3} if loss == "dppo" else {})
 
 
-def run_step(model, rows: list[dict], loss: str, size: int, stack: bool) -> tuple[dict, list[torch.Tensor]]:
+def run_step(model, rows: list[Row], loss: str, size: int, stack: bool) -> tuple[dict, list[torch.Tensor]]:
     """The loop's forward/backward over every micro-batch: summed metrics and the accumulated gradients."""
     model.zero_grad(set_to_none=True)
     loop = RLLoop(SimpleNamespace(config=TrainerConfig(loss=loss_config(loss)), model=model))
@@ -126,7 +127,7 @@ def test_loss_token_logprobs_equal_the_expanded_rows(model, stack, size):
     assert "attention_mask" in kwargs and mb.parents is not None
     logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, **kwargs).logits
     got = token_logprobs(logits, mb.input_ids, mb.temperatures, mb.parents)[mb.loss_mask]
-    want = torch.cat([logprobs(model, p)[p["loss_mask"]] for p in map(expand, rows)])
+    want = torch.cat([logprobs(model, p)[p.loss_mask] for p in (r.expanded() for r in rows)])
     torch.testing.assert_close(got.cpu(), want, **TOL)
 
 
@@ -134,7 +135,7 @@ def test_loss_token_logprobs_equal_the_expanded_rows(model, stack, size):
 def test_loss_metrics_and_gradients_equal_the_expanded_rows(model, loss):
     model.train()
     rows = shared_rows(model, 0.3)
-    want_sums, want_grads = run_step(model, [expand(r) for r in rows], loss, 1, True)
+    want_sums, want_grads = run_step(model, [r.expanded() for r in rows], loss, 1, True)
     assert want_sums["loss"] != 0 and want_sums.get("clipped_frac", want_sums["masked_frac"]) > 0  # not trivial
     for size, stack in [(1, True), (2, True), (3, True), (3, False)]:
         sums, grads = run_step(model, rows, loss, size, stack)
@@ -163,9 +164,9 @@ def test_other_attention_gets_expanded_rows_logged_once(model, caplog_loguru):
     loop = RLLoop(SimpleNamespace(config=TrainerConfig(), model=flash, ctx=SimpleNamespace(is_main=True)))
     for _ in range(2):
         got = loop._shareable(rows)
-        assert not any(segments(r["position_ids"]).shared for r in got)
-        assert [r["input_ids"].tolist() for r in got] == [expand(r)["input_ids"].tolist() for r in rows]
-    before, after = sum(r["input_ids"].numel() for r in rows), sum(r["input_ids"].numel() for r in got)
+        assert not any(segments(r.position_ids).shared for r in got)
+        assert [r.input_ids.tolist() for r in got] == [r.expanded().input_ids.tolist() for r in rows]
+    before, after = sum(r.input_ids.numel() for r in rows), sum(r.input_ids.numel() for r in got)
     told = [m for m in caplog_loguru if "cannot share prefixes" in m]
     assert told == [
         f"attention 'flash_attention_2' cannot share prefixes in one row; expanding shared prefixes "
@@ -184,11 +185,11 @@ def test_a_mask_over_budget_gets_expanded_rows_logged_once(model, caplog_loguru,
     sdpa = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
     loop = RLLoop(SimpleNamespace(config=TrainerConfig(), model=sdpa, ctx=SimpleNamespace(is_main=True)))
     assert loop._shareable(rows) is rows  # within budget: shared as they are
-    longest = max(r["input_ids"].numel() for r in rows)
+    longest = max(r.input_ids.numel() for r in rows)
     monkeypatch.setattr(rl_loop, "MASK_BUDGET_BYTES", longest**2 * len(rows) - 1)
     for _ in range(2):
         got = loop._shareable(rows)
-        assert [r["input_ids"].tolist() for r in got] == [expand(r)["input_ids"].tolist() for r in rows]
+        assert [r.input_ids.tolist() for r in got] == [r.expanded().input_ids.tolist() for r in rows]
     told = [m for m in caplog_loguru if "shared-prefix mask would take" in m]
     assert len(told) == 1 and "lower trainer.data.micro_batch_size or seq_len" in told[0]
 
@@ -196,9 +197,10 @@ def test_a_mask_over_budget_gets_expanded_rows_logged_once(model, caplog_loguru,
 def test_counts_are_the_tokens_computed(model):
     rows = shared_rows(model, 0.3)
     loop = RLLoop(SimpleNamespace(config=TrainerConfig(), flops=FlopModel(1000, 2, 4, 16)))
-    shared, plain = (loop._counts([prepare(r, DEVICE) for r in x]).tolist() for x in (rows, map(expand, rows)))
+    expanded = [r.expanded() for r in rows]
+    shared, plain = (loop._counts([prepare(r, DEVICE) for r in x]).tolist() for x in (rows, expanded))
     assert shared[0] == plain[0] and shared[2] == plain[2] == 14  # loss tokens; samples with a loss token
-    assert shared[1] == sum(r["input_ids"].numel() for r in rows) < plain[1]  # tokens: the prefix once
+    assert shared[1] == sum(r.input_ids.numel() for r in rows) < plain[1]  # tokens: the prefix once
     assert shared[3] < plain[3]
 
 
@@ -215,7 +217,7 @@ def test_lora_gradients_equal_the_expanded_rows(tiny_model_dir):
             if p.requires_grad:
                 p.normal_(0, 0.05)  # B starts at 0: make every LoRA weight matter
     rows = shared_rows(model, 0.3)
-    want_sums, want_grads = run_step(model, [expand(r) for r in rows], "aipo", 1, True)
+    want_sums, want_grads = run_step(model, [r.expanded() for r in rows], "aipo", 1, True)
     sums, grads = run_step(model, rows, "aipo", 3, True)
     assert sums["loss"] == pytest.approx(want_sums["loss"], rel=1e-5) and len(grads) == len(want_grads) > 0
     for got, want in zip(grads, want_grads, strict=True):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from asyncrl.transport.prefix import attention_mask, check_shared, expand, segments
+from asyncrl.transport.prefix import attention_mask, check_shared, segments
+from asyncrl.transport.row import Row
 
 DOC_ROW = [0, 1, 2, 3, 4, 5, 6, 7, 5, 6, 0, 1, 2, 3]  # the module docstring's example
 
@@ -58,27 +59,23 @@ def test_attention_mask_by_hand():
     assert torch.equal(got, want)
 
 
-def _row(pos: list[int]) -> dict:
+def _row(pos: list[int]) -> Row:
     n = len(pos)
-    return {
-        "input_ids": torch.arange(100, 100 + n),
-        "position_ids": torch.tensor(pos),
-        "loss_mask": torch.zeros(n, dtype=torch.bool),
-        "temperatures": torch.arange(n).float(),
-    }
+    zeros = torch.zeros(n)
+    return Row(torch.arange(100, 100 + n), torch.tensor(pos), zeros.bool(), zeros, zeros, torch.arange(n).float())
 
 
 def test_expand_copies_the_shared_prefix_in_front_of_each_continuation():
     row = _row([0, 1, 2, 3, 2, 3, 1, 0, 1])
-    out = expand(row)
+    out = row.expanded()
     ids = [100, 101, 102, 103] + [100, 101, 104, 105] + [100, 106] + [107, 108]
-    assert out["input_ids"].tolist() == ids
-    assert out["position_ids"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 0, 1]
-    assert out["temperatures"].tolist() == [0, 1, 2, 3, 0, 1, 4, 5, 0, 6, 7, 8]
-    assert not segments(out["position_ids"]).shared
-    assert expand(out) is out  # a plain row is its own expansion
+    assert out.input_ids.tolist() == ids
+    assert out.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 0, 1]
+    assert out.temperatures.tolist() == [0, 1, 2, 3, 0, 1, 4, 5, 0, 6, 7, 8]
+    assert not segments(out.position_ids).shared
+    assert out.expanded() is out  # a plain row is its own expansion
     # the continuations' tokens keep their attention context: each expanded sample = first[:p] + continuation
-    assert segments(out["position_ids"]).num_samples == segments(row["position_ids"]).num_samples
+    assert segments(out.position_ids).num_samples == segments(row.position_ids).num_samples
 
 
 def test_check_shared_errors():

@@ -1,6 +1,6 @@
 """Where the RL trainer's micro-batches come from: the orchestrator's batch files, or fake data for --bench.
 
-Both give each rank a list of packed rows in the `transport.batch` format; `prepare` turns one row into
+Both give each rank a list of packed rows (`transport.row.Row`); `prepare` turns one row into
 device tensors plus the sample index and logit parent of every token (`transport.prefix.segments`), and
 `micro_batches` groups up to `data.micro_batch_size` rows into one forward pass (`RowBatch`), rows of
 similar length together when `plan_forwards` finds that pads less than it costs in extra passes.
@@ -15,7 +15,7 @@ Shared-prefix rows (continuations that reuse the first sample's prompt, see `tra
 continuation is a sample of its own, and when any row of a batch is shared the batch also carries
 `parents` (the token whose logits score each token, row-local; -1: none) and a [rows, 1, L, L] bool
 `attention_mask` (concatenated rows: block-diagonal). Batches of plain rows carry neither, and the
-forward pass is exactly the plain one. Attention that takes no such mask gets `expand`ed rows instead.
+forward pass is exactly the plain one. Attention that takes no such mask gets `Row.expanded` rows instead.
 
 Forward-KL distillation rows also carry `teacher_ids` / `teacher_targets` ([rows, length, K]; padding and rows
 without them: mass 0); a batch without them carries None and its loss has no cross-entropy term.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 from loguru import logger
@@ -34,76 +34,48 @@ from loguru import logger
 from asyncrl.config.base import FakeDataConfig
 from asyncrl.core.errors import UserError
 from asyncrl.trainer.loss import LossInputs
-from asyncrl.transport.batch import (
-    FIELDS,
-    TEACHER_FIELDS,
-    MicroBatch,
-    check_micro_batch,
-    masked_copy,
-    read_batch,
-    read_meta,
-    wait_for_batch,
-)
+from asyncrl.transport.batch import read_batch, read_meta, wait_for_batch
 from asyncrl.transport.layout import RunLayout
 from asyncrl.transport.prefix import attention_mask, check_shared, segments
+from asyncrl.transport.row import TEACHER_FIELDS, TOKEN_FIELDS, Row
 
 
-@dataclass
-class PackedRow:
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
-    inference_logprobs: torch.Tensor
-    temperatures: torch.Tensor
+@dataclass(kw_only=True)
+class PackedRow(Row):
+    """A `Row` on the trainer's device with the sample structure its position ids imply (`transport.prefix`)."""
+
     sample_ids: torch.Tensor
     num_samples: int
     sample_lengths: torch.Tensor  # CPU, for FLOP counting: tokens computed per sample (a continuation's own)
     parents: torch.Tensor  # row-local index of the token whose logits score each token; -1: none
     shared: bool  # some sample continues another's prefix (needs parents and a mask in the forward)
-    teacher_ids: torch.Tensor | None = None  # (L, K) forward-KL targets' token ids (transport.batch)
-    teacher_targets: torch.Tensor | None = None  # (L, K) their target mass
 
 
-def prepare(mb: MicroBatch, device: torch.device) -> PackedRow:
-    check_micro_batch(mb)
-    seg = segments(mb["position_ids"])
-    check_shared(mb["position_ids"], mb["loss_mask"], seg)
+def prepare(row: Row, device: torch.device) -> PackedRow:
+    row.check()
+    seg = segments(row.position_ids)
+    check_shared(row.position_ids, row.loss_mask, seg)
     # approximate FLOPs: a continuation's attention to its shared prefix (length x fork) is not counted
     lengths = torch.bincount(seg.sample_ids, minlength=seg.num_samples)
-    t = {k: mb[k].to(device, non_blocking=True) for k in FIELDS}
     return PackedRow(
-        input_ids=t["input_ids"].long(),
-        position_ids=t["position_ids"].long(),
-        loss_mask=t["loss_mask"].bool(),
-        advantages=t["advantages"].float(),
-        inference_logprobs=t["inference_logprobs"].float(),
-        temperatures=t["temperatures"].float(),
+        **vars(row.to(device)),
         sample_ids=seg.sample_ids.to(device),
         num_samples=seg.num_samples,
         sample_lengths=lengths,
         parents=seg.parents.to(device),
         shared=seg.shared,
-        **{k: mb[k].to(device, non_blocking=True) for k in TEACHER_FIELDS if k in mb},
     )
 
 
-@dataclass
-class RowBatch:
-    """One forward/backward: packed rows as [rows, length] tensors, sample ids unique over the batch."""
+@dataclass(kw_only=True)
+class RowBatch(Row):
+    """One forward/backward: packed rows' `Row` fields as [rows, length] tensors (teacher fields [rows, length,
+    K], only when some row has forward-KL targets), sample ids unique over the batch."""
 
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
-    inference_logprobs: torch.Tensor
-    temperatures: torch.Tensor
     sample_ids: torch.Tensor
     num_samples: int
     parents: torch.Tensor | None = None  # [rows, length], only when some row is shared
     attention_mask: torch.Tensor | None = None  # [rows, 1, length, length] bool, True: attend; likewise
-    teacher_ids: torch.Tensor | None = None  # [rows, length, K], only when some row has forward-KL targets
-    teacher_targets: torch.Tensor | None = None  # likewise
     sample_starts: list[int] | None = None  # stacked rows: row i's samples are ids sample_starts[i]..[i+1]-1
 
     def rows(self, a: int, b: int, teacher: bool = True) -> RowBatch:
@@ -112,7 +84,7 @@ class RowBatch:
         s0, s1 = self.sample_starts[a], self.sample_starts[b]
         cut = {f: getattr(self, f) for f in ("parents", "attention_mask", *(TEACHER_FIELDS if teacher else ()))}
         return RowBatch(
-            **{f: getattr(self, f)[a:b] for f in TOKEN_FIELDS if f != "sample_ids"},
+            **{f: getattr(self, f)[a:b] for f in TOKEN_FIELDS},
             sample_ids=self.sample_ids[a:b] - s0,
             num_samples=s1 - s0,
             **{f: None if t is None else t[a:b] for f, t in cut.items()},
@@ -130,16 +102,6 @@ class RowBatch:
             self.num_samples,
             None if ref_logprobs is None else ref_logprobs.flatten(),
         )
-
-
-NOT_JOINED = (
-    "num_samples",
-    "parents",
-    "attention_mask",
-    "sample_starts",
-    *TEACHER_FIELDS,
-)  # built apart from the token fields
-TOKEN_FIELDS = [f.name for f in fields(RowBatch) if f.name not in NOT_JOINED]
 
 
 def pad_row(row: PackedRow, length: int) -> PackedRow:
@@ -170,7 +132,7 @@ def stack_rows(rows: list[PackedRow], stack: bool = True) -> RowBatch:
         rows = [pad_row(r, length) for r in rows]
     join = torch.stack if stack else (lambda ts: torch.cat(ts)[None])
     starts = torch.tensor([0] + [r.num_samples for r in rows]).cumsum(0).tolist()
-    out = {f: join([getattr(r, f) for r in rows]) for f in TOKEN_FIELDS if f != "sample_ids"}
+    out = {f: join([getattr(r, f) for r in rows]) for f in TOKEN_FIELDS}
     sample_ids = join([r.sample_ids + s for r, s in zip(rows, starts)])
     batch = RowBatch(**out, sample_ids=sample_ids, num_samples=starts[-1], **_teacher_fields(rows, join))
     batch.sample_starts = starts if stack else None
@@ -284,19 +246,19 @@ def mixed_micro_batches(
     return out
 
 
-def deal_rows(rows: list[MicroBatch], ranks: int, rank: int) -> list[MicroBatch]:
+def deal_rows(rows: list[Row], ranks: int, rank: int) -> list[Row]:
     """`rank`'s share of a batch packed for another rank count: its rows (the packer's all-masked fillers
     dropped) dealt round-robin, longest first; a rank short of rows gets all-masked copies of the shortest
     (every rank must run as many forward passes)."""
-    real = sorted((r for r in rows if r["loss_mask"].any()), key=lambda r: -r["input_ids"].numel()) or rows[:1]
+    real = sorted((r for r in rows if r.loss_mask.any()), key=lambda r: -r.input_ids.numel()) or rows[:1]
     mine, slots = real[rank::ranks], max(1, -(-len(real) // ranks))
-    shortest = min(real, key=lambda r: r["input_ids"].numel())
-    return mine + [masked_copy(shortest) for _ in range(slots - len(mine))]
+    shortest = min(real, key=lambda r: r.input_ids.numel())
+    return mine + [shortest.masked() for _ in range(slots - len(mine))]
 
 
-def check_seq_len(rows: list[MicroBatch], seq_len: int | None, step: int) -> list[MicroBatch]:
+def check_seq_len(rows: list[Row], seq_len: int | None, step: int) -> list[Row]:
     """`rows` unchanged when none is longer than `trainer.data.seq_len` (None: no limit), else a UserError."""
-    longest = max((r["input_ids"].numel() for r in rows), default=0)
+    longest = max((r.input_ids.numel() for r in rows), default=0)
     if seq_len is not None and longest > seq_len:
         raise UserError(
             f"step {step}: a packed row of {longest} tokens is longer than trainer.data.seq_len ({seq_len}); rows "
@@ -317,7 +279,7 @@ class RolloutSource:
         self.vocab_size = vocab_size
         self._told = False
 
-    def get(self, step: int) -> list[MicroBatch]:
+    def get(self, step: int) -> list[Row]:
         try:
             wait_for_batch(self.layout, step, timeout=self.timeout)
         except TimeoutError as e:
@@ -349,7 +311,7 @@ class FakeSource:
         self.cfg, self.vocab, self.rank, self.seed = cfg, vocab_size, rank, seed
         self.rows_per_rank = rows // world_size
 
-    def get(self, step: int) -> list[MicroBatch]:
+    def get(self, step: int) -> list[Row]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + self.rank)
         s, n = self.cfg.seq_len, self.cfg.samples_per_row
         rows = []
@@ -359,14 +321,14 @@ class FakeSource:
             loss_mask = positions >= s // 2  # second half of each sample is "completion"
             adv = torch.randn(n, generator=g).repeat_interleave(s)
             rows.append(
-                {
-                    "input_ids": torch.randint(0, self.vocab, (length,), generator=g),
-                    "position_ids": positions,
-                    "loss_mask": loss_mask,
-                    "advantages": adv * loss_mask,
+                Row(
+                    input_ids=torch.randint(0, self.vocab, (length,), generator=g),
+                    position_ids=positions,
+                    loss_mask=loss_mask,
+                    advantages=adv * loss_mask,
                     # about what a random-init model assigns (ratios near 1, so tokens are not masked)
-                    "inference_logprobs": (-math.log(self.vocab) + 0.1 * torch.randn(length, generator=g)) * loss_mask,
-                    "temperatures": torch.ones(length),
-                }
+                    inference_logprobs=(-math.log(self.vocab) + 0.1 * torch.randn(length, generator=g)) * loss_mask,
+                    temperatures=torch.ones(length),
+                )
             )
         return rows

@@ -63,10 +63,10 @@ from asyncrl.trainer.rl.data import (
 )
 from asyncrl.trainer.runs import train_runs
 from asyncrl.trainer.session import Loop, StepBatch, TrainSession, run_training
-from asyncrl.transport.batch import MicroBatch
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import is_stable
-from asyncrl.transport.prefix import expand, segments
+from asyncrl.transport.prefix import segments
+from asyncrl.transport.row import Row
 from asyncrl.transport.weights import weights_problem
 
 MASKED_ATTENTION = ("sdpa", "eager")  # take an explicit 4D mask, so shared prefixes stay in one row
@@ -147,19 +147,19 @@ class RLLoop(Loop):
         sizes = plan_forwards(lengths, self.config.data.micro_batch_size, cost, cost(FORWARD_OVERHEAD_TOKENS))
         return split_to(sizes, self.session.ctx.all_reduce_max(len(sizes)))
 
-    def _shareable(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
+    def _shareable(self, mbs: list[Row]) -> list[Row]:
         """The rows as they are, or unshared when the attention takes no explicit mask or the dense mask
         of one forward would pass MASK_BUDGET_BYTES (logged once)."""
         attn = self.session.model.config._attn_implementation
-        if not any(segments(mb["position_ids"]).shared for mb in mbs):
+        if not any(segments(mb.position_ids).shared for mb in mbs):
             return mbs
-        longest = max(mb["input_ids"].numel() for mb in mbs)
+        longest = max(mb.input_ids.numel() for mb in mbs)
         mask_bytes = longest**2 * min(self.config.data.micro_batch_size, len(mbs)) * (4 if attn == "eager" else 1)
         if attn in MASKED_ATTENTION and mask_bytes <= MASK_BUDGET_BYTES:
             return mbs
-        plain = [expand(mb) for mb in mbs]
+        plain = [mb.expanded() for mb in mbs]
         if not self._told_unshare and self.session.ctx.is_main:
-            before, after = (sum(mb["input_ids"].numel() for mb in x) for x in (mbs, plain))
+            before, after = (sum(mb.input_ids.numel() for mb in x) for x in (mbs, plain))
             why = (
                 f"attention '{attn}' cannot share prefixes in one row"
                 if attn not in MASKED_ATTENTION
