@@ -9,7 +9,7 @@ SUMMARY = "Serve one verifiers v1 environment over ZMQ, for orchestrators ([[orc
 
 
 def run(config: EnvServerConfig) -> None:
-    from asyncrl.orchestrator.env_server import serve
+    from asyncrl.orchestrator.envs.server import serve
 
     serve(config)
 

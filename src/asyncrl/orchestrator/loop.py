@@ -34,14 +34,8 @@ from asyncrl.core.errors import UserError
 from asyncrl.orchestrator import ckpt
 from asyncrl.orchestrator.advantage import teacher_targets, token_advantages
 from asyncrl.orchestrator.client import InferenceClient, start_hint
-from asyncrl.orchestrator.envs import (
-    EnvMixture,
-    RunGroup,
-    in_flight_target,
-    problems_per_step,
-    runners_for,
-    sampling_args,
-)
+from asyncrl.orchestrator.envs.mixture import EnvMixture
+from asyncrl.orchestrator.envs.runners import RunGroup, runners_for, sampling_args
 from asyncrl.orchestrator.evaluation import evaluate_policy
 from asyncrl.orchestrator.filtering import Group
 from asyncrl.orchestrator.gating import Policy, PolicyGate, checkpoint_policy
@@ -54,7 +48,14 @@ from asyncrl.orchestrator.metrics import (
     rollout_metrics,
 )
 from asyncrl.orchestrator.packing import PackItem, PackStats, pack
-from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts, gather_all
+from asyncrl.orchestrator.rollouts import (
+    GroupCollector,
+    RolloutFailure,
+    StepRollouts,
+    gather_all,
+    in_flight_target,
+    problems_per_step,
+)
 from asyncrl.orchestrator.samples import TrajectoryConverter
 from asyncrl.orchestrator.teacher import PROBE, TeacherClient, with_student
 from asyncrl.transport.batch import MicroBatch, write_batch

@@ -18,6 +18,7 @@ restored on resume is scored again by the teacher of the resumed run.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,12 +26,23 @@ from dataclasses import dataclass, field
 from loguru import logger
 
 from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig
-from asyncrl.orchestrator.envs import EnvMixture, RunGroup, example_id, group_inputs
+from asyncrl.orchestrator.envs.mixture import EnvMixture, example_id, group_inputs
+from asyncrl.orchestrator.envs.runners import RunGroup
 from asyncrl.orchestrator.filtering import Group, judge_group
 from asyncrl.orchestrator.samples import Rollout, TrajectoryConverter
 
 Scorer = Callable[[Group], Awaitable[list[list[float]]]]  # a group -> teacher logprobs per sample of its valid rollouts
 MAX_DRAWS_FACTOR = 8  # stop drawing new prompts for a step after this many times the in-flight target
+
+
+def problems_per_step(batch_size: int, rollouts_per_example: int) -> int:
+    """The prompts (groups) one step trains on."""
+    return max(1, batch_size // rollouts_per_example)
+
+
+def in_flight_target(problems: int, oversampling_factor: float) -> int:
+    """How many groups are kept in flight for a step of `problems` groups."""
+    return max(problems, math.ceil(problems * oversampling_factor))
 
 
 async def gather_all(aws: list) -> list:

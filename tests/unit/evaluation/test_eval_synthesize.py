@@ -16,7 +16,8 @@ from asyncrl.core.errors import UserError
 from asyncrl.evaluation import synthesize as synth
 from asyncrl.evaluation.evaluate import find_targets, format_table
 from asyncrl.evaluation.runner import RolloutRecord, check_server, request_args, summarize
-from asyncrl.orchestrator.envs import Runners, example_id
+from asyncrl.orchestrator.envs.mixture import example_id
+from asyncrl.orchestrator.envs.runners import Runners
 
 
 def _weights(tmp_path, steps, stable=True):

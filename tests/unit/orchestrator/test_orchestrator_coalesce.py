@@ -12,7 +12,7 @@ import json
 import httpx2
 import pytest
 
-from asyncrl.orchestrator.coalesce import MergingTransport, split_answer
+from asyncrl.orchestrator.envs.coalesce import MergingTransport, split_answer
 
 URL = "http://server/v1/chat/completions"
 

@@ -11,7 +11,8 @@ from asyncrl.config.orchestrator import ClientConfig, EnvConfig, OrchestratorCon
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator import ckpt
 from asyncrl.orchestrator.client import InferenceClient, server_root
-from asyncrl.orchestrator.envs import load_env, sampling_args
+from asyncrl.orchestrator.envs.loading import load_env
+from asyncrl.orchestrator.envs.runners import sampling_args
 from asyncrl.orchestrator.loop import Orchestrator
 from asyncrl.transport.files import publish_dir
 from asyncrl.transport.layout import RunLayout

@@ -11,8 +11,8 @@ import gc
 import pytest
 from pydantic import BaseModel, Field
 
-from asyncrl.orchestrator.v1_http import AioHttpTransport
-from asyncrl.orchestrator.v1_tuning import GC_YOUNG_THRESHOLD, tune_for_episodes
+from asyncrl.orchestrator.envs.http import AioHttpTransport
+from asyncrl.orchestrator.envs.tuning import GC_YOUNG_THRESHOLD, tune_for_episodes
 
 
 @pytest.fixture(autouse=True)
