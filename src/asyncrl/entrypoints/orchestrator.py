@@ -9,10 +9,10 @@ from asyncrl.transport.layout import RunLayout
 SUMMARY = "Orchestrator: gets rollouts from the inference server, scores them, writes training batches."
 
 
-def run(config: OrchestratorConfig) -> None:
+def run(config: OrchestratorConfig, layout: RunLayout) -> None:
     from asyncrl.orchestrator import run_orchestrator
 
-    run_orchestrator(config, RunLayout.for_config(config))
+    run_orchestrator(config, layout)
 
 
 def main(argv: list[str] | None = None) -> None:
