@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.orchestrator.client import InferenceClient
-from asyncrl.orchestrator.envs.mixture import EnvMixture
+from asyncrl.orchestrator.envs.mixture import EnvMixture, EnvSlot
 from asyncrl.orchestrator.envs.runners import RunGroup, Runners, runners_for
 from asyncrl.orchestrator.loop import Orchestrator
 from asyncrl.orchestrator.teacher import TeacherClient, teacher_client
@@ -66,7 +66,7 @@ def make_teacher(config: OrchestratorConfig) -> TeacherClient | None:
 
 
 def make_runners(
-    config: OrchestratorConfig, layout: RunLayout, slots: list, served: str | Callable[[], str]
+    config: OrchestratorConfig, layout: RunLayout, slots: list[EnvSlot], served: str | Callable[[], str]
 ) -> Runners:
     """The runners of these slots; `served`: the model name requests carry (or what gives it at each group)."""
     direct = config.episodes == "direct"
