@@ -37,7 +37,8 @@ class TeacherScores:
 @dataclass
 class TokenSample:
     """One training sequence: ids, which tokens the model produced, and their sampling logprobs; with a teacher,
-    its scores once they are in (never checkpointed: a resumed run scores its buffered groups again)."""
+    its scores once its step awaits them (`GroupCollector.await_scores`). Buffered groups, what a checkpoint
+    holds, carry none: a resumed run scores them again."""
 
     input_ids: list[int]
     loss_mask: list[bool]
