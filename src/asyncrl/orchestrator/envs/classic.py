@@ -15,7 +15,6 @@ from typing import Any
 from loguru import logger
 
 from asyncrl.config.orchestrator import ClientConfig
-from asyncrl.orchestrator.envs.coalesce import MergingTransport
 
 TOKEN_CLIENT = "openai_chat_completions_token"
 PLAIN_CLIENT = "openai_chat_completions"  # no token ids: `eval`/`synthesize` against any OpenAI-compatible server
@@ -32,6 +31,8 @@ def make_vf_client(cfg: ClientConfig, client_type: str = TOKEN_CLIENT) -> Any:
     """
     from openai import AsyncOpenAI, DefaultAioHttpClient, DefaultAsyncHttpxClient
     from verifiers.clients import OpenAIChatCompletionsClient, OpenAIChatCompletionsTokenClient
+
+    from asyncrl.orchestrator.envs.coalesce import MergingTransport  # its HTTP stack: only where a client is made
 
     classes = {TOKEN_CLIENT: OpenAIChatCompletionsTokenClient, PLAIN_CLIENT: OpenAIChatCompletionsClient}
     try:
