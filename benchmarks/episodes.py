@@ -31,7 +31,8 @@ CLASSIC_PY = ROOT / ".venv-classic" / "bin" / "python"
 ROUND = """
 import asyncio, json, os, sys, time
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
-from asyncrl.orchestrator.envs import EnvMixture, group_inputs, runners_for, sampling_args
+from asyncrl.orchestrator.envs.mixture import EnvMixture, group_inputs
+from asyncrl.orchestrator.envs.runners import runners_for, sampling_args
 
 env_id, url, model, groups = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 direct, renderer = sys.argv[5] == "direct", json.loads(sys.argv[6])

@@ -157,8 +157,8 @@ def teacher_scores(work: Path, _: list[str]) -> str:
 IMPORTS = """
 import importlib, verifiers as vf
 from asyncrl.config.orchestrator import EnvConfig
-from asyncrl.orchestrator.envs import load_env
-from asyncrl.orchestrator.v1_harness import chat_program
+from asyncrl.orchestrator.envs.loading import load_env
+from asyncrl.orchestrator.envs.harness import chat_program
 for m in ("rl", "trainer", "inference", "orchestrator", "sft", "eval", "synthesize"):
     importlib.import_module("asyncrl.entrypoints." + m)
 for env in ("reverse-text", "echo-twice", "tool-calc"):

@@ -39,7 +39,8 @@ ROLLOUTS = """
 import asyncio, json, sys
 import verifiers
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
-from asyncrl.orchestrator.envs import EnvMixture, group_inputs, runners_for, sampling_args
+from asyncrl.orchestrator.envs.mixture import EnvMixture, group_inputs
+from asyncrl.orchestrator.envs.runners import runners_for, sampling_args
 from asyncrl.orchestrator.samples import TrajectoryConverter
 
 url, model = sys.argv[1:]
@@ -91,7 +92,9 @@ def test_a_classic_environment_rolls_out_through_the_classic_token_client(shared
 MERGE = """
 import asyncio, json, sys
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig
-from asyncrl.orchestrator.envs import EnvMixture, group_inputs, make_vf_client, verifiers_run_group
+from asyncrl.orchestrator.envs.classic import make_vf_client
+from asyncrl.orchestrator.envs.mixture import EnvMixture, group_inputs
+from asyncrl.orchestrator.envs.runners import verifiers_run_group
 
 url, model = sys.argv[1:]
 mixture = EnvMixture.load([EnvConfig(id="reverse-classic", args={"num_train_examples": 4})], seq_len=None)
@@ -136,7 +139,7 @@ def test_a_v1_only_verifiers_names_a_classic_environment_and_the_way_out():
 
     from asyncrl.config.orchestrator import EnvConfig
     from asyncrl.core.errors import UserError
-    from asyncrl.orchestrator.envs import load_env
+    from asyncrl.orchestrator.envs.loading import load_env
 
     sys.path.insert(0, str(CLASSIC_ENVS))
     try:

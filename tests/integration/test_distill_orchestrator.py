@@ -52,7 +52,7 @@ def teacher(tmp_path_factory):
 def test_two_distillation_steps_against_real_servers(shared_inference_process, teacher, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.orchestrator.loop import orchestrate
+    from asyncrl.orchestrator.process import orchestrate
 
     monkeypatch.setenv(KEY_VAR, KEY)
     teacher_url, teacher_dir = teacher
@@ -71,7 +71,7 @@ def test_two_distillation_steps_against_real_servers(shared_inference_process, t
         num_train_workers=1,
         output_dir=tmp_path,
     )
-    asyncio.run(orchestrate(config))
+    asyncio.run(orchestrate(config, RunLayout.for_config(config)))
 
     model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
     student = AutoModelForCausalLM.from_pretrained(shared_inference_process.model, dtype=torch.float32)

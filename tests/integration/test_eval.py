@@ -21,7 +21,10 @@ def weights(tiny_model_dir, tmp_path_factory) -> Path:
     from reverse_text import sft_examples, write_jsonl
 
     from asyncrl.config.sft import SFTConfig
-    from asyncrl.trainer.sft import train_sft
+    from asyncrl.trainer.sft import train_sft as train_sft_in
+    from asyncrl.transport.layout import RunLayout
+
+    train_sft = lambda cfg: train_sft_in(cfg, RunLayout.for_config(cfg))  # noqa: E731  (as its entrypoint runs it)
 
     root = tmp_path_factory.mktemp("eval_sft")
     data = write_jsonl(root / "data.jsonl", sft_examples(200))

@@ -784,7 +784,8 @@ def sampled_runs(mask: list[int]) -> list[tuple[int, int]]:
 def _run_v1(env_id: str, args: dict, server, n: int, sampling: dict, monkeypatch) -> list[dict]:
     """n episodes of the environment's first n tasks through verifiers v1's training client."""
     from asyncrl.config.orchestrator import ClientConfig, EnvConfig
-    from asyncrl.orchestrator.envs import EnvMixture, runners_for
+    from asyncrl.orchestrator.envs.mixture import EnvMixture
+    from asyncrl.orchestrator.envs.runners import runners_for
 
     monkeypatch.setenv("CONTRACT_API_KEY", API_KEY)
     # renderers keeps a module-level asyncio.Lock, bound to the first event loop that waits on it; a process

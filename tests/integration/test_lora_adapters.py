@@ -24,7 +24,9 @@ def lora_run(tiny_model_dir, tmp_path_factory):
     """Two steps of the trainer on fake data, LoRA on the attention and MLP projections, a big learning rate
     (B starts at zero: a step must move it for the comparison to mean anything)."""
     from asyncrl.config.trainer import TrainerConfig
-    from asyncrl.trainer.rl import train
+    from asyncrl.trainer.rl import train as train_in
+
+    train = lambda cfg: train_in(cfg, RunLayout.for_config(cfg))  # noqa: E731  (as its entrypoint runs it)
 
     out = tmp_path_factory.mktemp("lora_run")
     lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}

@@ -68,7 +68,7 @@ def train(cfg: TrainerConfig) -> dict[str, list[dict]]:
     from asyncrl.trainer.rl import train as run
 
     torch.set_num_threads(1)
-    return run(cfg)
+    return run(cfg, RunLayout.for_config(cfg))
 
 
 def adapter(run: RunLayout, step: int) -> dict[str, torch.Tensor]:

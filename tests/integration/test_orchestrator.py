@@ -187,7 +187,7 @@ def check_batches(trainer: WeightTrainer, model_dir: Path, steps: int, k: int, s
 
 @pytest.mark.parametrize("env_id", list(ENVS))
 def test_three_steps_per_environment(env_id, server, tmp_path):
-    from asyncrl.orchestrator.loop import orchestrate
+    from asyncrl.orchestrator.process import orchestrate
 
     url, model_dir = server
     args, seq_len, more = ENVS[env_id]
@@ -210,7 +210,7 @@ def test_three_steps_per_environment(env_id, server, tmp_path):
     trainer = WeightTrainer(tmp_path, model_dir, STEPS)
     trainer.start()
     try:
-        asyncio.run(orchestrate(config))
+        asyncio.run(orchestrate(config, RunLayout.for_config(config)))
     finally:
         trainer.stop = True
         trainer.join(60)
@@ -237,7 +237,7 @@ def test_three_steps_per_environment(env_id, server, tmp_path):
 
 
 def test_bench_reports_throughput(server, tmp_path, capsys):
-    from asyncrl.orchestrator.loop import orchestrate
+    from asyncrl.orchestrator.process import orchestrate
 
     url, model_dir = server
     config = OrchestratorConfig(
@@ -252,7 +252,7 @@ def test_bench_reports_throughput(server, tmp_path, capsys):
         output_dir=tmp_path,
         bench=True,
     )
-    asyncio.run(orchestrate(config))
+    asyncio.run(orchestrate(config, RunLayout.for_config(config)))
     out = capsys.readouterr().out
     assert "rollouts/s" in out and "gen tok/s" in out
     total = [line for line in out.splitlines() if line.strip().startswith("total ")]

@@ -94,7 +94,10 @@ def test_sft_lowers_loss_and_its_weights_serve(tiny_model_dir, reverse_data, tmp
 def test_sft_resume_mid_epoch_is_exact(tiny_model_dir, reverse_data, tmp_path):
     from asyncrl.config.loader import validate
     from asyncrl.config.sft import SFTConfig
-    from asyncrl.trainer.sft import train_sft
+    from asyncrl.trainer.sft import train_sft as train_sft_in
+    from asyncrl.transport.layout import RunLayout
+
+    train_sft = lambda cfg: train_sft_in(cfg, RunLayout.for_config(cfg))  # noqa: E731  (as its entrypoint runs it)
 
     def config(out: Path, *extra: str) -> SFTConfig:
         from asyncrl.config.loader import collect_raw
@@ -126,7 +129,10 @@ def test_sft_resume_mid_epoch_is_exact(tiny_model_dir, reverse_data, tmp_path):
 def test_micro_batch_size_does_not_change_the_step(tiny_model_dir, reverse_data, tmp_path):
     """Rows stacked into one padded micro-batch give the loss and gradient of one row at a time."""
     from asyncrl.config.sft import SFTConfig
-    from asyncrl.trainer.sft import train_sft
+    from asyncrl.trainer.sft import train_sft as train_sft_in
+    from asyncrl.transport.layout import RunLayout
+
+    train_sft = lambda cfg: train_sft_in(cfg, RunLayout.for_config(cfg))  # noqa: E731  (as its entrypoint runs it)
 
     def run(mbs: int, pack: bool) -> list[dict]:
         return train_sft(

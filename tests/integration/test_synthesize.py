@@ -66,7 +66,10 @@ def test_synthesize_resumes_and_feeds_sft(server, tiny_model_dir, tmp_path):
 
     # sft trains on the file directly (tool rows render their tool definitions)
     from asyncrl.config.sft import SFTConfig
-    from asyncrl.trainer.sft import train_sft
+    from asyncrl.trainer.sft import train_sft as train_sft_in
+    from asyncrl.transport.layout import RunLayout
+
+    train_sft = lambda cfg: train_sft_in(cfg, RunLayout.for_config(cfg))  # noqa: E731  (as its entrypoint runs it)
 
     history = train_sft(
         SFTConfig(

@@ -81,7 +81,7 @@ def run_train(cfg: TrainerConfig) -> list[dict]:
     from asyncrl.trainer.rl import train
 
     torch.set_num_threads(1)
-    return train(cfg)
+    return train(cfg, RunLayout.for_config(cfg))
 
 
 def load_exported(path: Path):

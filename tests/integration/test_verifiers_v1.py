@@ -107,7 +107,8 @@ def test_a_tool_episode_through_the_training_client_trains_on_the_model_turns_on
     from transformers import AutoTokenizer
 
     from asyncrl.config.orchestrator import ClientConfig, EnvConfig
-    from asyncrl.orchestrator.envs import EnvMixture, group_inputs, runners_for
+    from asyncrl.orchestrator.envs.mixture import EnvMixture, group_inputs
+    from asyncrl.orchestrator.envs.runners import runners_for
     from asyncrl.orchestrator.samples import TrajectoryConverter
 
     monkeypatch.setenv("ASYNCRL_TEST_V1_KEY", "unused")

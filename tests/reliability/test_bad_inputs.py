@@ -299,7 +299,9 @@ def test_cut_weights_are_found_from_their_headers(tiny_model_dir, tmp_path):
 
 def test_a_resumed_trainer_publishes_damaged_broadcast_weights_again(tiny_model_dir, tmp_path, caplog_loguru):
     from asyncrl.config.trainer import TrainerConfig
-    from asyncrl.trainer.rl import train
+    from asyncrl.trainer.rl import train as train_in
+
+    train = lambda cfg: train_in(cfg, RunLayout.for_config(cfg))  # noqa: E731  (as its entrypoint runs it)
 
     def config(**over) -> TrainerConfig:
         args = {"model": {"name": str(tiny_model_dir)}, "output_dir": str(tmp_path), "recv_timeout": 30}

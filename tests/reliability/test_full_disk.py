@@ -93,7 +93,9 @@ def test_a_full_disk_during_a_checkpoint_or_weight_export_keeps_the_last_checkpo
     from asyncrl.config.trainer import TrainerConfig
     from asyncrl.core.errors import disk_full
     from asyncrl.trainer.ckpt import CheckpointManager
-    from asyncrl.trainer.rl import train
+    from asyncrl.trainer.rl import train as train_in
+
+    train = lambda cfg: train_in(cfg, RunLayout.for_config(cfg))  # noqa: E731  (as its entrypoint runs it)
     from asyncrl.trainer.rl.loop import RLLoop
 
     def config(**ckpt) -> TrainerConfig:

@@ -89,16 +89,15 @@ def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg())}
 
 
-def run_bench_job(config: RLConfig, launch: Callable[[RLConfig], None]) -> dict[str, Any]:
+def run_bench_job(config: RLConfig, launch: Callable[[RLConfig, RunLayout], None], layout: RunLayout) -> dict[str, Any]:
     """Run the bench job with `launch` (the launcher's, passed in by `rl`: bench never imports its sibling);
-    returns what it writes to `{output_dir}/bench.json`."""
-    layout = RunLayout.for_config(config.trainer)
+    returns what it writes to `{output_dir}/bench.json`; `layout`: the trainer's run."""
     log = layout.log_file("bench")
     warm = _warm(config)
     before = _before(config, warm, log)
     logger.info(f"bench: held-out exact match before RL, greedy {before['greedy']:.3f} sampled {before['sampled']:.3f}")
     load_start, start = machine(), time.time()
-    launch(config)
+    launch(config, layout)
     wall = time.time() - start
     load_end = machine()
     numbers = summary.summarize(

@@ -38,7 +38,7 @@ from asyncrl.config.inference import InferenceConfig, chosen_backend
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.trainer import RunConfig, TrainerConfig
 from asyncrl.core.errors import UserError
-from asyncrl.transport.layout import RUN_NAME, RunLayout
+from asyncrl.transport.layout import RUN_NAME, run_dir
 
 
 class RunSpec(BaseConfig):
@@ -215,14 +215,14 @@ class RLConfig(BaseConfig):
     def run_orchestrators(self) -> dict[str, OrchestratorConfig]:
         """Each run's orchestrator: [orchestrator] with the run's settings over it, writing to run_NAME/ and
         serving its adapter as NAME; a bad setting is a UserError naming the run."""
-        out, base = RunLayout.for_config(self.trainer), self.orchestrator.model_dump(mode="json")
+        base = self.orchestrator.model_dump(mode="json")
         configs = {}
         for run in self.runs or []:
             try:
                 raw = loader.deep_merge(base, fold_async_level(run.orchestrator))
             except ValueError as e:
                 raise UserError(f"[[runs]] {run.name!r}: {e}") from None
-            raw.update(output_dir=str(out.run_dir(run.name)), lora_name=run.name)
+            raw.update(output_dir=str(run_dir(self.trainer.output_dir, run.name)), lora_name=run.name)
             if run.max_steps is not None:
                 raw["max_steps"] = run.max_steps
             if raw.get("wandb") is not None:  # a copy: deep_merge shares the base's nested dicts with every run
@@ -348,21 +348,31 @@ def propagate(raw: dict, cli: dict | None = None) -> dict:
     raw.setdefault("trainer", {})
     raw.setdefault("orchestrator", {})
     components = [c for c in loader.COMPONENTS if isinstance(raw.get(c), dict)]
+    _propagate_fields(raw, cli, components)
+    _run_checkpoints(raw, cli)
+    _propagate_sections(raw, cli, components)
+    _point_at_inference(raw)
+    return raw
 
+
+def _propagate_fields(raw: dict, cli: dict, components: list[str]) -> None:
+    """Each shared field (`SHARED`) set once, on the command line or in the files, into every component."""
     for shared, where in SHARED.items():
         top = tuple(shared.split("."))
         given = _explicit(cli, top, where)
         values = given or _explicit(raw, top, where)
-        if values:
-            value = _agreed(shared, values, where, "on the command line" if given else "in the config files")
-            for comp in components:
-                if where[comp] is not None:
-                    loader.set_path(raw[comp], where[comp], value)
-            if loader.get_path(raw, top) is not None:  # --dry-run prints what the components run with
-                loader.set_path(raw, top, value)
+        if not values:
+            continue
+        value = _agreed(shared, values, where, "on the command line" if given else "in the config files")
+        for comp in components:
+            if where[comp] is not None:
+                loader.set_path(raw[comp], where[comp], value)
+        if loader.get_path(raw, top) is not None:  # --dry-run prints what the components run with
+            loader.set_path(raw, top, value)
 
-    _run_checkpoints(raw, cli)
 
+def _propagate_sections(raw: dict, cli: dict, components: list[str]) -> None:
+    """Each top-level shared section (`SHARED_SECTIONS`) merged under the components' own."""
     for section in SHARED_SECTIONS:
         top = raw.get(section)
         if top is None:
@@ -371,38 +381,48 @@ def propagate(raw: dict, cli: dict | None = None) -> dict:
         takers = {key: [c for c in comps if _takes_shared(raw, cli, c, section, key)] for key in top}
         for comp in comps:
             own = dict(raw[comp].get(section) or {})
-            top_flags, own_flags = cli.get(section) or {}, (cli.get(comp) or {}).get(section) or {}
             for key, value in top.items():
-                per_run = (section, key) in PER_RUN  # a component's own value is meant to differ
-                if key in top_flags and key in own_flags and not _same(top_flags[key], own_flags[key]) and not per_run:
-                    raise UserError(
-                        f"contradicting {section}.{key}: --{section}.{key} {top_flags[key]!r} but "
-                        f"--{comp}.{section}.{key} {own_flags[key]!r} on the command line; set it once"
-                    )
-                if per_run and comp in takers[key]:
-                    own[key] = _per_run_value(key, value, comp, takers[key])
-                elif key in top_flags or key in own_flags:  # the command line wins over the files
-                    own[key] = own_flags.get(key, top_flags.get(key))
-                elif key in own and not _same(own[key], value) and not per_run:
-                    raise UserError(
-                        f"contradicting {section}.{key}: top level = {value!r} but {comp}.{section}.{key} = "
-                        f"{own[key]!r}; set it once"
-                    )
+                _merge_key(own, cli, (comp, section, key), value, takers[key])
             raw[comp][section] = loader.deep_merge(top, own)
 
-    # the orchestrator talks to the server rl starts, unless told otherwise
-    if isinstance(raw.get("inference"), dict):
-        client = dict(raw["orchestrator"].get("client") or {})
-        port = loader.get_path(raw["inference"], ("server", "port"))
-        if port is not None and "port" not in client and "base_url" not in client:
-            client["port"] = port
-        raw["orchestrator"]["client"] = client
-        if (
-            loader.get_path(raw, ("seq_len",)) is not None
-            and loader.get_path(raw["inference"], ("model", "max_model_len")) is None
-        ):
-            loader.set_path(raw["inference"], ("model", "max_model_len"), raw["seq_len"])
-    return raw
+
+def _merge_key(own: dict, cli: dict, where: tuple[str, str, str], value: Any, takers: list[str]) -> None:
+    """A shared section's `key` into component `comp`'s own section `own`: a per-run value (`PER_RUN`) made
+    the component's, else the command line's, else the top level's, which a different own value contradicts."""
+    comp, section, key = where
+    top_flags, own_flags = cli.get(section) or {}, (cli.get(comp) or {}).get(section) or {}
+    per_run = (section, key) in PER_RUN  # a component's own value is meant to differ
+    if key in top_flags and key in own_flags and not _same(top_flags[key], own_flags[key]) and not per_run:
+        raise UserError(
+            f"contradicting {section}.{key}: --{section}.{key} {top_flags[key]!r} but "
+            f"--{comp}.{section}.{key} {own_flags[key]!r} on the command line; set it once"
+        )
+    if per_run and comp in takers:
+        own[key] = _per_run_value(key, value, comp, takers)
+    elif key in top_flags or key in own_flags:  # the command line wins over the files
+        own[key] = own_flags.get(key, top_flags.get(key))
+    elif key in own and not _same(own[key], value) and not per_run:
+        raise UserError(
+            f"contradicting {section}.{key}: top level = {value!r} but {comp}.{section}.{key} = "
+            f"{own[key]!r}; set it once"
+        )
+
+
+def _point_at_inference(raw: dict) -> None:
+    """The orchestrator talks to the server rl starts (its port), unless told otherwise; that server's context
+    is `seq_len` unless set."""
+    if not isinstance(raw.get("inference"), dict):
+        return
+    client = dict(raw["orchestrator"].get("client") or {})
+    port = loader.get_path(raw["inference"], ("server", "port"))
+    if port is not None and "port" not in client and "base_url" not in client:
+        client["port"] = port
+    raw["orchestrator"]["client"] = client
+    if (
+        loader.get_path(raw, ("seq_len",)) is not None
+        and loader.get_path(raw["inference"], ("model", "max_model_len")) is None
+    ):
+        loader.set_path(raw["inference"], ("model", "max_model_len"), raw["seq_len"])
 
 
 def _student_port(raw: dict) -> int:

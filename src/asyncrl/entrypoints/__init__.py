@@ -1,7 +1,8 @@
 """Console entrypoints, one thin module each: its main() is one call of `entry` with its config and its run.
 
 `entry` is what every entrypoint does around its component: parse the command line into the config
-(--help, --dry-run and a bad flag end here: config.cli), make the process's run layout from that config,
+(--help, --dry-run and a bad flag end here: config.cli), make the process's run layout from that config
+(the one `RunLayout` of the process: `run(config, layout)` gets it and passes it down),
 set up logging (and the run record `asyncrl status` reads) under it, run the component guarded (a user
 error is one `error: ...` line and exit 2, Ctrl-C exit 130), and, where asked, write the run's report.
 
@@ -42,7 +43,7 @@ T = TypeVar("T", bound=BaseModel)
 
 def entry(
     model: type[T],
-    run: Callable[[T], Any],
+    run: Callable[[T, RunLayout], Any],
     prog: str,
     summary: str,
     argv: list[str] | None = None,
@@ -56,7 +57,7 @@ def entry(
     locked: bool = False,
     component: str | None = None,
 ) -> None:
-    """An entrypoint's main(): `run(config)` for the `model` config that argv (+ env) gives.
+    """An entrypoint's main(): `run(config, layout)` for the `model` config that argv (+ env) gives.
 
     `resolve`, `passthrough`: as `parse_or_exit` takes them. `run_of(config)`: the config whose `output_dir`
     and `ckpt` are this process's run (rl: its trainer's); `log_of(config)`: its log settings. `ranked`: a
@@ -91,7 +92,7 @@ def _entry(
     log = log_of(config)
     (setup_rank_logger if ranked else setup_logger)(component or prog, layout, log.level, log.file)
     try:
-        run_guarded(lambda: run(config), finish=runstate.finish)
+        run_guarded(lambda: run(config, layout), finish=runstate.finish)
     finally:
         if reports is not None and (not ranked or int(os.environ.get("RANK", "0")) == 0):
             _report(reports(config, layout))

@@ -9,10 +9,10 @@ from asyncrl.transport.layout import RunLayout
 SUMMARY = "Evaluate environments against a server, optionally over saved weight steps."
 
 
-def run(config: EvalConfig) -> None:
+def run(config: EvalConfig, layout: RunLayout) -> None:
     from asyncrl.evaluation.evaluate import run_eval
 
-    run_eval(config)
+    run_eval(config, layout)
 
 
 def reports(config: EvalConfig, layout: RunLayout) -> list[RunLayout]:

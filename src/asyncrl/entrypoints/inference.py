@@ -6,14 +6,15 @@ import os
 
 from asyncrl.config.inference import SERVER_ROLE_VAR, InferenceConfig
 from asyncrl.entrypoints import entry
+from asyncrl.transport.layout import RunLayout
 
 SUMMARY = "OpenAI-compatible inference server with token ids, logprobs and /update_weights."
 
 
-def run(config: InferenceConfig) -> None:
+def run(config: InferenceConfig, layout: RunLayout) -> None:
     from asyncrl.inference import serve
 
-    serve(config)
+    serve(config, layout)
 
 
 def main(argv: list[str] | None = None) -> None:

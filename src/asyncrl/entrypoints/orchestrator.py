@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.entrypoints import entry
+from asyncrl.transport.layout import RunLayout
 
 SUMMARY = "Orchestrator: gets rollouts from the inference server, scores them, writes training batches."
 
 
-def run(config: OrchestratorConfig) -> None:
-    from asyncrl.orchestrator.loop import run_orchestrator
+def run(config: OrchestratorConfig, layout: RunLayout) -> None:
+    from asyncrl.orchestrator import run_orchestrator
 
-    run_orchestrator(config)
+    run_orchestrator(config, layout)
 
 
 def main(argv: list[str] | None = None) -> None:

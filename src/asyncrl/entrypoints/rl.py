@@ -16,15 +16,15 @@ SUMMARY = (
 )
 
 
-def run(config: RLConfig) -> None:
+def run(config: RLConfig, layout: RunLayout) -> None:
     from asyncrl.launcher import launch
 
     if config.bench:
         from asyncrl.bench.run import run_bench_job
 
-        run_bench_job(config, launch)  # bench and launcher are siblings: the entrypoint wires them
+        run_bench_job(config, launch, layout)  # bench and launcher are siblings: the entrypoint wires them
         return
-    launch(config)
+    launch(config, layout)
 
 
 def trainer(config: RLConfig) -> TrainerConfig:

@@ -12,10 +12,10 @@ from asyncrl.transport.layout import RunLayout
 SUMMARY = "Supervised fine-tuning on prompt/completion chat data (FSDP2)."
 
 
-def run(config: SFTConfig) -> None:
+def run(config: SFTConfig, layout: RunLayout) -> None:
     from asyncrl.trainer.sft import train_sft
 
-    train_sft(config)
+    train_sft(config, layout)
 
 
 def reports(config: SFTConfig, layout: RunLayout) -> list[RunLayout]:

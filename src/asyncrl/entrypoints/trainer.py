@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.entrypoints import entry
+from asyncrl.transport.layout import RunLayout
 
 SUMMARY = "RL trainer: reads packed rollout batches, updates the policy with FSDP2, publishes weights."
 
 
-def run(config: TrainerConfig) -> None:
+def run(config: TrainerConfig, layout: RunLayout) -> None:
     from asyncrl.trainer.rl import train
 
-    train(config)
+    train(config, layout)
 
 
 def main(argv: list[str] | None = None) -> None:

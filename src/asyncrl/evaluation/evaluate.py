@@ -128,81 +128,94 @@ def format_table(results: dict[str, dict[str, dict]]) -> str:
     return _render(rewards) + "\n\n" + _render(details)
 
 
-async def _evaluate(config: EvalConfig) -> dict[str, Any]:
+async def _evaluate(config: EvalConfig, layout: RunLayout) -> dict[str, Any]:
     slots = load_slots(config.envs(), eval_split=True)
     targets = find_targets(config)
     await check_server(config.client, config.model.name, config.server_wait)
-    runners = make_runners(config.client, config.model.name, slots, RunLayout.for_config(config).logs)
+    runners = make_runners(config.client, config.model.name, slots, layout.logs)
     args = request_args(config.sampling)
     out = Path(config.output_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     admin = InferenceClient(config.client) if config.weights_dir is not None else None
-    sink = MetricsSink(RunLayout.for_config(config), "eval", config.wandb, config.model_dump(mode="json"))
-    results: dict[str, dict] = {}
-    rows: list[dict] = []
-    summary: dict[str, Any] = {
-        "model": config.model.name,
-        "base_url": config.client.url,
-        "environments": [s.name for s in slots],
-        "num_examples": config.num_examples,
-        "rollouts_per_example": config.rollouts_per_example,
-        "weights_dir": str(config.weights_dir) if config.weights_dir else None,
-        "results": results,
-    }
+    sink = MetricsSink(layout, "eval", config.wandb, config.model_dump(mode="json"))
+    summary, rows = new_summary(config, [s.name for s in slots]), []
+    results = summary["results"]
     try:
         for target in targets:
-            if admin is not None:
-                await _load(admin, target)
-            jobs = [
-                Job(slot, ex_id, row, config.rollouts_per_example)
-                for slot in slots
-                for ex_id, row in example_rows(slot, config.num_examples)
-            ]
-            records = await run_jobs(jobs, runners.run_group, args, config.max_concurrent)
-            if all(not r.ok for r in records):
-                raise UserError(
-                    f"every rollout of {target.label} failed; first error: {first_error(records)} "
-                    f"(is the server at {config.client.url} still up? {start_hint(config.client.url)})"
-                )
+            records = await _run_target(config, target, admin, slots, runners.run_group, args)
             results[target.label] = summarize(records)
             rows += [rollout_row(target, r) for r in records]
             write_text_atomic(out / "rollouts.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
             write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
-            for env, s in results[target.label].items():
-                logger.info(
-                    f"{target.label} | {env} | reward {_reward(s)} | {s['rollouts']} rollouts, {s['errors']} errors"
-                )
-            sink.log(
-                target.step or 0,
-                {
-                    "label": target.label,
-                    **{
-                        f"eval/{env}/{k}": v
-                        for env, s in results[target.label].items()
-                        for k, v in [
-                            ("reward_mean", s["reward_mean"]),
-                            ("reward_std", s["reward_std"]),
-                            ("errors", s["errors"]),
-                            *s["metrics"].items(),
-                        ]
-                    },
-                },
-            )
+            _report_target(sink, target, results[target.label])
     finally:
-        if admin is not None:
-            try:
-                await admin.reload_weights()
-            except Exception as e:  # the server may be gone; the results are already on disk
-                logger.warning(f"could not return the server to the base model: {e}")
-            await admin.close()
-        await runners.close()
-        sink.close()
+        await _close(admin, runners, sink)
     print(format_table(results), flush=True)
     logger.info(f"wrote {len(rows)} rollouts to {out / 'rollouts.jsonl'} and the summary to {out / 'summary.json'}")
     return summary
 
 
-def run_eval(config: EvalConfig) -> dict[str, Any]:
+def new_summary(config: EvalConfig, envs: list[str]) -> dict[str, Any]:
+    """summary.json before any target: the setup, and `results` (label -> env -> summary) to fill."""
+    return {
+        "model": config.model.name,
+        "base_url": config.client.url,
+        "environments": envs,
+        "num_examples": config.num_examples,
+        "rollouts_per_example": config.rollouts_per_example,
+        "weights_dir": str(config.weights_dir) if config.weights_dir else None,
+        "results": {},
+    }
+
+
+async def _run_target(
+    config: EvalConfig, target: Target, admin: InferenceClient | None, slots: list, run_group: Any, args: dict
+) -> list[RolloutRecord]:
+    """Every rollout of one target on every slot (loaded into the server first with a weights dir); a target
+    none of whose rollouts succeeded is a UserError."""
+    if admin is not None:
+        await _load(admin, target)
+    n = config.rollouts_per_example
+    jobs = [Job(slot, ex_id, row, n) for slot in slots for ex_id, row in example_rows(slot, config.num_examples)]
+    records = await run_jobs(jobs, run_group, args, config.max_concurrent)
+    if all(not r.ok for r in records):
+        raise UserError(
+            f"every rollout of {target.label} failed; first error: {first_error(records)} "
+            f"(is the server at {config.client.url} still up? {start_hint(config.client.url)})"
+        )
+    return records
+
+
+def _report_target(sink: MetricsSink, target: Target, per_env: dict[str, dict]) -> None:
+    """One log line per environment, and the target's row in metrics/eval.jsonl (and W&B)."""
+    for env, s in per_env.items():
+        logger.info(f"{target.label} | {env} | reward {_reward(s)} | {s['rollouts']} rollouts, {s['errors']} errors")
+    metrics = {
+        f"eval/{env}/{k}": v
+        for env, s in per_env.items()
+        for k, v in [
+            ("reward_mean", s["reward_mean"]),
+            ("reward_std", s["reward_std"]),
+            ("errors", s["errors"]),
+            *s["metrics"].items(),
+        ]
+    }
+    sink.log(target.step or 0, {"label": target.label, **metrics})
+
+
+async def _close(admin: InferenceClient | None, runners: Any, sink: MetricsSink) -> None:
+    """Return the server to the base model (after a weights dir), close the clients and the sink."""
+    if admin is not None:
+        try:
+            await admin.reload_weights()
+        except Exception as e:  # the server may be gone; the results are already on disk
+            logger.warning(f"could not return the server to the base model: {e}")
+        await admin.close()
+    await runners.close()
+    sink.close()
+
+
+def run_eval(config: EvalConfig, layout: RunLayout) -> dict[str, Any]:
     """Evaluate and return the summary (also written to {output_dir}/eval/summary.json); `--model.name`
     resolves through the endpoints registry first (evaluation.endpoints)."""
-    return asyncio.run(_evaluate(resolve(config)))
+    return asyncio.run(_evaluate(resolve(config), layout))

@@ -21,16 +21,8 @@ from loguru import logger
 
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
 from asyncrl.core.errors import UserError
-from asyncrl.orchestrator.envs import (
-    EnvMixture,
-    EnvSlot,
-    RunGroup,
-    Runners,
-    example_id,
-    group_inputs,
-    runners_for,
-    sampling_args,
-)
+from asyncrl.orchestrator.envs.mixture import EnvMixture, EnvSlot, example_id, group_inputs
+from asyncrl.orchestrator.envs.runners import RunGroup, Runners, runners_for, sampling_args
 from asyncrl.utils.progress import Bar
 
 # verifiers errors caused by the model's own answer (empty, unparsable, too long): the rollout did run

@@ -114,7 +114,7 @@ def _append(path: Path, lines: list[dict]) -> None:
         os.fsync(f.fileno())
 
 
-async def _synthesize(config: SynthesizeConfig) -> SynthStats:
+async def _synthesize(config: SynthesizeConfig, layout: RunLayout) -> SynthStats:
     data = dataset_path(config)
     progress = progress_path(data)
     data.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,7 @@ async def _synthesize(config: SynthesizeConfig) -> SynthStats:
         stats.kept += len(kept)
         stats.rewards += [r.reward for r in records]
 
-    runners = make_runners(config.client, config.model.name, slots, RunLayout.for_config(config).logs)
+    runners = make_runners(config.client, config.model.name, slots, layout.logs)
     try:
         await run_jobs(jobs, runners.run_group, request_args(config.sampling), config.max_concurrent, on_group)
     finally:
@@ -173,5 +173,5 @@ async def _synthesize(config: SynthesizeConfig) -> SynthStats:
     return stats
 
 
-def run_synthesize(config: SynthesizeConfig) -> SynthStats:
-    return asyncio.run(_synthesize(config))
+def run_synthesize(config: SynthesizeConfig, layout: RunLayout) -> SynthStats:
+    return asyncio.run(_synthesize(config, layout))

@@ -1,4 +1,4 @@
-"""`serve(config)`: the one place the engine is chosen; serves until interrupted.
+"""`serve(config, layout)`: the one place the engine is chosen; serves until interrupted.
 
 `backend = "embedded"` runs the embedded engine behind the API's app under uvicorn; `"vllm"` hands
 over to vLLM's server with the API mounted on it (vllm/server.py). Imports neither torch nor vllm
@@ -20,16 +20,18 @@ import gc
 from loguru import logger
 
 from asyncrl.config.inference import InferenceConfig
+from asyncrl.transport.layout import RunLayout
 
 
-def serve(config: InferenceConfig) -> None:
-    """Serve `config.model` with the configured engine until interrupted (blocking)."""
+def serve(config: InferenceConfig, layout: RunLayout) -> None:
+    """Serve `config.model` with the configured engine until interrupted (blocking); `layout`: the process's run
+    (vLLM from another environment writes its config there)."""
     logger.info(f"engine: {config.backend} ({config.backend_why})")
     warn_if_open(config)
     if config.backend == "vllm":
         from asyncrl.inference.vllm.server import run_vllm_server
 
-        run_vllm_server(config)
+        run_vllm_server(config, layout)
     else:
         _serve_embedded(config)
 

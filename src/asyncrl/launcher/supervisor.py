@@ -95,9 +95,9 @@ class Child:
 
 
 class Launcher:
-    def __init__(self, config: RLConfig):
+    def __init__(self, config: RLConfig, layout: RunLayout):
         self.config = config
-        self.layout = RunLayout.for_config(config.trainer)
+        self.layout = layout
         self.placement = Placement(config)
         self.children: list[Child] = []
         self.runs = config.run_orchestrators()  # multi-run: each run's orchestrator config; empty: one run
@@ -482,9 +482,9 @@ class Launcher:
         return "\n".join(lines)
 
 
-def launch(config: RLConfig) -> None:
-    """Run one RL experiment to completion; raises UserError naming a child that died."""
-    launcher = Launcher(config)
+def launch(config: RLConfig, layout: RunLayout) -> None:
+    """Run one RL experiment to completion (`layout`: its trainer's run); raises UserError naming a child that died."""
+    launcher = Launcher(config, layout)
     start = time.monotonic()
 
     def on_signal(signum, _frame):

@@ -1,5 +1,5 @@
 """The orchestrator: verifiers rollouts against the inference server -> advantages -> packed batches."""
 
-from asyncrl.orchestrator.loop import run_orchestrator
+from asyncrl.orchestrator.process import run_orchestrator
 
 __all__ = ["run_orchestrator"]

@@ -38,6 +38,14 @@ class Progress:
     total_problems: int = 0
     sampler: dict = field(default_factory=dict)
 
+    def advance(self, step: int, tokens: int, samples: int, problems: int, sampler: dict) -> None:
+        """Step `step`'s batch is written: the run is `step + 1` steps in, with these totals and sampler."""
+        self.step = step + 1
+        self.total_tokens += tokens
+        self.total_samples += samples
+        self.total_problems += problems
+        self.sampler = sampler
+
 
 def _complete(path: Path) -> bool:
     return (path / PROGRESS).exists()

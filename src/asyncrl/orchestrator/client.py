@@ -1,6 +1,6 @@
 """HTTP control calls to the inference server: wait for health, load weights, return to the base model.
 
-Rollout requests themselves go through verifiers' token client (see `envs.py`); this is the admin
+Rollout requests themselves go through verifiers' token client (see `envs/classic.py`); this is the admin
 side: `GET /health`, `POST /update_weights {"weight_dir": ...}`, `POST /reload_weights {}`, all at
 the server root (the OpenAI API lives under `/v1`).
 """

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from asyncrl.orchestrator.envs import EnvMixture, RunGroup, group_inputs
+from asyncrl.orchestrator.envs.mixture import EnvMixture, group_inputs
+from asyncrl.orchestrator.envs.runners import RunGroup
 from asyncrl.orchestrator.metrics import rollout_metrics
 from asyncrl.orchestrator.samples import Rollout, TrajectoryConverter
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig
 from asyncrl.orchestrator.advantage import compute_advantages
-from asyncrl.orchestrator.samples import Rollout
+from asyncrl.orchestrator.samples import Rollout, TokenSample
 
 Verdict = Literal["accept", "too_easy", "too_hard", "failed"]
 
@@ -34,6 +34,11 @@ class Group:
     @property
     def valid(self) -> list[Rollout]:
         return [r for r in self.rollouts if r.ok]
+
+    @property
+    def samples(self) -> list[TokenSample]:
+        """The training samples of its valid rollouts, in order (what the teacher scores)."""
+        return [s for r in self.valid for s in r.samples]
 
     @property
     def num_errors(self) -> int:

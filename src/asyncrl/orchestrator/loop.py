@@ -2,10 +2,12 @@
 
 Step n (0-based): wait for a policy >= n-k in the trainer's broadcast dirs (k = max_async_level;
 n-k <= 0 allows the base model), tell the server to load it if it is newer than what it holds, run
-online eval when due, collect the step's rollout groups, compute advantages, pack them into
-micro-batches and write `rollouts/step_n` atomically. The loop then goes straight on to step n+1
-while the trainer trains on step n, so generation and training overlap within the bound.
-`update_weights` is only ever sent between two steps' generations (nothing is in flight then).
+online eval when due, collect the step's rollout groups (`rollouts.py`), pack them with their advantages
+into micro-batches and write `rollouts/step_n` atomically (`batches.py`), then log the step's row
+(`metrics.step_record`). The loop then goes straight on to step n+1 while the trainer trains on step n, so
+generation and training overlap within the bound. `update_weights` is only ever sent between two steps'
+generations (nothing is in flight then). The process around the loop is `process.py`; the throughput mode
+(`--bench`) is `throughput.py`.
 
 With a teacher (on-policy distillation), the teacher is checked at every start (a resumed run too), each
 accepted group is scored by it while the step's other groups generate, and the batch's advantages are per
@@ -32,34 +34,18 @@ from loguru import logger
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator import ckpt
-from asyncrl.orchestrator.advantage import teacher_targets, token_advantages
+from asyncrl.orchestrator.batches import TrainerRanks, step_items, write_step_batch
 from asyncrl.orchestrator.client import InferenceClient, start_hint
-from asyncrl.orchestrator.envs import (
-    EnvMixture,
-    RunGroup,
-    in_flight_target,
-    problems_per_step,
-    runners_for,
-    sampling_args,
-)
+from asyncrl.orchestrator.envs.mixture import EnvMixture
+from asyncrl.orchestrator.envs.runners import RunGroup, sampling_args
 from asyncrl.orchestrator.evaluation import evaluate_policy
 from asyncrl.orchestrator.filtering import Group
 from asyncrl.orchestrator.gating import Policy, PolicyGate, checkpoint_policy
-from asyncrl.orchestrator.metrics import (
-    distill_metrics,
-    group_metrics,
-    log_extras,
-    log_samples,
-    log_step,
-    rollout_metrics,
-)
-from asyncrl.orchestrator.packing import PackItem, PackStats, pack
-from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts, gather_all
-from asyncrl.orchestrator.samples import TrajectoryConverter
-from asyncrl.orchestrator.teacher import PROBE, TeacherClient, with_student
-from asyncrl.transport.batch import write_batch
-from asyncrl.transport.layout import ADAPTER, RunLayout, trainer_world_size
-from asyncrl.transport.row import Row
+from asyncrl.orchestrator.metrics import StepFacts, distill_record, log_extras, log_samples, log_step, step_record
+from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts, gather_all, step_shape
+from asyncrl.orchestrator.samples import Rollout, TrajectoryConverter
+from asyncrl.orchestrator.teacher import PROBE, TeacherClient
+from asyncrl.transport.layout import ADAPTER, RunLayout
 from asyncrl.transport.weights import weights_problem
 from asyncrl.utils.monitor import MetricsSink, drop_rows_from
 
@@ -92,14 +78,15 @@ class Orchestrator:
         mixture: EnvMixture,
         run_group: RunGroup,
         server: InferenceClient,
+        *,
+        layout: RunLayout,
         eval_mixture: EnvMixture | None = None,
         sink: MetricsSink | None = None,
-        layout: RunLayout | None = None,
         teacher: TeacherClient | None = None,
     ):
         self.config = config
         self.teacher = teacher
-        self.layout = layout or RunLayout.for_config(config)
+        self.layout = layout
         self.mixture = mixture
         self.eval_mixture = eval_mixture
         self.run_group = run_group
@@ -107,11 +94,7 @@ class Orchestrator:
         self.served_model = config.model.name  # what requests name: the base model, or the run's LoRA adapter
         self.sink = sink or MetricsSink(self.layout, "orchestrator", config.wandb, config.model_dump(mode="json"))
         self.converter = TrajectoryConverter(config.trajectory_strategy)
-        self.problems = problems_per_step(config.batch_size, config.rollouts_per_example)
-        target = in_flight_target(self.problems, config.oversampling_factor)
-        if config.max_concurrent is not None:
-            target = max(1, min(target, config.max_concurrent // config.rollouts_per_example))
-        self.in_flight = target
+        self.problems, self.in_flight = step_shape(config)
         self.collector = GroupCollector(
             mixture,
             run_group,
@@ -119,14 +102,14 @@ class Orchestrator:
             config.rollouts_per_example,
             config.buffer,
             config.advantage,
-            fail_limit=max(4, 2 * target),
+            fail_limit=max(4, 2 * self.in_flight),
             scorer=teacher.score_group if teacher is not None else None,
         )
         self.args = sampling_args(config.sampling)
         self.progress = ckpt.Progress()
         self.loaded_policy: int | None = None  # unknown until we set it
         self._context_warned_at: int | None = None
-        self._trainer_ranks = 0  # known before the first batch is packed
+        self.ranks = TrainerRanks(config, self.layout)
 
     # ---- setup -------------------------------------------------------------------------------
     def _resume(self) -> Policy | None:
@@ -219,53 +202,6 @@ class Orchestrator:
         if self.config.buffer.online_difficulty_filtering:
             logger.info("distillation: online_difficulty_filtering keeps every group (each has the teacher's signal)")
 
-    def _items(self, got: StepRollouts) -> list[PackItem]:
-        """The step's samples with their advantages: the reward's (times reward weight), or per token with a
-        teacher. Without a teacher and at reward weight 1 these are exactly the reward's advantages."""
-        temperature = self.config.sampling.temperature
-        dw, rw = self.config.distill_weight, self.config.reward_weight
-        items = []
-        for i, g in enumerate(got.groups):
-            scores = iter(got.teacher[i]) if got.teacher is not None else None
-            for r in g.valid:
-                for s in r.samples:
-                    item = PackItem(s, r.advantage if rw == 1.0 else rw * r.advantage, temperature, group=i)
-                    if scores is not None:
-                        lps = next(scores)
-                        top = getattr(lps, "top", None)
-                        if top is not None:  # forward_kl: the trainer's cross-entropy term carries the teacher
-                            item.teacher_targets = teacher_targets(s.loss_mask, top, dw)
-                        baseline = getattr(lps, "baseline", None)
-                        item.token_advantages = token_advantages(
-                            s.loss_mask,
-                            s.logprobs,
-                            lps,
-                            r.advantage,
-                            0.0 if top is not None else dw,
-                            rw,
-                            baseline,
-                            self.config.distill.clip,
-                        )
-                    items.append(item)
-        return items
-
-    def _pack(self, items: list[PackItem]) -> tuple[list[list[Row]], PackStats]:
-        return pack(items, self.config.seq_len, self._trainer_ranks, share=self.config.share_prefix)
-
-    def _learn_trainer_ranks(self) -> None:
-        """The trainer's rank count: `num_train_workers`, else what trainer rank 0 writes at start (read every
-        step: a trainer that starts later, or again with another world size, is followed), else 1. A batch
-        packed for another count still trains: the trainer deals its rows out again."""
-        if self.config.num_train_workers is not None:
-            self._trainer_ranks = self.config.num_train_workers
-            return
-        path, written = self.layout.trainer_world, trainer_world_size(self.layout)
-        ranks = written or 1
-        if ranks != self._trainer_ranks:
-            said = f"from {path}" if written else f"until the trainer writes {path.name}"
-            logger.info(f"packing batches for {ranks} trainer rank(s) ({said})")
-        self._trainer_ranks = ranks
-
     @property
     def overlaps_scoring(self) -> bool:
         """Whether a step's teacher scoring may run on while the next step generates: with a teacher that is
@@ -289,70 +225,38 @@ class Orchestrator:
 
     async def _finish(self, gen: Generated) -> dict[str, Any]:
         """Wait for the step's teacher scores, pack and write its batch, log it, checkpoint when due."""
-        step, policy, got = gen.step, gen.policy, gen.got
+        got = gen.got
         await self.collector.await_scores(got)
-        min_policy = min(g.policy_step for g in got.groups)
-        self._learn_trainer_ranks()
         t_pack = time.perf_counter()
-        items = self._items(got)
-        per_rank, stats = self._pack(items)
-        meta = {
-            "num_samples": stats.num_samples,
-            "num_tokens": stats.num_tokens,
-            "num_tokens_unshared": stats.num_tokens_unshared,
-            "policy_step": policy.step,
-            "min_policy_step": min_policy,
-        }
-        write_batch(self.layout, step, per_rank, meta)
-        if policy.step > 0:
-            self.layout.prune_batches(keep_from_step=policy.step)  # the trainer has consumed those
+        items = step_items(got.groups, self.config)
+        oldest = min(g.policy_step for g in got.groups)
+        per_rank, stats = write_step_batch(
+            self.layout, self.config, gen.step, items, self.ranks.learn(), (gen.policy.step, oldest)
+        )
         t_write = time.perf_counter() - t_pack
+        self.progress.advance(gen.step, stats.num_tokens, stats.num_samples, len(got.groups), gen.sampler)
+        distill = distill_record(got, items) if self.teacher is not None else {}
+        facts = StepFacts(
+            gen.step,
+            gen.policy.step,
+            stats,
+            len(per_rank[0]),
+            self.mixture.metrics(),
+            self.converter.fallbacks,
+            distill,
+            gen.waited,
+            gen.t_update,
+            t_write,
+            time.perf_counter() - gen.t0,
+        )
+        buffer = self.config.buffer
+        record = step_record(got, facts, (buffer.easy_threshold, buffer.hard_threshold), self.progress)
+        self._log(gen.step, record, [r for g in got.groups for r in g.valid])
+        self._checkpoint(gen.buffer)
+        return record
 
-        p = self.progress
-        p.step = step + 1
-        p.total_tokens += stats.num_tokens
-        p.total_samples += stats.num_samples
-        p.total_problems += len(got.groups)
-        p.sampler = gen.sampler
-        used = [r for g in got.groups for r in g.valid]
-        gen_tokens = sum(r.completion_len for g in got.finished for r in g.valid)
-        gen_rollouts = sum(len(g.valid) for g in got.finished)
-        record: dict[str, Any] = {
-            "kind": "train",
-            "step": step,
-            **rollout_metrics(used),
-            **self.mixture.metrics(),
-            **group_metrics(
-                got.groups, got.finished, self.config.buffer.easy_threshold, self.config.buffer.hard_threshold
-            ),
-            "policy/step": policy.step,
-            "off_policy/level": step - min_policy,
-            "batch/samples": stats.num_samples,
-            "batch/tokens": stats.num_tokens,
-            "batch/tokens_unshared": stats.num_tokens_unshared,
-            "batch/shared_frac": 1 - stats.num_tokens / max(stats.num_tokens_unshared, 1),
-            "batch/loss_tokens": stats.num_loss_tokens,
-            "batch/truncated_samples": stats.num_truncated,
-            "batch/micro_batches": len(per_rank[0]),
-            "batch/dummy_micro_batches": stats.num_dummies,
-            "groups/launched": got.launched,
-            "groups/cancelled": got.cancelled,
-            "groups/reused": got.reused,
-            "groups/stale_dropped": got.stale_dropped,
-            "groups/filler": got.filler,
-            "trajectory/prefix_fallbacks_total": self.converter.fallbacks,
-            "perf/gen_tokens_per_s": gen_tokens / max(got.seconds, 1e-9),
-            "perf/rollouts_per_s": gen_rollouts / max(got.seconds, 1e-9),
-            "time/wait_weights": gen.waited,
-            "time/update_weights": gen.t_update,
-            "time/rollouts": got.seconds,
-            **self._distill_record(got, items),
-            "time/pack_write": t_write,
-            "time/step": time.perf_counter() - gen.t0,
-            "progress/total_tokens": p.total_tokens,
-            "progress/total_samples": p.total_samples,
-            "progress/total_problems": p.total_problems,
-        }
+    def _log(self, step: int, record: dict[str, Any], used: list[Rollout]) -> None:
+        """The step's row, its warnings, its W&B extras and its best and worst rollout."""
         log_step(self.sink, record)
         if record["rollouts/errors"]:
             logger.warning(
@@ -363,23 +267,14 @@ class Orchestrator:
         log_extras(self.sink, step, used)
         if self.sink.enabled:
             log_samples(self.layout.samples, step, used)
-        cfg = self.config.ckpt
+
+    def _checkpoint(self, buffer: list[Group]) -> None:
+        """Save the orchestrator's checkpoint when due (every `ckpt.interval` steps and at the last)."""
+        cfg, p = self.config.ckpt, self.progress
         if cfg is not None and (p.step % cfg.interval == 0 or p.step == self.config.max_steps):
-            path = ckpt.save(self.layout, p, gen.buffer)
+            path = ckpt.save(self.layout, p, buffer)
             ckpt.prune(self.layout, cfg)
             logger.info(f"saved orchestrator checkpoint {path}")
-        return record
-
-    def _distill_record(self, got: StepRollouts, items: list[PackItem]) -> dict[str, float]:
-        if got.teacher is None:
-            return {}
-        record = distill_metrics([it.sample for it in items], [lp for per_group in got.teacher for lp in per_group])
-        record["time/teacher_s"] = got.teacher_seconds
-        # a rollout is effective when any of its tokens moves the policy (reward or teacher)
-        record["batch/effective_rollouts"] = float(
-            sum(any(abs(a) > 1e-8 for a in it.token_advantages or []) for it in items)
-        )
-        return record
 
     def _warn_context_full(self, step: int, frac: float) -> None:
         """Rollouts cut short by a full context silently lose their later turns (and usually their reward)."""
@@ -439,140 +334,3 @@ class Orchestrator:
             await self.collector.close()
             self.sink.close()
         logger.success(f"orchestrator finished {step - start} steps ({self.progress.total_samples} samples in total)")
-
-
-def bench_record(row: dict) -> dict:
-    """A bench step's metrics row (`kind` = "bench"), named as a run's step rows name the same numbers."""
-    return {
-        "kind": "bench",
-        "rollouts": row["rollouts"],
-        "errors": row["errors"],
-        "time/rollouts": row["seconds"],
-        "perf/rollouts_per_s": row["rollouts_per_s"],
-        "perf/gen_tokens_per_s": row["gen_tokens_per_s"],
-        "perf/total_tokens_per_s": row["total_tokens_per_s"],
-    }
-
-
-async def run_bench(
-    config: OrchestratorConfig, mixture: EnvMixture, run_group: RunGroup, sink: MetricsSink | None = None
-) -> list[dict]:
-    """Generate a few batches against a running server (no weights, no batches written); print throughput and
-    log each step to the metrics file (and W&B), as the trainer's --bench does."""
-    from asyncrl.config.orchestrator import BufferConfig
-
-    problems = problems_per_step(config.batch_size, config.rollouts_per_example)
-    in_flight = in_flight_target(problems, config.oversampling_factor)
-    if config.max_concurrent is not None:
-        in_flight = max(1, min(in_flight, config.max_concurrent // config.rollouts_per_example))
-    collector = GroupCollector(
-        mixture,
-        run_group,
-        TrajectoryConverter(config.trajectory_strategy),
-        config.rollouts_per_example,
-        BufferConfig(),
-        config.advantage,
-        fail_limit=max(4, 2 * in_flight),
-    )
-    args = sampling_args(config.sampling)
-    rows = []
-    if sink is not None:
-        sink.restart_at(0)
-    for step in range(config.max_steps or 3):
-        collector.buffer.clear()
-        got = await collector.collect(step, 0, 0, problems, in_flight, args)
-        valid = [r for g in got.finished for r in g.valid]
-        completion = sum(r.completion_len for r in valid)
-        total = sum(r.prompt_len + r.completion_len for r in valid)
-        rows.append(
-            {
-                "step": step,
-                "rollouts": len(valid),
-                "seconds": got.seconds,
-                "rollouts_per_s": len(valid) / got.seconds,
-                "gen_tokens_per_s": completion / got.seconds,
-                "total_tokens_per_s": total / got.seconds,
-                "errors": sum(not r.ok for g in got.finished for r in g.rollouts),
-            }
-        )
-        if sink is not None:
-            sink.log(step, bench_record(rows[-1]))
-    timed = rows[1:] or rows  # the first step includes connection warm-up
-    secs = sum(r["seconds"] for r in timed)
-    rollouts = sum(r["rollouts"] for r in timed)
-    summary = {
-        "step": "total",
-        "rollouts": rollouts,
-        "seconds": secs,
-        "errors": sum(r["errors"] for r in timed),
-        "rollouts_per_s": rollouts / secs,
-        "gen_tokens_per_s": sum(r["gen_tokens_per_s"] * r["seconds"] for r in timed) / secs,
-        "total_tokens_per_s": sum(r["total_tokens_per_s"] * r["seconds"] for r in timed) / secs,
-    }
-    print(
-        f"orchestrator bench: {problems} prompts x {config.rollouts_per_example} rollouts per step, "
-        f"max_tokens={config.sampling.max_tokens}, server {config.client.url}"
-    )
-    print(
-        f"{'step':>5} {'rollouts':>9} {'seconds':>8} {'rollouts/s':>11} "
-        f"{'gen tok/s':>10} {'total tok/s':>12} {'errors':>7}"
-    )
-    for r in rows + [summary]:
-        print(
-            f"{r['step']:>5} {r['rollouts']:>9} {r['seconds']:>8.2f} {r['rollouts_per_s']:>11.2f} "
-            f"{r['gen_tokens_per_s']:>10.1f} {r['total_tokens_per_s']:>12.1f} {r['errors']:>7}"
-        )
-    if len(rows) > 1:
-        print("(total: steps 1 and later; step 0 includes connection warm-up)")
-    return rows + [summary]
-
-
-async def orchestrate(config: OrchestratorConfig, run_group: RunGroup | None = None) -> None:
-    """Load environments, connect to the server and run (or bench)."""
-    mixture = EnvMixture.load(config.env, config.seq_len, config.seed)
-    eval_mixture = None
-    if config.eval is not None and not config.bench:
-        eval_mixture = EnvMixture.load(config.eval.env or config.env, config.seq_len, config.seed, eval_split=True)
-    server = InferenceClient(config.client)
-    teacher = None
-    if config.teacher is not None and not config.bench:
-        teacher = with_student(config.teacher, config.seq_len, config.distill, config.client, config.model.name)
-    runners = None
-    try:
-        await server.wait_healthy(timeout=config.client.health_timeout)
-        await server.check_key()
-        if run_group is None:
-            name = config.model.name if config.bench else (lambda: orchestrator.served_model)
-            slots = mixture.slots + (eval_mixture.slots if eval_mixture else [])
-            logs = RunLayout.for_config(config).logs
-            runners = runners_for(
-                slots,
-                config.client,
-                config.model.name,
-                name,
-                renderer=config.renderer,
-                log_dir=logs,
-                direct=config.episodes == "direct",
-            )
-            run_group = runners.run_group
-        if config.bench:
-            layout = RunLayout.for_config(config)
-            sink = MetricsSink(layout, "orchestrator", config.wandb, config.model_dump(mode="json"))
-            try:
-                await run_bench(config, mixture, run_group, sink)
-            finally:
-                sink.close()
-        else:
-            orchestrator = Orchestrator(config, mixture, run_group, server, eval_mixture, teacher=teacher)
-            await orchestrator.run()
-    finally:
-        await server.close()
-        if teacher is not None:
-            await teacher.close()
-        if runners is not None:
-            await runners.close()
-
-
-def run_orchestrator(config: OrchestratorConfig) -> None:
-    """Entry point: run the orchestrator to completion (the entrypoint has set up logging)."""
-    asyncio.run(orchestrate(config))

@@ -1,7 +1,8 @@
 """Orchestrator metrics: per-step statistics of rollout groups, and where they are written.
 
-Each record goes to `{output_dir}/metrics/orchestrator.jsonl` (one JSON object per line, with
-`kind` = "train" or "eval"), to loguru as one console line, and to W&B when configured. Each step's
+`step_record` builds a train step's row, the one place its fields are named. Each record goes to
+`{output_dir}/metrics/orchestrator.jsonl` (one JSON object per line, with `kind` = "train" or "eval"), to
+loguru as one console line, and to W&B when configured. Each step's
 best and worst rollout (prompt, completion, reward) go to `{output_dir}/samples.jsonl` for the report.
 """
 
@@ -10,14 +11,108 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
+from asyncrl.orchestrator.ckpt import Progress
 from asyncrl.orchestrator.filtering import Group
+from asyncrl.orchestrator.packing import PackItem, PackStats
+from asyncrl.orchestrator.rollouts import StepRollouts
 from asyncrl.orchestrator.samples import Rollout, TokenSample
 from asyncrl.utils.monitor import MetricsSink
+
+
+@dataclass
+class StepFacts:
+    """What a train step's row is made of besides its rollouts and the run's progress."""
+
+    step: int
+    policy_step: int
+    stats: PackStats
+    micro_batches: int  # per rank
+    env: dict[str, float]  # the mixture's own (its curricula)
+    fallbacks: int  # trajectories that fell back to branching, so far
+    distill: dict[str, float]  # `distill_record`'s, or {} without a teacher
+    wait_weights: float
+    update_weights: float
+    pack_write: float
+    seconds: float  # the step's latency: start to batch written
+
+
+def step_record(got: StepRollouts, facts: StepFacts, thresholds: tuple[float, float], p: Progress) -> dict[str, Any]:
+    """A train step's metrics row (`kind` = "train"); `thresholds`: the buffer's (easy, hard)."""
+    used = [r for g in got.groups for r in g.valid]
+    return {
+        "kind": "train",
+        "step": facts.step,
+        **rollout_metrics(used),
+        **facts.env,
+        **group_metrics(got.groups, got.finished, *thresholds),
+        "policy/step": facts.policy_step,
+        "off_policy/level": facts.step - min(g.policy_step for g in got.groups),
+        **batch_metrics(facts.stats, facts.micro_batches),
+        **collect_metrics(got),
+        "trajectory/prefix_fallbacks_total": facts.fallbacks,
+        **rate_metrics(got),
+        "time/wait_weights": facts.wait_weights,
+        "time/update_weights": facts.update_weights,
+        "time/rollouts": got.seconds,
+        **facts.distill,
+        "time/pack_write": facts.pack_write,
+        "time/step": facts.seconds,
+        "progress/total_tokens": p.total_tokens,
+        "progress/total_samples": p.total_samples,
+        "progress/total_problems": p.total_problems,
+    }
+
+
+def batch_metrics(stats: PackStats, micro_batches: int) -> dict[str, float]:
+    """The packed batch: samples, tokens (and how much prefix sharing saved), loss tokens, micro-batches."""
+    return {
+        "batch/samples": stats.num_samples,
+        "batch/tokens": stats.num_tokens,
+        "batch/tokens_unshared": stats.num_tokens_unshared,
+        "batch/shared_frac": 1 - stats.num_tokens / max(stats.num_tokens_unshared, 1),
+        "batch/loss_tokens": stats.num_loss_tokens,
+        "batch/truncated_samples": stats.num_truncated,
+        "batch/micro_batches": micro_batches,
+        "batch/dummy_micro_batches": stats.num_dummies,
+    }
+
+
+def collect_metrics(got: StepRollouts) -> dict[str, float]:
+    """How the step's groups were collected: launched, cancelled, reused from the buffer, dropped, filler."""
+    return {
+        "groups/launched": got.launched,
+        "groups/cancelled": got.cancelled,
+        "groups/reused": got.reused,
+        "groups/stale_dropped": got.stale_dropped,
+        "groups/filler": got.filler,
+    }
+
+
+def rate_metrics(got: StepRollouts) -> dict[str, float]:
+    """Generation throughput over the step's rollout time: every finished group's valid rollouts count."""
+    seconds = max(got.seconds, 1e-9)
+    valid = [r for g in got.finished for r in g.valid]
+    return {
+        "perf/gen_tokens_per_s": sum(r.completion_len for r in valid) / seconds,
+        "perf/rollouts_per_s": len(valid) / seconds,
+    }
+
+
+def distill_record(got: StepRollouts, items: list[PackItem]) -> dict[str, float]:
+    """A distilled step's teacher metrics (`distill_metrics`), the wait for its scores, and its effective
+    rollouts: those with a token that moves the policy (by the reward or the teacher)."""
+    record = distill_metrics([it.sample for it in items])
+    record["time/teacher_s"] = got.teacher_seconds
+    record["batch/effective_rollouts"] = float(
+        sum(any(abs(a) > 1e-8 for a in it.token_advantages or []) for it in items)
+    )
+    return record
 
 
 def _mean(values: list[float]) -> float:
@@ -72,12 +167,13 @@ def group_metrics(used: list[Group], finished: list[Group], easy: float, hard: f
     return out
 
 
-def distill_metrics(samples: list[TokenSample], teacher: list[list[float]]) -> dict[str, float]:
-    """Teacher-student agreement over the loss tokens the teacher scored (`teacher[i]`: sample i's logprobs):
+def distill_metrics(samples: list[TokenSample]) -> dict[str, float]:
+    """Teacher-student agreement over the loss tokens the teacher scored (`TokenSample.teacher`):
     `distill/teacher_kl` = mean of sampler_lp - teacher_lp (the sampled-token estimate of KL(student || teacher)),
     `distill/teacher_lp` = mean teacher logprob."""
     diffs, lps = [], []
-    for s, lp in zip(samples, teacher):
+    for s in samples:
+        lp = s.teacher.logprobs
         for t in range(min(len(lp), len(s))):
             if s.loss_mask[t]:
                 diffs.append(s.logprobs[t] - lp[t])

@@ -18,19 +18,31 @@ restored on resume is scored again by the teacher of the resumed run.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from loguru import logger
 
-from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig
-from asyncrl.orchestrator.envs import EnvMixture, RunGroup, example_id, group_inputs
+from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig, OrchestratorConfig
+from asyncrl.orchestrator.envs.mixture import EnvMixture, example_id, group_inputs
+from asyncrl.orchestrator.envs.runners import RunGroup
 from asyncrl.orchestrator.filtering import Group, judge_group
-from asyncrl.orchestrator.samples import Rollout, TrajectoryConverter
+from asyncrl.orchestrator.samples import Rollout, TeacherScores, TrajectoryConverter
 
-Scorer = Callable[[Group], Awaitable[list[list[float]]]]  # a group -> teacher logprobs per sample of its valid rollouts
+Scorer = Callable[[Group], Awaitable[list[TeacherScores]]]  # a group -> the teacher's scores of each of `Group.samples`
 MAX_DRAWS_FACTOR = 8  # stop drawing new prompts for a step after this many times the in-flight target
+
+
+def step_shape(config: OrchestratorConfig) -> tuple[int, int]:
+    """(the groups a step trains on, the groups kept in flight for it: `ceil(problems * oversampling_factor)`,
+    within `max_concurrent` rollouts and at least one group)."""
+    problems = max(1, config.batch_size // config.rollouts_per_example)
+    target = max(problems, math.ceil(problems * config.oversampling_factor))
+    if config.max_concurrent is not None:
+        target = max(1, min(target, config.max_concurrent // config.rollouts_per_example))
+    return problems, target
 
 
 async def gather_all(aws: list) -> list:
@@ -63,7 +75,6 @@ class StepRollouts:
     reused: int = 0
     stale_dropped: int = 0
     filler: int = 0  # filtered groups used because too few passed the filter
-    teacher: list[list[list[float]]] | None = None  # per group, per sample of its valid rollouts: teacher logprobs
     teacher_seconds: float = 0.0  # waited for teacher scores once the rollouts were done
 
 
@@ -124,7 +135,7 @@ class GroupCollector:
                 if entry[1].done() and not entry[1].cancelled():
                     entry[1].exception()  # retrieved: a stale group's failed scoring is of no consequence
 
-    async def _scores(self, groups: list[Group]) -> list[list[list[float]]]:
+    async def _scores(self, groups: list[Group]) -> list[list[TeacherScores]]:
         """The teacher's scores of `groups`, in order (scoring any not started yet)."""
         for group in groups:
             self._score(group)
@@ -214,10 +225,13 @@ class GroupCollector:
         return result
 
     async def await_scores(self, result: StepRollouts) -> None:
-        """Fill `result.teacher` with the teacher's scores of its groups (no-op without a teacher); the wait is
-        `result.teacher_seconds`. The caller may generate the next step meanwhile: the scoring is under way."""
+        """Put the teacher's scores on the samples of `result`'s groups (`TokenSample.teacher`; no-op without a
+        teacher); the wait is `result.teacher_seconds`. The caller may generate the next step meanwhile: the
+        scoring is under way."""
         if self.scorer is None:
             return
         done = time.perf_counter()
-        result.teacher = await self._scores(result.groups)
+        for group, scores in zip(result.groups, await self._scores(result.groups)):
+            for sample, score in zip(group.samples, scores, strict=True):
+                sample.teacher = score
         result.teacher_seconds = time.perf_counter() - done

@@ -23,12 +23,27 @@ Strategy = Literal["interleaved", "branching"]
 
 
 @dataclass
+class TeacherScores:
+    """The teacher's scores of one sample's tokens (on-policy distillation; see `teacher.py`): `logprobs`, its
+    logprob of each token (0.0 before the first loss token; shorter than the sample where it scored fewer), with
+    top_k `baseline`, the estimated reverse KL at each of those positions (0.0 there too), or with forward_kl
+    `top`, its listed tokens at each position ({token id: logprob}; empty there)."""
+
+    logprobs: list[float]
+    baseline: list[float] | None = None
+    top: list[dict[int, float]] | None = None
+
+
+@dataclass
 class TokenSample:
-    """One training sequence: ids, which tokens the model produced, and their sampling logprobs."""
+    """One training sequence: ids, which tokens the model produced, and their sampling logprobs; with a teacher,
+    its scores once its step awaits them (`GroupCollector.await_scores`). Buffered groups, what a checkpoint
+    holds, carry none: a resumed run scores them again."""
 
     input_ids: list[int]
     loss_mask: list[bool]
     logprobs: list[float]
+    teacher: TeacherScores | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)

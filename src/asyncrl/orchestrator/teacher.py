@@ -17,15 +17,20 @@ client reads the same positions either way). Only the part the trainer sees is s
 token, at most `seq_len` tokens, and at most the teacher's context less the one token it generates; tokens past
 what was scored get no teacher logprob (the list is shorter than the sample) and so no distillation signal. At
 most `max_concurrent` requests are in flight.
-With `top_k` > 0 (`distill.top_k`) each score also carries a per-position baseline (`TeacherScores.baseline`):
-the reverse KL at position t estimated from the teacher's and the student's top-k logprobs there (the student's
-from its own server, the same prompt-logprobs request), sum over the student's top tokens x of
-s(x) (log s(x) - log t(x)), a token outside the teacher's top k taking the teacher's k-th logprob. It depends on
-the tokens before t only, so subtracting it from the sampled token's advantage keeps the gradient unbiased and
-takes out most of its variance (every sampled token is no longer pushed down by the average KL).
-With `dense` (`distill.kind = "forward_kl"`) each score instead carries the teacher's top-k at every position
-(`TeacherScores.top`: {token id: logprob}, the sampled token included), the target distribution the trainer's
-cross-entropy term pulls the student toward; the student's server is not asked.
+
+One class per scoring mode, each a `TeacherClient` (`teacher_client` picks it from `[orchestrator.distill]`):
+- `TeacherClient` (reverse_kl, `top_k = 0`): the sampled tokens' logprobs only.
+- `BaselineTeacher` (reverse_kl, `top_k` > 0): each score also carries a per-position baseline
+  (`TeacherScores.baseline`): the reverse KL at position t estimated from the teacher's and the student's top-k
+  logprobs there (the student's from its own server, the same prompt-logprobs request), sum over the student's
+  top tokens x of s(x) (log s(x) - log t(x)), a token outside the teacher's top k taking the teacher's k-th
+  logprob. It depends on the tokens before t only, so subtracting it from the sampled token's advantage keeps
+  the gradient unbiased and takes out most of its variance (every sampled token is no longer pushed down by the
+  average KL).
+- `DenseTeacher` (`distill.kind = "forward_kl"`): each score instead carries the teacher's top-k at every
+  position (`TeacherScores.top`: {token id: logprob}, the sampled token included), the target distribution the
+  trainer's cross-entropy term pulls the student toward; the student's server is not asked.
+
 Connection errors and 5xx answers are retried with backoff; a 4xx answer, a malformed one, or a teacher still
 unreachable after the retries is a UserError naming the teacher's URL and what it answered.
 """
@@ -44,7 +49,7 @@ from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.client import key_refused, root_client, server_root, wait_healthy
 from asyncrl.orchestrator.filtering import Group
 from asyncrl.orchestrator.rollouts import gather_all
-from asyncrl.orchestrator.samples import TokenSample
+from asyncrl.orchestrator.samples import TeacherScores, TokenSample
 
 # ASCII, digits, whitespace runs, accented and CJK characters, emoji: tokenizers that differ anywhere usual differ here
 PROBE = "Hello, World! 0123456789 3.14159\n\n\t  tabs  and   spaces;  café naïve Ærø señor 日本語の文章 中文 🙂🚀👍🏽"
@@ -60,32 +65,16 @@ def teacher_hint(url: str) -> str:
     )
 
 
-class TeacherScores(list):
-    """The teacher's logprobs of one sample's tokens (a list; 0.0 before its first loss token) and, with top_k,
-    `baseline`: the estimated reverse KL at each of those positions (0.0 there too), or with `dense`, `top`: the
-    teacher's listed tokens at each position ({token id: logprob}; empty there)."""
-
-    baseline: list[float] | None = None
-    top: list[dict[int, float]] | None = None
-
-
 class TeacherClient:
-    """Async client of the teacher server: connect (checks), then score samples. `student` (with top_k > 0): a
-    client of the student's own server, scored the same way for the baseline (module docstring)."""
+    """Async client of the teacher server: connect (checks), then score samples, the sampled tokens only (the
+    subclasses add what their mode needs). `student`: the client of the student's own server where a mode scores
+    there too (`BaselineTeacher`), else None."""
 
-    def __init__(
-        self,
-        config: TeacherConfig,
-        seq_len: int,
-        top_k: int = 0,
-        student: TeacherClient | None = None,
-        role: str = "teacher",
-        dense: bool = False,
-    ):
+    top_k = 0  # the top tokens listed per position
+    student: TeacherClient | None = None
+
+    def __init__(self, config: TeacherConfig, seq_len: int, role: str = "teacher"):
         self.config = config
-        self.top_k = top_k
-        self.dense = dense  # forward_kl: the teacher's top-k per position travels with its scores
-        self.student = student
         self.role = role  # "teacher", or "student" for the client of the student's server; named in errors
         self.key_option = KEY_OPTIONS[role]
         self.url = config.url
@@ -101,8 +90,6 @@ class TeacherClient:
 
     async def close(self) -> None:
         await self._http.aclose()
-        if self.student is not None:
-            await self.student.close()
 
     # ---- connect: health, key, model, tokenizer ---------------------------------------------------------------
     async def connect(self, student_tokens: list[int], student_model: str, student_vocab: int | None = None) -> None:
@@ -133,12 +120,6 @@ class TeacherClient:
             f"teacher {self.model!r} at {self.root} (context {self.max_model_len or 'unknown'}): same tokenizer "
             "as the student"
         )
-        if self.student is not None:  # its context bounds what the baseline's request may send
-            cards = await self.student._model_cards(required=False)
-            self.student.max_model_len = min(
-                (n for m in cards if (n := _positive_int(m.get("max_model_len")))), default=None
-            )
-            self.student.trims = _asyncrl(cards)
 
     async def _model_cards(self, required: bool) -> list[dict]:
         """The server's /v1/models entries (each with an id); `required`: a UserError if it lists none."""
@@ -184,11 +165,11 @@ class TeacherClient:
 
     async def score_group(self, group: Group) -> list[TeacherScores]:
         """The teacher's scores of every sample of the group's valid rollouts, in order."""
-        return await self.score_many([s for r in group.valid for s in r.samples])
+        return await self.score_many(group.samples)
 
     async def score_many(self, samples: list[TokenSample]) -> list[TeacherScores]:
-        """`score` of each sample, all in one request to the teacher (and one to the student's server for the
-        baseline): a group's samples share their prompt, and one request of 8 prompts costs both ends far less
+        """`score` of each sample, all in one request to the teacher (and, for a baseline, one to the student's
+        server): a group's samples share their prompt, and one request of 8 prompts costs both ends far less
         than 8 requests."""
         plans = [self._plan(s) for s in samples]
         out = [TeacherScores([0.0] * len(ids)) for ids, _ in plans]
@@ -196,24 +177,18 @@ class TeacherClient:
         if not todo:
             return out
         prompts, starts = [plans[i][0] for i in todo], [plans[i][1] for i in todo]
-        baseline = not self.dense and self.top_k > 0 and self.student is not None
-        k = self.top_k if self.dense or baseline else 0
-        asks = [self.prompt_logprobs(prompts, k, min(starts))]
-        if baseline:
-            limit = self.student.max_model_len  # the student's context, less the token a request generates
-            own = [ids[: limit - 1] if limit else ids for ids in prompts]
-            asks.append(self.student.prompt_logprobs(own, k, min(starts)))
-        answers = await gather_all(asks)
-        teacher = self._entries(answers[0], prompts)
-        student = self.student._entries(answers[1], own) if baseline else None
-        for j, (i, ids, start) in enumerate(zip(todo, prompts, starts)):
-            scores = out[i] = TeacherScores(self._logprobs(teacher[j], ids, start))
-            if self.dense:
-                scores.top = [self._listed(e, t) if t >= start else {} for t, e in enumerate(teacher[j])]
-            elif student is not None:
-                kl = reverse_kl(student[j], teacher[j], start)
-                scores.baseline = kl + [0.0] * (len(ids) - len(kl))  # past the student's context: no baseline
+        answers = await self._answers(prompts, min(starts))
+        for i, answer, ids, start in zip(todo, answers, prompts, starts):
+            out[i] = self._scores(answer, ids, start)
         return out
+
+    async def _answers(self, prompts: list[list[int]], start: int) -> list[Any]:
+        """What the mode's scores of each prompt are made of: here the teacher's prompt_logprobs entries."""
+        return self._entries(await self.prompt_logprobs(prompts, self.top_k, start), prompts)
+
+    def _scores(self, entries: Any, ids: list[int], start: int) -> TeacherScores:
+        """One prompt's scores from its `_answers` entry."""
+        return TeacherScores(self._logprobs(entries, ids, start))
 
     async def prompt_logprobs(self, prompts: list[list[int]], k: int, start: int = 1) -> dict:
         """The server's answer to one prompt-logprobs request for the token-id `prompts` (plus the top k at each
@@ -316,19 +291,67 @@ class TeacherClient:
         )
 
 
-def with_student(
+class DenseTeacher(TeacherClient):
+    """forward_kl: each score also carries the teacher's top-k at every trained position (`TeacherScores.top`)."""
+
+    def __init__(self, config: TeacherConfig, seq_len: int, top_k: int):
+        super().__init__(config, seq_len)
+        self.top_k = top_k
+
+    def _scores(self, entries: Any, ids: list[int], start: int) -> TeacherScores:
+        scores = super()._scores(entries, ids, start)
+        scores.top = [self._listed(e, t) if t >= start else {} for t, e in enumerate(entries)]
+        return scores
+
+
+class BaselineTeacher(TeacherClient):
+    """reverse_kl with top_k > 0: each score also carries the baseline (`TeacherScores.baseline`), from the
+    teacher's and the student's top-k, the student's asked of its own server (`student`) in the same request."""
+
+    def __init__(self, config: TeacherConfig, seq_len: int, top_k: int, student: TeacherClient):
+        super().__init__(config, seq_len)
+        self.top_k, self.student = top_k, student
+
+    async def close(self) -> None:
+        await super().close()
+        await self.student.close()
+
+    async def connect(self, student_tokens: list[int], student_model: str, student_vocab: int | None = None) -> None:
+        """The teacher's checks, then the student server's context, which bounds what the baseline may send."""
+        await super().connect(student_tokens, student_model, student_vocab)
+        cards = await self.student._model_cards(required=False)
+        lengths = (n for m in cards if (n := _positive_int(m.get("max_model_len"))))
+        self.student.max_model_len, self.student.trims = min(lengths, default=None), _asyncrl(cards)
+
+    async def _answers(self, prompts: list[list[int]], start: int) -> list[Any]:
+        """(teacher entries, student entries) per prompt; the student's cut to its context (less the token a
+        request generates)."""
+        limit = self.student.max_model_len
+        own = [ids[: limit - 1] if limit else ids for ids in prompts]
+        teacher, student = await gather_all(
+            [self.prompt_logprobs(prompts, self.top_k, start), self.student.prompt_logprobs(own, self.top_k, start)]
+        )
+        return list(zip(self._entries(teacher, prompts), self.student._entries(student, own)))
+
+    def _scores(self, entries: Any, ids: list[int], start: int) -> TeacherScores:
+        teacher, student = entries
+        kl = reverse_kl(student, teacher, start)
+        baseline = kl + [0.0] * (len(ids) - len(kl))  # past the student's context: no baseline
+        return TeacherScores(self._logprobs(teacher, ids, start), baseline=baseline)
+
+
+def teacher_client(
     config: TeacherConfig, seq_len: int, distill: DistillConfig, client: EndpointConfig, model: str
 ) -> TeacherClient:
-    """The teacher's client: with forward_kl it lists its top-k per position; with reverse_kl and top_k > 0 it also
-    scores on the student's server (`client`, naming `model`) for the baseline."""
-    top_k = distill.top_k
+    """The teacher's client for the distillation mode: forward_kl lists its top-k per position; reverse_kl with
+    top_k > 0 also scores on the student's server (`client`, naming `model`) for the baseline."""
     if distill.kind == "forward_kl":
-        return TeacherClient(config, seq_len, top_k, dense=True)
-    if not top_k:
+        return DenseTeacher(config, seq_len, distill.top_k)
+    if not distill.top_k:
         return TeacherClient(config, seq_len)
     fields = client.model_dump(include=set(EndpointConfig.model_fields))
     student_config = TeacherConfig(**fields, model=model, max_concurrent=config.max_concurrent)
-    return TeacherClient(config, seq_len, top_k, TeacherClient(student_config, seq_len, role="student"))
+    return BaselineTeacher(config, seq_len, distill.top_k, TeacherClient(student_config, seq_len, role="student"))
 
 
 def reverse_kl(student: list, teacher: list, start: int = 1) -> list[float]:

@@ -134,16 +134,15 @@ def _name_the_run(record) -> None:
         record["message"] = f"[{name}] {record['message']}"
 
 
-def train_runs(config: TrainerConfig, loop_cls: type[Loop]) -> dict[str, list[dict]]:
+def train_runs(config: TrainerConfig, layout: RunLayout, loop_cls: type[Loop]) -> dict[str, list[dict]]:
     """Serve the runs under `config.output_dir` until every run of `config.runs` has ended, each run's steps
     being `loop_cls`'s (the RL loop passes itself in: this frame never imports a loop)."""
-    return in_process_group(config, lambda ctx: MultiRunTrainer(config, ctx, loop_cls).run())
+    return in_process_group(config, lambda ctx: MultiRunTrainer(config, layout, ctx, loop_cls).run())
 
 
 class MultiRunTrainer:
-    def __init__(self, config: TrainerConfig, ctx: DistContext, loop_cls: type[Loop]) -> None:
-        self.config, self.ctx, self.loop_cls = config, ctx, loop_cls
-        self.layout = RunLayout.for_config(config)
+    def __init__(self, config: TrainerConfig, layout: RunLayout, ctx: DistContext, loop_cls: type[Loop]) -> None:
+        self.config, self.layout, self.ctx, self.loop_cls = config, layout, ctx, loop_cls
         torch.manual_seed(config.seed)
         self.lm = load_model(config.model, config.tokenizer.name, ctx.mesh, slots=config.max_concurrent_runs)
         by_name = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in self.lm.model.named_parameters()}
@@ -232,7 +231,8 @@ class MultiRunTrainer:
                     raise UserError(raw)
                 cfg = run_trainer_config(self.config, self.layout, name, raw)
                 reset_slot(self.slots[slot], cfg.seed * 1_000_003 + zlib.crc32(name.encode()))
-                session = TrainSession(cfg, self.ctx, self.loop_cls, slot=self.slots[slot])
+                own = RunLayout.for_config(cfg)  # the run's own dir and checkpoints
+                session = TrainSession(cfg, own, self.ctx, self.loop_cls, slot=self.slots[slot])
                 run = Run(name, slot, session, session.begin(), sink)
             except UserError as e:  # e.g. a checkpoint it cannot resume from: the run fails, not the trainer
                 if session is not None:

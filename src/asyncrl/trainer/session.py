@@ -1,6 +1,6 @@
 """One training run around a loop: everything the RL and SFT trainers share besides their batches and losses.
 
-`run_training(config, loop_cls)` joins the process group, lets the loop check its data, loads the
+`run_training(config, layout, loop_cls)` joins the process group, lets the loop check its data, loads the
 model (FSDP2), builds AdamW and the schedule, resumes from a checkpoint, then runs `train_step`
 until `max_steps` or the loop's data ends, logging every step. A `Loop` (`trainer.rl`, `trainer.sft`)
 only builds each step's micro-batches and runs forward/backward on one of them; the session owns
@@ -147,9 +147,10 @@ class Loop:
         """After the last step (`step` steps done) and the final checkpoint."""
 
 
-def run_training(config: TrainConfig, loop_cls: type[Loop]) -> list[dict]:
-    """Train until `max_steps` or the end of the data; returns every step's metrics (on every rank)."""
-    return in_process_group(config, lambda ctx: TrainSession(config, ctx, loop_cls).run())
+def run_training(config: TrainConfig, layout: RunLayout, loop_cls: type[Loop]) -> list[dict]:
+    """Train until `max_steps` or the end of the data; returns every step's metrics (on every rank). `layout`:
+    the run's (the process's, made once by its entrypoint)."""
+    return in_process_group(config, lambda ctx: TrainSession(config, layout, ctx, loop_cls).run())
 
 
 def in_process_group(config: TrainConfig, body: Callable[[DistContext], Any]) -> Any:
@@ -174,14 +175,19 @@ class TrainSession:
     """Process group, model, optimizer, schedule, checkpoints, metrics and progress of one run."""
 
     def __init__(
-        self, config: TrainConfig, ctx: DistContext, loop_cls: type[Loop], slot: AdapterSlot | None = None
+        self,
+        config: TrainConfig,
+        layout: RunLayout,
+        ctx: DistContext,
+        loop_cls: type[Loop],
+        slot: AdapterSlot | None = None,
     ) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         self.config, self.ctx, self.slot = config, ctx, slot
         self.out = Path(config.output_dir)
-        self.layout = RunLayout.for_config(config)
+        self.layout = layout
         self.max_steps = config.max_steps if config.max_steps or not config.bench else THROUGHPUT_STEPS
         self.loop = loop_cls(self)
         self.resume_step = self._resume_step()  # a bad one fails before the (slow) model load

@@ -84,6 +84,11 @@ def steps_to_delete(steps: Iterable[int], keep_last: int | None, keep_interval: 
     return [s for s in steps if s not in newest and not (keep_interval and s % keep_interval == 0)]
 
 
+def run_dir(output_dir: str | Path, name: str) -> Path:
+    """Multi-run: where run `name` of the runs under `output_dir` lives (`run_{name}/`)."""
+    return Path(output_dir) / f"{RUN_PREFIX}{name}"
+
+
 class RunLayout:
     """The paths of one run; every method that deletes only ever touches `step_N` dirs. A process makes its
     run's layout once (`for_config`) and passes it down; a multi-run run's is `layout.run(name)`."""
@@ -116,7 +121,7 @@ class RunLayout:
         return RunLayout(self.run_dir(name), self._checkpoints)
 
     def run_dir(self, name: str) -> Path:
-        return self.root / f"{RUN_PREFIX}{name}"
+        return run_dir(self.root, name)
 
     def run_names(self) -> list[str]:
         """Names of the `run_{name}` dirs whose run.toml exists (a run appears once its settings do), sorted."""

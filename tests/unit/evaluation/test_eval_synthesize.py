@@ -19,7 +19,13 @@ from asyncrl.core.errors import UserError
 from asyncrl.evaluation import synthesize as synth
 from asyncrl.evaluation.evaluate import find_targets, format_table
 from asyncrl.evaluation.runner import RolloutRecord, check_server, request_args, summarize
-from asyncrl.orchestrator.envs import Runners, example_id
+from asyncrl.orchestrator.envs.mixture import example_id
+from asyncrl.orchestrator.envs.runners import Runners
+from asyncrl.transport.layout import RunLayout
+
+
+def _synthesize(config: SynthesizeConfig) -> synth.SynthStats:
+    return synth.run_synthesize(config, RunLayout.for_config(config))
 
 
 def _weights(tmp_path, steps, stable=True):
@@ -159,14 +165,14 @@ def test_synthesize_appends_only_missing(fake_synth, tmp_path):
         **kw,
     )
     data = tmp_path / "synthetic" / "data.jsonl"
-    synth.run_synthesize(cfg(3, 2))
+    _synthesize(cfg(3, 2))
     rows = _lines(data)
     assert [(r["example_id"], r["rollout"]) for r in rows if r["example_id"] == 0] == [(0, 0), (0, 1)]
     assert len(rows) == 6 and rows[0]["completion"][0]["role"] == "assistant"
     fake_synth.calls.clear()
-    synth.run_synthesize(cfg(3, 2))
+    _synthesize(cfg(3, 2))
     assert fake_synth.calls == [] and _lines(data) == rows
-    synth.run_synthesize(cfg(4, 3))
+    _synthesize(cfg(4, 3))
     assert sorted(fake_synth.calls) == [
         ("reverse-text", 0, 1),
         ("reverse-text", 1, 1),
@@ -183,13 +189,13 @@ def test_synthesize_min_reward_model_errors_and_retries(fake_synth, tmp_path):
     cfg = SynthesizeConfig(
         environment_ids=["reverse-text"], num_examples=3, rollouts_per_example=2, min_reward=0.5, output_dir=tmp_path
     )
-    synth.run_synthesize(cfg)
+    _synthesize(cfg)
     data = tmp_path / "synthetic" / "data.jsonl"
     assert [(r["example_id"], r["reward"]) for r in _lines(data)] == [(0, 0.5)]  # 0.25 filtered out
     progress = synth.read_progress(synth.progress_path(data))
     assert progress == {("reverse-text", 0): 2, ("reverse-text", 2): 2}  # empty answers ran; example 1 did not
     fake_synth.fail, fake_synth.calls = set(), []
-    synth.run_synthesize(cfg)
+    _synthesize(cfg)
     assert fake_synth.calls == [("reverse-text", 1, 2)]  # only the group the server failed is retried
 
 
@@ -202,7 +208,7 @@ def test_all_groups_failing_is_an_error(fake_synth, tmp_path):
         client={"base_url": "http://127.0.0.1:9/v1"},
     )
     with pytest.raises(UserError, match="every rollout group failed.*server went away.*127.0.0.1:9"):
-        synth.run_synthesize(cfg)
+        _synthesize(cfg)
 
 
 def test_repair_drops_rows_beyond_progress_and_torn_lines(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from asyncrl.orchestrator.envs import EnvMixture, EnvSlot
+from asyncrl.orchestrator.envs.mixture import EnvMixture, EnvSlot
 
 
 def fake_output(

@@ -12,8 +12,8 @@ import json
 import httpx2
 import pytest
 
-from asyncrl.orchestrator import coalesce
-from asyncrl.orchestrator.coalesce import MergingTransport, split_answer
+from asyncrl.orchestrator.envs import coalesce
+from asyncrl.orchestrator.envs.coalesce import MergingTransport, split_answer
 
 URL = "http://server/v1/chat/completions"
 

@@ -22,11 +22,12 @@ from asyncrl.config.orchestrator import (
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator import teacher as teacher_mod
 from asyncrl.orchestrator.advantage import teacher_targets, token_advantages
+from asyncrl.orchestrator.batches import step_items
 from asyncrl.orchestrator.loop import Orchestrator
 from asyncrl.orchestrator.packing import PackItem, pack
 from asyncrl.orchestrator.rollouts import GroupCollector
-from asyncrl.orchestrator.samples import TokenSample, TrajectoryConverter
-from asyncrl.orchestrator.teacher import PROBE, TeacherClient
+from asyncrl.orchestrator.samples import TeacherScores, TokenSample, TrajectoryConverter
+from asyncrl.orchestrator.teacher import PROBE, DenseTeacher, TeacherClient
 from asyncrl.transport.batch import read_batch
 from asyncrl.transport.layout import RunLayout
 
@@ -63,6 +64,10 @@ def _config(tmp_path, teacher_url=None, **kw):
 
 def _records(tmp_path):
     return [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
+
+
+def _orchestrator(config: OrchestratorConfig, run_group, server, **kw) -> Orchestrator:
+    return Orchestrator(config, fake_mixture(), run_group, server, layout=RunLayout.for_config(config), **kw)
 
 
 def _teacher(config: OrchestratorConfig) -> TeacherClient:
@@ -199,20 +204,20 @@ def test_per_token_advantages_survive_truncation_and_shared_prefixes():
 def test_without_a_teacher_batches_are_exactly_todays(tmp_path):
     """No teacher: the packed rows equal the reward-advantage packing (per-sample scalar on every token)."""
     for reward in ({}, {"reward": {"weight": 1.0}}):
-        orch = Orchestrator(_config(tmp_path, **reward), fake_mixture(), FakeRunner(), FakeServer())
+        orch = _orchestrator(_config(tmp_path, **reward), FakeRunner(), FakeServer())
         got = asyncio.run(orch.collector.collect(0, 0, 1, orch.problems, orch.in_flight, orch.args))
-        orch._trainer_ranks = 1
-        new, _ = orch._pack(orch._items(got))
+        new, _ = pack(step_items(got.groups, orch.config), orch.config.seq_len, 1, share=orch.config.share_prefix)
         valid = [(i, r) for i, g in enumerate(got.groups) for r in g.valid]
         old_items = [PackItem(s, r.advantage, 1.0, group=i) for i, r in valid for s in r.samples]
         old, _ = pack(old_items, 64, 1, share=True)
-        assert got.teacher is None and len(new[0]) == len(old[0])
+        assert all(s.teacher is None for g in got.groups for s in g.samples) and len(new[0]) == len(old[0])
         for x, y in ((a.to_wire(), b.to_wire()) for a, b in zip(new[0], old[0])):
             assert x.keys() == y.keys()
             assert all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x)
-    half = Orchestrator(_config(tmp_path, reward={"weight": 0.5}), fake_mixture(), FakeRunner(), FakeServer())
+    half = _orchestrator(_config(tmp_path, reward={"weight": 0.5}), FakeRunner(), FakeServer())
     got = asyncio.run(half.collector.collect(0, 0, 1, half.problems, half.in_flight, half.args))
-    assert [it.advantage for it in half._items(got)] == [0.5 * r.advantage for g in got.groups for r in g.valid]
+    items = step_items(got.groups, half.config)
+    assert [it.advantage for it in items] == [0.5 * r.advantage for g in got.groups for r in g.valid]
 
 
 # ---- the teacher client ---------------------------------------------------------------------------------------
@@ -232,7 +237,7 @@ def test_connect_discovers_the_model_and_scores_like_the_model(tiny_model_dir, t
         assert client.model == "the-teacher" and client.max_model_len == 8
         assert srv.requests[0][1] == [5, 6, 7, 8, 9, 10, 11]  # context 8, less the generated token
         want = srv.logprobs([5, 6, 7, 8, 9, 10, 11])
-        assert lps == pytest.approx([0.0] * 3 + want[3:], abs=1e-5)  # from the first loss token on
+        assert lps.logprobs == pytest.approx([0.0] * 3 + want[3:], abs=1e-5)  # from the first loss token on
         assert client.unscored_tokens == 2
 
 
@@ -242,7 +247,7 @@ def test_with_top_k_the_student_server_scores_too_and_gives_the_baseline(tmp_pat
 
     other = build_tiny_model(tmp_path / "student", hidden_size=64, num_layers=1, seed=1)
     with TeacherServer(tiny_model_dir) as t, TeacherServer(other, name="the-student") as s:
-        client = teacher_mod.with_student(
+        client = teacher_mod.teacher_client(
             TeacherConfig(base_url=t.base_url),
             64,
             DistillConfig(top_k=5),
@@ -254,7 +259,7 @@ def test_with_top_k_the_student_server_scores_too_and_gives_the_baseline(tmp_pat
 
         async def go():
             try:
-                return await client.score(sample), await teacher_mod.with_student(
+                return await client.score(sample), await teacher_mod.teacher_client(
                     TeacherConfig(base_url=t.base_url),
                     64,
                     DistillConfig(),
@@ -266,8 +271,12 @@ def test_with_top_k_the_student_server_scores_too_and_gives_the_baseline(tmp_pat
 
         scores, plain = asyncio.run(go())
         want_lp = [0.0] * 2 + t.logprobs(ids)[2:]  # from the first loss token on
-        assert [r[1] for r in s.requests] == [ids] and scores == pytest.approx(want_lp, abs=1e-5)
-        assert plain == pytest.approx(scores, abs=1e-6) and plain.baseline is None and len(s.requests) == 1
+        assert [r[1] for r in s.requests] == [ids] and scores.logprobs == pytest.approx(want_lp, abs=1e-5)
+        assert (
+            plain.logprobs == pytest.approx(scores.logprobs, abs=1e-6)
+            and plain.baseline is None
+            and len(s.requests) == 1
+        )
         student_lp, teacher_lp = s.distributions(ids), t.distributions(ids)
         want = [0.0] * 2
         for pos in range(2, len(ids)):
@@ -288,7 +297,7 @@ def test_the_baseline_keeps_to_the_student_servers_context(tiny_model_dir, tok):
     from asyncrl.config.orchestrator import ClientConfig
 
     with TeacherServer(tiny_model_dir) as t, TeacherServer(tiny_model_dir, name="s", max_model_len=5) as s:
-        client = teacher_mod.with_student(
+        client = teacher_mod.teacher_client(
             TeacherConfig(base_url=t.base_url), 64, DistillConfig(top_k=3), ClientConfig(base_url=s.base_url), "s"
         )
         ids = [5, 6, 7, 8, 9, 10, 11]
@@ -302,13 +311,13 @@ def test_the_baseline_keeps_to_the_student_servers_context(tiny_model_dir, tok):
 
         scores = asyncio.run(go())
     assert client.student.max_model_len == 5 and s.requests[-1][1] == ids[:4] and t.requests[-1][1] == ids
-    assert len(scores) == len(scores.baseline) == 7 and scores.baseline[4:] == [0.0] * 3
+    assert len(scores.logprobs) == len(scores.baseline) == 7 and scores.baseline[4:] == [0.0] * 3
     assert scores.baseline[1:4] == pytest.approx([0.0] * 3, abs=1e-5)  # the same model: no KL where both scored
 
 
 def test_forward_kl_lists_the_teachers_top_k_and_asks_no_student(tiny_model_dir):
     with TeacherServer(tiny_model_dir) as t:
-        client = teacher_mod.with_student(
+        client = teacher_mod.teacher_client(
             TeacherConfig(base_url=t.base_url), 64, DistillConfig(kind="forward_kl", top_k=3), None, "unused"
         )
         ids = [5, 6, 7, 8, 9]
@@ -322,7 +331,7 @@ def test_forward_kl_lists_the_teachers_top_k_and_asks_no_student(tiny_model_dir)
 
         scores = asyncio.run(go())
         dist = t.distributions(ids)
-    assert client.student is None and scores == pytest.approx([0.0] * 2 + t.logprobs(ids)[2:], abs=1e-5)
+    assert client.student is None and scores.logprobs == pytest.approx([0.0] * 2 + t.logprobs(ids)[2:], abs=1e-5)
     assert scores.top[:2] == [{}, {}]  # the prompt is not trained on
     for pos in range(2, len(ids)):
         row = dist[pos - 1]
@@ -332,7 +341,7 @@ def test_forward_kl_lists_the_teachers_top_k_and_asks_no_student(tiny_model_dir)
 
 
 def test_a_teacher_listing_a_non_integer_token_id_is_one_line():
-    client = TeacherClient(TeacherConfig(base_url="http://127.0.0.1:9/v1"), 64, 3, dense=True)
+    client = DenseTeacher(TeacherConfig(base_url="http://127.0.0.1:9/v1"), 64, 3)
     try:
         assert client._listed({"7": {"logprob": -0.5}, "9": {"logprob": float("-inf")}}, 1) == {7: -0.5}
         with pytest.raises(UserError, match=r"no integer at prompt position 2: \{'abc'"):
@@ -416,7 +425,7 @@ def test_distillation_steps_write_teacher_advantages_and_metrics(tmp_path, tiny_
             buffer={"online_difficulty_filtering": True},
         )
         runner = FakeRunner(reward_fn=lambda *a: 1.0, turns=2)  # all solved: filtered without a teacher
-        orch = Orchestrator(cfg, fake_mixture(), runner, StudentServer(tok), teacher=_teacher(cfg))
+        orch = _orchestrator(cfg, runner, StudentServer(tok), teacher=_teacher(cfg))
         asyncio.run(orch.run())
     records = _records(tmp_path)
     assert [r["groups/filtered"] for r in records] == [0.0, 0.0] and all(r["batch/samples"] == 8 for r in records)
@@ -448,8 +457,8 @@ def test_forward_kl_steps_write_the_teachers_targets_and_no_distillation_advanta
 
     with TeacherServer(tiny_model_dir) as srv:
         cfg = _config(tmp_path, srv.base_url, max_steps=1, distill={"kind": "forward_kl", "top_k": 2, "weight": 0.5})
-        teacher = teacher_mod.with_student(cfg.teacher, cfg.seq_len, cfg.distill, cfg.client, "student")
-        orch = Orchestrator(cfg, fake_mixture(), FakeRunner(turns=2), StudentServer(tok), teacher=teacher)
+        teacher = teacher_mod.teacher_client(cfg.teacher, cfg.seq_len, cfg.distill, cfg.client, "student")
+        orch = _orchestrator(cfg, FakeRunner(turns=2), StudentServer(tok), teacher=teacher)
         asyncio.run(orch.run())
         checked = 0
         for mb in read_batch(RunLayout(tmp_path), 0, 0):
@@ -478,7 +487,7 @@ def test_an_asyncrl_teacher_ships_only_the_trained_positions(tiny_model_dir, tok
     got = {}
     for owner in ("asyncrl", None):
         with TeacherServer(tiny_model_dir, owned_by=owner) as srv:
-            client = TeacherClient(TeacherConfig(base_url=srv.base_url), seq_len=64, top_k=4, dense=True)
+            client = DenseTeacher(TeacherConfig(base_url=srv.base_url), seq_len=64, top_k=4)
 
             async def go(client=client):
                 try:
@@ -492,9 +501,11 @@ def test_an_asyncrl_teacher_ships_only_the_trained_positions(tiny_model_dir, tok
             assert [b.get("logprob_start_len") for b in scored] == [9 if owner else None]
             want = srv.logprobs(sample.input_ids)
     trimmed, full = got["asyncrl"], got[None]
-    assert list(trimmed) == list(full) and trimmed.top == full.top
-    assert trimmed[:9] == [0.0] * 9 and trimmed.top[:9] == [{}] * 9  # the prompt: never trained on, not shipped
-    assert trimmed[9:] == pytest.approx(want[9:], abs=1e-5) and all(len(t) >= 4 for t in trimmed.top[9:])
+    assert trimmed.logprobs == full.logprobs and trimmed.top == full.top
+    assert (
+        trimmed.logprobs[:9] == [0.0] * 9 and trimmed.top[:9] == [{}] * 9
+    )  # the prompt: never trained on, not shipped
+    assert trimmed.logprobs[9:] == pytest.approx(want[9:], abs=1e-5) and all(len(t) >= 4 for t in trimmed.top[9:])
 
 
 def test_groups_are_scored_while_others_still_generate(tiny_model_dir):
@@ -511,7 +522,7 @@ def test_groups_are_scored_while_others_still_generate(tiny_model_dir):
     async def scorer(group):
         started.append(time.monotonic())
         await asyncio.sleep(0.05)
-        return [[0.0] * len(s) for r in group.valid for s in r.samples]
+        return [TeacherScores([0.0] * len(s)) for s in group.samples]
 
     collector = GroupCollector(
         fake_mixture(), run_group, TrajectoryConverter(), 4, BufferConfig(), AdvantageConfig(), 8, scorer=scorer
@@ -519,12 +530,18 @@ def test_groups_are_scored_while_others_still_generate(tiny_model_dir):
 
     async def collect_and_score():
         got = await collector.collect(0, 0, 1, problems=4, in_flight=4, args={})
-        assert got.teacher is None  # collect returns with the rollouts: the caller may generate on meanwhile
+        assert all(
+            s.teacher is None
+            for g in got.groups
+            for s in g.samples
+            # collect returns with the rollouts: the caller may generate on meanwhile
+        )
         await collector.await_scores(got)
         return got
 
     got = asyncio.run(collect_and_score())
-    assert len(got.teacher) == 4 and len(started) == 4
+    assert len(got.groups) == 4 and all(s.teacher is not None for g in got.groups for s in g.samples)
+    assert len(started) == 4
     assert min(started) < max(finished)  # the first group's scoring overlapped the others' generation
     assert got.teacher_seconds < 0.15  # the step waited only for the last group's scoring
 
@@ -541,7 +558,7 @@ def test_the_next_step_generates_while_a_step_is_scored(tmp_path, tiny_model_dir
     written: dict[int, float] = {}
     with TeacherServer(tiny_model_dir) as srv:
         cfg = _config(tmp_path, srv.base_url, max_steps=3, max_async_level=2)
-        orch = Orchestrator(cfg, fake_mixture(), run_group, StudentServer(tok), teacher=_teacher(cfg))
+        orch = _orchestrator(cfg, run_group, StudentServer(tok), teacher=_teacher(cfg))
         score, finish = orch.collector.scorer, orch._finish
 
         async def slow_score(group):
@@ -572,7 +589,7 @@ def test_teacher_dying_mid_run_is_one_clear_error(tmp_path, tiny_model_dir, tok,
     with TeacherServer(tiny_model_dir, die_after=2) as srv:  # a request per group: step 0's 2 groups
         cfg = _config(tmp_path, srv.base_url, max_steps=4, max_async_level=2)
         # rollouts that take a while: step 0's scoring (which overlaps step 1's generation) is done first
-        orch = Orchestrator(cfg, fake_mixture(), FakeRunner(delay=0.3), StudentServer(tok), teacher=_teacher(cfg))
+        orch = _orchestrator(cfg, FakeRunner(delay=0.3), StudentServer(tok), teacher=_teacher(cfg))
         with pytest.raises(UserError) as e:
             asyncio.run(orch.run())
     message = str(e.value)
@@ -584,11 +601,11 @@ def test_teacher_dying_mid_run_is_one_clear_error(tmp_path, tiny_model_dir, tok,
 def test_a_resumed_orchestrator_checks_the_teacher_again(tmp_path, tiny_model_dir, tok):
     with TeacherServer(tiny_model_dir) as srv:
         cfg = _config(tmp_path, srv.base_url, max_steps=2, max_async_level=2, ckpt=CkptConfig(interval=1))
-        asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), StudentServer(tok), teacher=_teacher(cfg)).run())
+        asyncio.run(_orchestrator(cfg, FakeRunner(), StudentServer(tok), teacher=_teacher(cfg)).run())
     with TeacherServer(tiny_model_dir, vocab_shift=3) as other:  # the teacher changed between the runs
         resume = CkptConfig(interval=1, resume_step=2)
         cfg2 = _config(tmp_path, other.base_url, max_steps=3, max_async_level=2, ckpt=resume)
-        orch = Orchestrator(cfg2, fake_mixture(), FakeRunner(), StudentServer(tok), teacher=_teacher(cfg2))
+        orch = _orchestrator(cfg2, FakeRunner(), StudentServer(tok), teacher=_teacher(cfg2))
         with pytest.raises(UserError, match="another tokenizer"):
             asyncio.run(orch.run())
         assert other.requests == []  # refused before any scoring

@@ -25,9 +25,9 @@ import pytest
 from scripted_server import ScriptedServer
 
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig
-from asyncrl.orchestrator import served
-from asyncrl.orchestrator.envs import load_env
-from asyncrl.orchestrator.v1 import v1_run_group, v1_tasks
+from asyncrl.orchestrator.envs import served
+from asyncrl.orchestrator.envs.loading import load_env
+from asyncrl.orchestrator.envs.v1 import v1_run_group, v1_tasks
 from asyncrl.utils.process import free_port
 
 pytestmark = pytest.mark.slow

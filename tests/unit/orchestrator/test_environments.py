@@ -2,7 +2,7 @@
 
 Each environment is a v1 taskset loaded the way asyncrl loads it (`envs.load_env`). Rewards are checked
 by hand, through the pure scoring functions and through the Task's own @vf.reward/@vf.metric methods on a
-stand-in trace. Rollouts are real v1 episodes (`orchestrator.v1.v1_run_group`, verifiers' eval client,
+stand-in trace. Rollouts are real v1 episodes (`orchestrator.envs.v1.v1_run_group`, verifiers' eval client,
 asyncrl's in-process chat harness, the calculator's MCP server) against a real local HTTP server that plays
 the model with scripted chat-completions replies (scripted_server.py) and records what it was sent.
 """
@@ -37,8 +37,8 @@ from tool_calc.calculator import Calculator  # noqa: E402
 from asyncrl.config import loader  # noqa: E402
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig  # noqa: E402
 from asyncrl.core.errors import UserError  # noqa: E402
-from asyncrl.orchestrator.envs import load_env  # noqa: E402
-from asyncrl.orchestrator.v1 import is_v1_env, v1_run_group, v1_tasks  # noqa: E402
+from asyncrl.orchestrator.envs.loading import load_env  # noqa: E402
+from asyncrl.orchestrator.envs.v1 import is_v1_env, v1_run_group, v1_tasks  # noqa: E402
 
 KEY_VAR = "ASYNCRL_TEST_SCRIPTED_KEY"
 
@@ -733,7 +733,7 @@ def test_prime_rl_hub_environments_say_how_to_install_them(env_id):
 
 
 def test_every_missing_environment_is_named_at_once():
-    from asyncrl.orchestrator.envs import EnvMixture
+    from asyncrl.orchestrator.envs.mixture import EnvMixture
 
     configs = [EnvConfig(id=i) for i in ("math500", "reverse-text", "no-such-env")]
     with pytest.raises(UserError) as e:

@@ -50,7 +50,7 @@ def run_orchestrator_with_trainer(tmp_path, k, steps, train_s, gen_delay):
     )
     runner = FakeRunner(delay=gen_delay)
     server = FakeServer(runner)
-    orch = Orchestrator(config, fake_mixture(), runner, server)
+    orch = Orchestrator(config, fake_mixture(), runner, server, layout=RunLayout.for_config(config))
     trainer = FakeTrainer(tmp_path, steps, train_s)
     trainer.start()
     written: dict[int, float] = {}

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig, CurriculumConfig
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator.curriculum import DifficultyPools
-from asyncrl.orchestrator.envs import EnvMixture
+from asyncrl.orchestrator.envs.mixture import EnvMixture
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure
 from asyncrl.orchestrator.samples import TrajectoryConverter
 

@@ -11,7 +11,8 @@ from asyncrl.config.orchestrator import ClientConfig, EnvConfig, OrchestratorCon
 from asyncrl.core.errors import UserError
 from asyncrl.orchestrator import ckpt
 from asyncrl.orchestrator.client import InferenceClient, server_root
-from asyncrl.orchestrator.envs import load_env, sampling_args
+from asyncrl.orchestrator.envs.loading import load_env
+from asyncrl.orchestrator.envs.runners import sampling_args
 from asyncrl.orchestrator.loop import Orchestrator
 from asyncrl.transport.files import publish_dir
 from asyncrl.transport.layout import RunLayout
@@ -50,6 +51,10 @@ def test_unreachable_server_error_names_the_url():
         asyncio.run(go())
 
 
+def _orchestrator(cfg: OrchestratorConfig, run_group, server) -> Orchestrator:
+    return Orchestrator(cfg, fake_mixture(), run_group, server, layout=RunLayout.for_config(cfg))
+
+
 def _config(tmp_path, k=1, **kw):
     kw.setdefault("num_train_workers", 1)
     return OrchestratorConfig(
@@ -66,7 +71,7 @@ def test_checkpoint_and_resume_continue_where_the_run_stopped(tmp_path, where):
     path = {"default": "checkpoints", "ckpt.path": tmp_path / "elsewhere" / "ckpts"}[where]
     saved = RunLayout(tmp_path, path)
     cfg = _config(tmp_path, k=3, max_steps=4, ckpt=CkptConfig(path=path, interval=2, keep_last=1))  # never waits
-    orch = Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer())
+    orch = Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer(), layout=RunLayout.for_config(cfg))
     asyncio.run(orch.run())
     assert ckpt.saved_steps(saved) == [4]  # step 2 saved, then pruned by keep_last=1
     assert (tmp_path / "checkpoints").exists() == (where == "default")
@@ -83,7 +88,7 @@ def test_checkpoint_and_resume_continue_where_the_run_stopped(tmp_path, where):
     (w / "config.json").write_text("{}")
     server = FakeServer()
     cfg2 = _config(tmp_path, max_steps=5, ckpt=CkptConfig(path=path, interval=2, resume_step=-1))
-    orch2 = Orchestrator(cfg2, fake_mixture(), FakeRunner(), server)
+    orch2 = Orchestrator(cfg2, fake_mixture(), FakeRunner(), server, layout=RunLayout.for_config(cfg2))
     asyncio.run(orch2.run())
     assert not RunLayout(tmp_path).broadcast_dir(6).exists()
     assert server.calls[0][:2] == ("update", str(w))  # the server is pointed at the checkpoint weights itself
@@ -98,19 +103,21 @@ def test_checkpoint_and_resume_continue_where_the_run_stopped(tmp_path, where):
 def test_resume_without_checkpoint_is_a_user_error(tmp_path):
     cfg = _config(tmp_path, max_steps=2, ckpt=CkptConfig(resume_step=3))
     with pytest.raises(UserError, match="no orchestrator checkpoint"):
-        asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
+        asyncio.run(_orchestrator(cfg, FakeRunner(), FakeServer()).run())
 
 
 def test_dead_server_during_rollouts_is_reported_as_such(tmp_path):
     runner = FakeRunner(error_fn=lambda *a: "ModelError(APIConnectionError)")
-    orch = Orchestrator(_config(tmp_path, max_steps=2), fake_mixture(), runner, FakeServer(healthy=False))
+    cfg = _config(tmp_path, max_steps=2)
+    orch = Orchestrator(cfg, fake_mixture(), runner, FakeServer(healthy=False), layout=RunLayout.for_config(cfg))
     with pytest.raises(UserError, match="stopped answering"):
         asyncio.run(orch.run())
 
 
 def test_rollouts_cut_short_by_a_full_context_are_counted_and_explained(tmp_path, caplog_loguru):
     full = lambda slot, row, i: "prompt_too_long" if i < 2 else "has_final_answer"  # noqa: E731
-    orch = Orchestrator(_config(tmp_path, max_steps=2), fake_mixture(), FakeRunner(stop_fn=full), FakeServer())
+    cfg = _config(tmp_path, max_steps=2)
+    orch = Orchestrator(cfg, fake_mixture(), FakeRunner(stop_fn=full), FakeServer(), layout=RunLayout.for_config(cfg))
     asyncio.run(orch.run())
     records = [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
     assert [r["context_full/frac"] for r in records] == [0.5, 0.5]  # 2 of each group of 4
@@ -126,7 +133,7 @@ def test_wandb_offline_logging(tmp_path):
     cfg = _config(
         tmp_path, k=2, max_steps=2, wandb=WandbConfig(offline=True, name="t-orchestrator", log_extras={"interval": 1})
     )
-    asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
+    asyncio.run(_orchestrator(cfg, FakeRunner(), FakeServer()).run())
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
 
@@ -137,7 +144,7 @@ def test_share_prefix_reaches_the_packed_batch_and_its_metrics(tmp_path, share):
     from asyncrl.transport.prefix import check_shared, segments
 
     cfg = _config(tmp_path, k=3, max_steps=1, share_prefix=share)
-    asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(turns=2), FakeServer()).run())
+    asyncio.run(_orchestrator(cfg, FakeRunner(turns=2), FakeServer()).run())
     rows = read_batch(RunLayout(tmp_path), 0, 0)
     meta = read_meta(RunLayout(tmp_path), 0)
     (record,) = [json.loads(line) for line in (tmp_path / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
@@ -158,7 +165,7 @@ def test_without_num_train_workers_batches_are_packed_for_the_trainers_world_siz
     cfg = _config(tmp_path, k=3, max_steps=2, num_train_workers=None)
     world = RunLayout(tmp_path).trainer_world
     world.write_text(json.dumps({"world_size": 2}))  # what trainer rank 0 writes at start
-    asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
+    asyncio.run(_orchestrator(cfg, FakeRunner(), FakeServer()).run())
     assert read_meta(RunLayout(tmp_path), 1)["num_ranks"] == 2
     assert [m for m in caplog_loguru if "trainer rank(s)" in m] == [
         f"packing batches for 2 trainer rank(s) (from {world})"
@@ -169,6 +176,6 @@ def test_without_num_train_workers_or_a_trainer_batches_are_packed_for_one_rank(
     from asyncrl.transport.batch import read_meta
 
     cfg = _config(tmp_path, k=3, max_steps=1, num_train_workers=None)
-    asyncio.run(Orchestrator(cfg, fake_mixture(), FakeRunner(), FakeServer()).run())
+    asyncio.run(_orchestrator(cfg, FakeRunner(), FakeServer()).run())
     assert read_meta(RunLayout(tmp_path), 0)["num_ranks"] == 1
     assert "packing batches for 1 trainer rank(s) (until the trainer writes trainer_world.json)" in caplog_loguru

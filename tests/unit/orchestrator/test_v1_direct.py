@@ -1,4 +1,4 @@
-"""Direct v1 episodes (`orchestrator/v1_direct.py`) against verifiers' own path: the differential test.
+"""Direct v1 episodes (`orchestrator/envs/direct.py`) against verifiers' own path: the differential test.
 
 A scripted engine (`GenerateServer`: a real local HTTP server speaking `/inference/v1/generate` and
 `/v1/models`) answers the k-th request for a prompt with the k-th of a few replies, so both paths get the
@@ -28,7 +28,8 @@ vf = pytest.importorskip("verifiers.v1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "v1_envs"))
 
 from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig  # noqa: E402
-from asyncrl.orchestrator.envs import EnvMixture, group_inputs, runners_for, sampling_args  # noqa: E402
+from asyncrl.orchestrator.envs.mixture import EnvMixture, group_inputs  # noqa: E402
+from asyncrl.orchestrator.envs.runners import runners_for, sampling_args  # noqa: E402
 from asyncrl.orchestrator.samples import TrajectoryConverter  # noqa: E402
 
 KEY_VAR = "ASYNCRL_TEST_DIRECT_KEY"
@@ -209,8 +210,8 @@ def test_an_engine_failure_fails_the_rollouts_as_on_verifiers_path(loop, tiny_mo
 
 
 def test_other_harnesses_and_runtimes_keep_verifiers_path():
-    from asyncrl.orchestrator.v1 import load_v1_env
-    from asyncrl.orchestrator.v1_direct import env_direct_reason
+    from asyncrl.orchestrator.envs.direct import env_direct_reason
+    from asyncrl.orchestrator.envs.v1 import load_v1_env
 
     assert env_direct_reason(load_v1_env("tool_calc", "tool-calc", {})) is None
     other = load_v1_env("reverse_text", "reverse-text", {"agent": {"harness": {"id": "null"}}})
@@ -219,7 +220,7 @@ def test_other_harnesses_and_runtimes_keep_verifiers_path():
 
 
 def test_the_library_internals_direct_episodes_use_are_as_they_were():
-    """Tripwire: `v1_direct` and `v1_sampler` use these private parts of verifiers 0.4.0 and renderers 0.1.12
+    """Tripwire: `envs.direct` and `envs.sampler` use these private parts of verifiers 0.4.0 and renderers 0.1.12
     (see their docstrings). A change to any of them fails here, before an episode records something else."""
     import inspect
 
@@ -240,6 +241,6 @@ def test_the_library_internals_direct_episodes_use_are_as_they_were():
     assert _EpisodeAgent.__mro__[1] is Agent and "super().interaction(" in inspect.getsource(_EpisodeAgent)
     assert params(renderers_client._parse_completion_logprobs) == ["choice", "completion_ids"]
     assert params(_is_valid_incremental_tail) == ["messages"]
-    body = inspect.getsource(renderers_client.generate)  # what v1_sampler.request_body builds the same way
+    body = inspect.getsource(renderers_client.generate)  # what envs.sampler.request_body builds the same way
     for line in ('sp["stop_token_ids"] = stop_token_ids', 'sp["logprobs"] = 1', '"token_ids": prompt_ids'):
         assert line in body, line

@@ -1,4 +1,4 @@
-"""orchestrator.v1: which packages are v1 environments, what bad args say, how a trace's branch becomes
+"""orchestrator.envs.v1: which packages are v1 environments, what bad args say, how a trace's branch becomes
 training tokens (the prompt before the first sampled token, `sampled_mask` as the completion mask)."""
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import pytest
 
 from asyncrl.config.orchestrator import AdvantageConfig, BufferConfig, EnvConfig
 from asyncrl.core.errors import UserError
-from asyncrl.orchestrator.envs import EnvMixture, example_id, group_inputs, load_env
-from asyncrl.orchestrator.filtering import Group, judge_group
-from asyncrl.orchestrator.samples import TrajectoryConverter
-from asyncrl.orchestrator.v1 import (
+from asyncrl.orchestrator.envs.loading import load_env
+from asyncrl.orchestrator.envs.mixture import EnvMixture, example_id, group_inputs
+from asyncrl.orchestrator.envs.v1 import (
     MAX_TASKS,
     branch_turn,
     episode_outputs,
@@ -23,6 +22,8 @@ from asyncrl.orchestrator.v1 import (
     load_v1_env,
     sampling_config,
 )
+from asyncrl.orchestrator.filtering import Group, judge_group
+from asyncrl.orchestrator.samples import TrajectoryConverter
 
 pytest.importorskip("verifiers.v1")
 V1_ENVS = Path(__file__).resolve().parents[2] / "integration" / "v1_envs"

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from openai import APIConnectionError, AsyncOpenAI
 
-from asyncrl.orchestrator.v1_http import AioHttpTransport, close_shared_http, shared_http
+from asyncrl.orchestrator.envs.http import AioHttpTransport, close_shared_http, shared_http
 from asyncrl.utils.process import free_port
 
 

@@ -1,4 +1,4 @@
-"""GroupSampler's batching (`orchestrator/v1_sampler.py`): the turns of one loop tick with the same prompt and
+"""GroupSampler's batching (`orchestrator/envs/sampler.py`): the turns of one loop tick with the same prompt and
 sampling go out as one n = k request, each turn gets its own choice; seeded or unmerged turns go alone; a
 short answer fails every turn; a request whose turns are all cancelled is cancelled."""
 
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("verifiers.v1")
 
-from asyncrl.orchestrator.v1_sampler import GroupSampler  # noqa: E402
+from asyncrl.orchestrator.envs.sampler import GroupSampler  # noqa: E402
 
 
 def sampler(merge: bool = True, answer=None) -> tuple[GroupSampler, list[dict]]:

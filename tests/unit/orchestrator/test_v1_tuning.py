@@ -11,8 +11,8 @@ import gc
 import pytest
 from pydantic import BaseModel, Field
 
-from asyncrl.orchestrator.v1_http import AioHttpTransport
-from asyncrl.orchestrator.v1_tuning import GC_YOUNG_THRESHOLD, tune_for_episodes
+from asyncrl.orchestrator.envs.http import AioHttpTransport
+from asyncrl.orchestrator.envs.tuning import GC_YOUNG_THRESHOLD, tune_for_episodes
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +61,7 @@ def test_the_factory_check_cache_is_hit_by_verifiers_trace_nodes(monkeypatch):
     from pydantic._internal import _fields
     from verifiers.v1.graph import MessageNode
 
-    from asyncrl.orchestrator.v1_tuning import cache_factory_check
+    from asyncrl.orchestrator.envs.tuning import cache_factory_check
 
     asked = []
     installed = _fields.takes_validated_data_argument

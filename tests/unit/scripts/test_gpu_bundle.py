@@ -68,8 +68,8 @@ LOADED = """
 import importlib, json, pkgutil, sys, asyncrl
 from importlib.metadata import packages_distributions
 from asyncrl.config.orchestrator import EnvConfig
-from asyncrl.orchestrator.envs import load_env
-from asyncrl.orchestrator.v1_harness import chat_program
+from asyncrl.orchestrator.envs.loading import load_env
+from asyncrl.orchestrator.envs.harness import chat_program
 for m in pkgutil.walk_packages(asyncrl.__path__, "asyncrl."):
     if not m.name.startswith("asyncrl.inference.vllm."):
         importlib.import_module(m.name)

@@ -106,7 +106,8 @@ def _config(tmp_path, *argv: str) -> RLConfig:
 
 
 def test_rl_bar_follows_steps_and_names_a_quiet_wait(tmp_path, capsys, caplog_loguru):
-    launcher = Launcher(_config(tmp_path, "--max-steps", "10"))
+    config = _config(tmp_path, "--max-steps", "10")
+    launcher = Launcher(config, RunLayout.for_config(config.trainer))
     metrics = launcher.layout.metrics_file("orchestrator")
     metrics.parent.mkdir(parents=True)
     row = {"step": 3, "reward/mean": 0.5, "off_policy/level": 1, "perf/gen_tokens_per_s": 900.0}

@@ -206,14 +206,14 @@ async def _serve(args, config: InferenceConfig) -> None:
         sock.close()
 
 
-def run_vllm_server(config: InferenceConfig) -> None:
+def run_vllm_server(config: InferenceConfig, layout: RunLayout) -> None:
     """Serve `config.model` with vLLM until interrupted (blocks). Without vllm in this environment, the same
     command runs in the vLLM environment (scripts/install_vllm.sh) in place of this process."""
     try:
         import uvloop
         import vllm
     except ImportError as e:
-        _exec_in_vllm_env(config, e)
+        _exec_in_vllm_env(config, layout, e)
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM's own CLI sets
     argv = build_vllm_argv(config)
     args = parse_vllm_args(argv, config.vllm_args)
@@ -228,14 +228,14 @@ def run_vllm_server(config: InferenceConfig) -> None:
         logger.info("vLLM server stopped")
 
 
-def _exec_in_vllm_env(config: InferenceConfig, missing: ImportError) -> None:
+def _exec_in_vllm_env(config: InferenceConfig, layout: RunLayout, missing: ImportError) -> None:
     """Replace this process by `inference @ <this resolved config>` under the vLLM environment's python."""
     from asyncrl.utils.vllm_env import INSTALL_HINT, vllm_python
 
     python = vllm_python()
     if python is None or Path(sys.prefix).resolve() == python.parent.parent.resolve():
         raise UserError(f"--backend vllm needs vLLM ({missing}): {INSTALL_HINT}") from missing
-    path = RunLayout.for_config(config).configs / "inference.toml"
+    path = layout.configs / "inference.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, to_toml(config))
     logger.info(f"vllm is not in this environment: serving from {python.parent.parent} with {path}")

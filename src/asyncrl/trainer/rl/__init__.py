@@ -1,4 +1,4 @@
-"""The RL trainer: `train(config)` turns the orchestrator's packed rollout batches into policy weights."""
+"""The RL trainer: `train(config, layout)` turns the orchestrator's packed rollout batches into policy weights."""
 
 from asyncrl.trainer.rl.loop import train
 

@@ -64,7 +64,7 @@ from asyncrl.trainer.rl.data import (
 from asyncrl.trainer.runs import train_runs
 from asyncrl.trainer.session import Loop, StepBatch, TrainSession, run_training
 from asyncrl.transport.files import write_text_atomic
-from asyncrl.transport.layout import is_stable
+from asyncrl.transport.layout import RunLayout, is_stable
 from asyncrl.transport.prefix import segments
 from asyncrl.transport.row import Row
 from asyncrl.transport.weights import weights_problem
@@ -76,12 +76,12 @@ RATIO_QUANTILES = (0.01, 0.5, 0.99)  # of the importance ratio, logged every ste
 MASK_BUDGET_BYTES = 2**30  # a dense [rows, 1, L, L] mask beyond this: expand the rows instead (L = 32k: 1 GiB)
 
 
-def train(config: TrainerConfig) -> list[dict] | dict[str, list[dict]]:
+def train(config: TrainerConfig, layout: RunLayout) -> list[dict] | dict[str, list[dict]]:
     """Train until `max_steps` (or forever); returns the metrics of every step run (on every rank). With
     `max_concurrent_runs`, serve the runs under the output dir instead (`trainer.runs`): metrics by run."""
     if config.max_concurrent_runs is not None:
-        return train_runs(config, RLLoop)
-    return run_training(config, RLLoop)
+        return train_runs(config, layout, RLLoop)
+    return run_training(config, layout, RLLoop)
 
 
 class RLLoop(Loop):

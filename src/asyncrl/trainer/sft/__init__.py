@@ -1,4 +1,4 @@
-"""The SFT trainer: `train_sft(config)` fine-tunes on prompt/completion chat data."""
+"""The SFT trainer: `train_sft(config, layout)` fine-tunes on prompt/completion chat data."""
 
 from asyncrl.trainer.sft.loop import train_sft
 

@@ -1,4 +1,4 @@
-"""The SFT loop: `train_sft(config)` fine-tunes on prompt/completion chat data.
+"""The SFT loop: `train_sft(config, layout)` fine-tunes on prompt/completion chat data.
 
 Step n: take `data.batch_size` rows from the sample stream (a row is one sample, or with packing
 several samples in at most `data.seq_len` tokens), deal them round-robin to the ranks, run this
@@ -27,14 +27,15 @@ from asyncrl.trainer.perf import format_mfu
 from asyncrl.trainer.session import Loop, StepBatch, TrainSession, run_training
 from asyncrl.trainer.sft.data import ConversationTokenizer, SFTSample, fake_sample, load_sft_dataset
 from asyncrl.trainer.sft.packing import SampleStream, SFTMicroBatch, make_micro_batch, split_for_rank, take_rows
+from asyncrl.transport.layout import RunLayout
 
 FAKE_SIZE = 1_000_000  # samples in the fake dataset (each made from its index)
 EARLY_CHECK_ROWS = 8  # rows tokenized before the model loads, so template errors show at once
 
 
-def train_sft(config: SFTConfig) -> list[dict]:
+def train_sft(config: SFTConfig, layout: RunLayout) -> list[dict]:
     """Train until `max_steps` or the end of `epochs`; returns every step's metrics (on every rank)."""
-    return run_training(config, SFTLoop)
+    return run_training(config, layout, SFTLoop)
 
 
 def check_batch_shape(batch_size: int, micro_batch_size: int, world_size: int) -> None:

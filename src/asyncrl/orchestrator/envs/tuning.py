@@ -4,7 +4,7 @@ An episode runs through verifiers' own v1 machinery (Env.run_episode, the interc
 training client); four costs of it sit in the libraries under that machinery, and are cut here by what
 this process sets, not by a change to any library's code:
 
-- the training client's engine calls go through `v1_http.AioHttpTransport` (aiohttp's pool) instead of
+- the training client's engine calls go through `http.AioHttpTransport` (aiohttp's pool) instead of
   httpcore's, which probes every idle connection on each request it starts or ends (one connection per
   episode in flight: that scan cost more CPU than the rest of the model call);
 - pydantic answers "does this default factory take the validated data?" by parsing the factory's
@@ -38,7 +38,7 @@ from typing import Any
 
 from loguru import logger
 
-from asyncrl.orchestrator.v1_http import AioHttpTransport
+from asyncrl.orchestrator.envs.http import AioHttpTransport
 
 GC_YOUNG_THRESHOLD = 10_000  # objects allocated (net) between collections of the youngest generation
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from asyncrl.orchestrator.v1_http import tls_context
+from asyncrl.orchestrator.envs.http import tls_context
 
 RENDER_CACHE = 512  # distinct rendered prompts kept (a step's groups' first turns)
 

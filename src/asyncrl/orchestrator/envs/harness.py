@@ -22,8 +22,8 @@ from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.harness import Harness
 from verifiers.v1.runtimes import ProgramResult
 
-from asyncrl.orchestrator.v1 import HARNESS_ID
-from asyncrl.orchestrator.v1_http import shared_http
+from asyncrl.orchestrator.envs.http import shared_http
+from asyncrl.orchestrator.envs.v1 import HARNESS_ID
 
 
 class InProcessHarnessConfig(HarnessConfig):

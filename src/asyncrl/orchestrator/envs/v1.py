@@ -3,11 +3,11 @@
 A v1 environment is an installed package whose `__all__` exports a `verifiers.v1.Taskset` subclass (the
 rule of verifiers' own loader). Its tasks are the slot's prompts. A group is `rollouts_per_example`
 episodes of one task, run in this process: the taskset's own Env (several agents) or the single-agent one,
-every agent on harness `asyncrl-chat` (verifiers' chat loop as a coroutine here, `v1_harness.py`) and
+every agent on harness `asyncrl-chat` (verifiers' chat loop as a coroutine here, `harness.py`) and
 runtime `subprocess` unless the environment's args say otherwise (no sandbox, no tunnel). Each env's
 serving resources (shared tool servers, one interception server) are held from its first group to the
 run's end (`V1Runner`). For training, an episode whose agents verifiers' transport machinery cannot change
-runs direct (`v1_direct.py`: the same episode, its model calls made in this process, a group's shared prompt
+runs direct (`direct.py`: the same episode, its model calls made in this process, a group's shared prompt
 sent once); the others go through verifiers' training client, which renders each turn with the `renderers`
 package and posts the token ids to `/inference/v1/generate` (`eval`/`synthesize`: its eval client, plain
 chat completions).
@@ -31,11 +31,11 @@ from loguru import logger
 
 from asyncrl.config.orchestrator import ClientConfig
 from asyncrl.core.errors import UserError
-from asyncrl.orchestrator.served import ServedEnv
-from asyncrl.orchestrator.v1_http import close_shared_http
-from asyncrl.orchestrator.v1_tuning import tune_for_episodes
+from asyncrl.orchestrator.envs.http import close_shared_http
+from asyncrl.orchestrator.envs.served import ServedEnv
+from asyncrl.orchestrator.envs.tuning import tune_for_episodes
 
-HARNESS_ID = "asyncrl-chat"  # verifiers' chat loop in this process (package asyncrl_chat; see v1_harness.py)
+HARNESS_ID = "asyncrl-chat"  # verifiers' chat loop in this process (package asyncrl_chat; see harness.py)
 AGENT_DEFAULTS = {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}}
 MAX_TASKS = 10_000  # of a taskset that never ends (one that generates tasks), the ones sampled from
 
@@ -165,14 +165,14 @@ def v1_run_group(
 
 
 class V1Runner:
-    """Runs groups of v1 episodes: in this process, direct where `direct` (a `v1_direct.DirectEpisodes`) takes
+    """Runs groups of v1 episodes: in this process, direct where `direct` (a `direct.DirectEpisodes`) takes
     the slot, else holding each environment's serving resources (its taskset's shared tool servers, one
     interception server) from its first group until `close()`, as verifiers' own eval does; or, for a slot
     whose config sets `server`, in that env server (`served.py`)."""
 
     def __init__(self, client: Any, model: str | Callable[[], str], log_dir: Path | None = None):
         self.client, self.model, self.log_dir = client, model, log_dir
-        self.direct: Any = None  # a v1_direct.DirectEpisodes: the slots whose episodes run direct
+        self.direct: Any = None  # a direct.DirectEpisodes: the slots whose episodes run direct
         self.holders: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}
         self.servers: dict[str, ServedEnv] = {}
         self.lock = asyncio.Lock()
@@ -195,7 +195,7 @@ class V1Runner:
         return [out for task, episode in zip(tasks, episodes) for out in episode_outputs(task, episode, train)]
 
     async def goes_direct(self, slot) -> bool:
-        """Whether the slot's episodes run direct (`v1_direct.DirectEpisodes`, set by `envs.runners_for`)."""
+        """Whether the slot's episodes run direct (`direct.DirectEpisodes`, set by `envs.runners_for`)."""
         return self.direct is not None and await self.direct.ready(slot, self.serve)
 
     def server_of(self, slot) -> ServedEnv | None:

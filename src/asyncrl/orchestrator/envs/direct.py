@@ -51,9 +51,9 @@ from verifiers.v1.trace import AgentInfo, ModelCall, TimeSpan, Trace, TraceTask
 from verifiers.v1.types import Response, SystemMessage, ToolMessage, UserMessage
 from verifiers.v1.utils.decorators import discover_decorated, invoke
 
-from asyncrl.orchestrator.v1 import HARNESS_ID
-from asyncrl.orchestrator.v1_harness import chat_program
-from asyncrl.orchestrator.v1_sampler import GroupSampler
+from asyncrl.orchestrator.envs.harness import chat_program
+from asyncrl.orchestrator.envs.sampler import GroupSampler
+from asyncrl.orchestrator.envs.v1 import HARNESS_ID
 
 CHAT_ENDPOINT = "/chat/completions"  # where the chat loop's calls go on verifiers' path (recorded per call)
 

@@ -1,6 +1,6 @@
 """An httpx transport over one aiohttp connection pool, for the v1 episodes' HTTP calls in this process.
 
-A v1 episode makes its model calls over HTTP twice in this process: the chat loop (`v1_harness`) posts to
+A v1 episode makes its model calls over HTTP twice in this process: the chat loop (`harness`) posts to
 verifiers' interception server, and verifiers' training client posts the rendered token ids to the
 engine's `/inference/v1/generate`. Both are httpx clients, and httpcore's pool probes every idle
 connection (a `poll` and a `getpeername` each) on each request it starts or ends: with one connection

@@ -25,9 +25,9 @@ from loguru import logger
 
 from asyncrl.config.env_server import EnvServerConfig
 from asyncrl.core.errors import UserError
-from asyncrl.orchestrator.envs import installed_module
-from asyncrl.orchestrator.v1 import is_v1_module, load_v1_env
-from asyncrl.orchestrator.v1_tuning import tune_for_episodes
+from asyncrl.orchestrator.envs.loading import installed_module
+from asyncrl.orchestrator.envs.tuning import tune_for_episodes
+from asyncrl.orchestrator.envs.v1 import is_v1_module, load_v1_env
 from asyncrl.utils.logging import forward_stdlib
 from asyncrl.utils.process import die_with_parent, pid_alive
 
