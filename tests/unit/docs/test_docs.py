@@ -1,5 +1,6 @@
 """README.md is a short front door and docs/*.md hold the rest: sizes, the set-up block, every relative link, and
-no dates or commit hashes outside docs/benchmarks.md (latest figures) and docs/log.md (dated history)."""
+no dates or commit hashes outside docs/benchmarks.md (latest figures) and docs/log.md (dated history); the code map
+(docs/architecture.md) names only paths that exist."""
 
 import re
 from pathlib import Path
@@ -12,6 +13,8 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
 DATED = {"benchmarks.md", "log.md"}  # the only pages that may carry dates and commit hashes
 GUIDES = [p for p in PAGES if p.name not in DATED or p.parent != ROOT / "docs"]
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+PACKAGE = ROOT / "src" / "asyncrl"
 
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
@@ -108,6 +111,7 @@ def test_docs_pages_exist():
         "reliability.md",
         "benchmarks.md",
         "development.md",
+        "architecture.md",
     ]:
         assert name in names, f"docs/{name} is missing"
         assert f"docs/{name}" in README.read_text(), f"README.md does not link docs/{name}"
@@ -199,3 +203,83 @@ def test_date_check_fails_on_an_injected_date(tmp_path: Path):
     injected = page.read_text().replace("\n\n", "\n\nMeasured on 2026-11-27 (2 cores).\n\n", 1)
     found = dated(injected)
     assert len(found) == 1 and "'2026-11-27'" in found[0], found
+
+
+# ------------------------------------------------------------------ the code map (docs/architecture.md)
+
+# A path the page names: from the repository root when it starts with src/, tests/ or docs/ (a file or a dir);
+# any other `a/b.py` is under src/asyncrl/ (the page's stated convention). Run-dir paths (rollouts/step_N) and
+# bare file names are neither, and are not checked.
+ROOTED_PATH = re.compile(r"(?<![\w./-])(?:src|tests|docs)/[\w./-]*")
+PACKAGE_PATH = re.compile(r"(?<![\w./-])(?:[\w-]+/)+[\w-]+\.py\b")
+
+
+def named_paths(text: str) -> list[tuple[str, Path]]:
+    """Each (path as written, where it resolves) that `text` names, in order."""
+    found = []
+    for m in ROOTED_PATH.finditer(text):
+        found.append((m.group(0).rstrip("."), ROOT / m.group(0).rstrip(".")))
+    for m in PACKAGE_PATH.finditer(text):
+        path = m.group(0)
+        if path.startswith(("src/", "tests/", "docs/")):
+            continue  # rooted: above
+        base = ROOT / "src" if path.startswith("asyncrl/") else PACKAGE
+        found.append((path, base / path))
+    return found
+
+
+def missing_paths(text: str) -> list[str]:
+    return [f"{written} (no {dest.relative_to(ROOT)})" for written, dest in named_paths(text) if not dest.exists()]
+
+
+def test_architecture_page_is_short():
+    assert ARCHITECTURE.is_file(), "docs/architecture.md (the code map) is missing"
+    n = len(ARCHITECTURE.read_text().splitlines())
+    assert n <= 150, f"docs/architecture.md has {n} lines (at most 150): it is a map, the detail is in the code"
+
+
+def test_architecture_paths_exist():
+    text = ARCHITECTURE.read_text()
+    assert len(named_paths(text)) >= 30, "the code map names its files as paths (see its convention)"
+    missing = missing_paths(text)
+    assert not missing, "docs/architecture.md names paths that do not exist:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize(
+    "text, bad",
+    [
+        ("read `orchestrator/loops.py` first", "orchestrator/loops.py"),
+        ("see `src/asyncrl/transport/rows.py`", "src/asyncrl/transport/rows.py"),
+        ("guarded by `tests/unit/transport/test_rows.py`.", "tests/unit/transport/test_rows.py"),
+        ("the pages in docs/nothing.md", "docs/nothing.md"),
+        ("`asyncrl/trainer/sesion.py`", "asyncrl/trainer/sesion.py"),
+    ],
+)
+def test_path_check_catches_a_misspelled_path(text: str, bad: str):
+    assert [w for w, _ in named_paths(text)] == [bad]
+    assert missing_paths(text) == [f"{bad} (no {named_paths(text)[0][1].relative_to(ROOT)})"]
+
+
+def test_path_check_leaves_alone_what_is_no_source_path():
+    text = (
+        "`orchestrator/loop.py`, src/asyncrl/transport/, `tests/unit/docs/test_docs.py`, docs/rl.md. "
+        "rollouts/step_N/rank_R.pt, broadcast/step_{n+1}/, `meta.json`, loop.py, https://example.org/a/b.html"
+    )
+    assert [w for w, _ in named_paths(text)] == [
+        "src/asyncrl/transport/",
+        "tests/unit/docs/test_docs.py",
+        "docs/rl.md",
+        "orchestrator/loop.py",
+    ]
+    assert not missing_paths(text)
+
+
+def test_each_process_builds_its_run_layout_once():
+    """The README says each process builds its RunLayout once from its config and passes it down: the entrypoints'
+    `entry`, the launcher's per-run layouts and the multi-run trainer's; a fourth call is a layout built twice."""
+    calls = {
+        str(p.relative_to(ROOT)): p.read_text().count("RunLayout.for_config")
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if "RunLayout.for_config" in p.read_text()
+    }
+    assert sum(calls.values()) <= 3, f"RunLayout.for_config is called {sum(calls.values())} times: {calls}"
