@@ -113,9 +113,24 @@ def pytest_collection_modifyitems(config, items):
     was; the other tests keep their order. Under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup) each
     block is one group, so one worker starts that server once, and the slow tests go first: the two workers
     then end together, the quick tests filling the gaps."""
+    _quarantine(items)
     _shared_blocks(items)
     if hasattr(config, "workerinput"):  # a pytest-xdist worker (only workers collect)
         _xdist_groups(items)
+
+
+# ---- quarantine ----------------------------------------------------------------------------------------------
+# A test known to be flaky, until it is fixed where it is flaky: its node id (or a prefix: a file, a test without
+# its [param]) -> why, and the issue that fixes it. It still runs, as a non-strict xfail: its result is reported
+# (XPASS / XFAIL) but does not fail the run. Never a looser bound instead.
+QUARANTINE: dict[str, str] = {}
+
+
+def _quarantine(items) -> None:
+    for item in items:
+        for prefix, why in QUARANTINE.items():
+            if item.nodeid.startswith(prefix):
+                item.add_marker(pytest.mark.xfail(reason=f"quarantined: {why}", strict=False))
 
 
 # ---- pytest-xdist: the groups ------------------------------------------------------------------------------
