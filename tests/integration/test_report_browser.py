@@ -20,7 +20,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from websockets.sync.client import connect
 
 from asyncrl.orchestrator.metrics import log_samples
 from asyncrl.orchestrator.samples import Rollout
@@ -29,6 +28,8 @@ from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.process import free_port
 
 pytestmark = pytest.mark.slow
+# the CDP client: websockets comes with the vLLM backend (scripts/install_vllm.sh, which scripts/test.sh runs)
+connect = pytest.importorskip("websockets.sync.client", reason="no websockets: run scripts/install_vllm.sh").connect
 
 ENVS = ("reverse_text", "gsm8k")
 STEPS = 24

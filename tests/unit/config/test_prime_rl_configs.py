@@ -123,7 +123,8 @@ def test_vllm_serves_on_every_inference_gpu(monkeypatch):
 def test_an_unreachable_hub_model_names_the_cpu_twins(monkeypatch):
     from asyncrl.trainer.model import _load_hf
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # for any process it starts; this one read the flag at import:
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # else ~30 s of retries to the hub
     with pytest.raises(UserError, match=r"hub id: it needs network access .* configs/debug/cpu/"):
         _load_hf("nobody-has/this-model-0", "sdpa", False)
     with pytest.raises(UserError, match=r"does not exist .* asyncrl-tiny-model DIR builds"):

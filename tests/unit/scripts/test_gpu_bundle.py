@@ -12,6 +12,8 @@ import sys
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 OWN = {"asyncrl"} | {p.name.replace("_", "-") for p in (REPO / "environments").iterdir() if p.is_dir()}
 OPTIONAL = {
@@ -88,6 +90,7 @@ print(json.dumps(sorted({tuple(found.get(name.split(".")[0], [])) for name in li
 """
 
 
+@pytest.mark.slow  # imports every asyncrl module and environment in a fresh process (~13 s)
 def test_every_distribution_our_modules_load_is_on_the_lent_machine():
     done = subprocess.run([sys.executable, "-c", LOADED], cwd="/", capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

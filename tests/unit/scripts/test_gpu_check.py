@@ -6,6 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 CHECKS = [
     "imports",
@@ -21,6 +23,7 @@ CHECKS = [
     "rl_distill_teacher",
 ]
 VLLM = ["vllm_update_weights", "rl_multi_run_lora_vllm"]
+pytestmark = pytest.mark.slow  # each dry check resolves ~20 command lines, one process each (~30 s)
 
 
 def gpu_check(*args: str, **env: str) -> subprocess.CompletedProcess:
