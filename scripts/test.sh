@@ -34,9 +34,11 @@ if [ -n "$browser_pid" ]; then
   fi
 fi
 rm -f "$browser_log"
-# Two workers (pytest-xdist): the integration tests wait on their servers and children much of the time.
-# ASYNCRL_TEST_WORKERS=0 runs everything in this process (e.g. with pdb); conftest.py groups the shared servers.
-workers=${ASYNCRL_TEST_WORKERS:-2}
+# One pytest-xdist worker more than the cores (at most 6): the integration tests wait on their servers and children
+# part of the time, and a third worker on two cores fills those waits. ASYNCRL_TEST_WORKERS=N sets the count;
+# 0 runs everything in this process (e.g. with pdb). conftest.py groups the shared servers.
+cores=$(nproc 2>/dev/null || echo 2)
+workers=${ASYNCRL_TEST_WORKERS:-$((cores + 1 < 6 ? cores + 1 : 6))}
 xdist=()
 [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadgroup)
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${xdist[@]}" "$@"

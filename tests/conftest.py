@@ -184,9 +184,9 @@ def _group_of(item) -> str | None:
 # matters. A test not named here: SLOW_S if marked slow (IN_GROUP_S in a group: its server or fixture is built
 # once for all of them), else QUICK_S. A name without its [param] covers each; a file, each test in it.
 KNOWN_S = {
-    "tests/integration/test_multi_run_rl.py::test_two_runs_learn_side_by_side_and_one_resumes_alone": 238,
+    "tests/integration/test_multi_run_rl.py::test_two_runs_learn_side_by_side_and_one_resumes_alone": 60,
     "tests/integration/test_rl.py::test_rl_runs_learns_and_resumes": 101,
-    "tests/integration/test_multi_node_rl.py::test_three_hosts_train_and_weights_reach_the_server": 113,
+    "tests/integration/test_multi_node_rl.py::test_three_hosts_train_and_weights_reach_the_server": 40,
     "tests/integration/test_classic_envs.py::test_rl_trains_a_classic_environment": 40,
     "tests/reliability/test_hostile.py::test_generated_requests": 79,
     "tests/integration/test_lora_adapters.py::test_rl_serves_each_policy_as_the_runs_adapter": 62,

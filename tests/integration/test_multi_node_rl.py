@@ -5,9 +5,11 @@ the orchestrator (`--client.base-url http://$INFERENCE_SERVER_IP:8000/v1 --clien
 INFERENCE_SERVER_API_KEY --output-dir $OUTPUT_DIR`) and trainer node 0; host C runs trainer node 1 — both
 trainer nodes `torchrun --nnodes 2 --node-rank 0/1 --rdzv-endpoint B:PORT src/prime_rl/trainer/rl/train.py`
 over gloo. `OUTPUT_DIR` is one directory all three see (the shared file system the PRIME-RL docs require). The
-orchestrator is not told the trainer's world size: it reads what trainer rank 0 writes. Checked: reward
-rises, every batch is packed for 2 ranks, the server on A serves the trainer's weights; a wrong API key,
-an unreachable server and a trainer node that dies each end with a clear error.
+orchestrator is not told the trainer's world size: it reads what trainer rank 0 writes. Checked: every step
+trains on both hosts, every batch is packed for 2 ranks, the server on A serves the trainer's weights of the
+step before; a wrong API key, an unreachable server and a trainer node that dies each end with a clear error.
+(That two ranks train as one does is exact in tests/integration/test_trainer_fsdp.py and test_sft.py; that
+`rl` learns, in tests/integration/test_rl.py.)
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def finish(procs: dict, logs: dict, timeout: float = 600) -> dict[str, int]:
 
 def test_three_hosts_train_and_weights_reach_the_server(hosts, server, warm_model, tmp_path):
     out = tmp_path / "shared"
-    procs, logs = start_run(hosts, server, warm_model, out, steps=40)
+    steps = 8
+    procs, logs = start_run(hosts, server, warm_model, out, steps=steps)
     codes = finish(procs, logs)
     assert codes == {"node1": 0, "node0": 0, "orchestrator": 0}, {n: tail(p, 30) for n, p in logs.items()}
     assert json.loads((out / "trainer_world.json").read_text()) == {"world_size": 2}
@@ -118,10 +121,11 @@ def test_three_hosts_train_and_weights_reach_the_server(hosts, server, warm_mode
     assert "packing batches for 2 trainer rank(s)" in orch_log  # learned, not configured
     rows = [json.loads(x) for x in (out / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("kind", "train") == "train"]
-    early = sum(r["reward/mean"] for r in rows[:5]) / 5
-    late = sum(r["reward/mean"] for r in rows[-5:]) / 5
-    assert late > early + 0.02, [round(r["reward/mean"], 3) for r in rows]
-    assert rows[-1]["policy/step"] >= 38  # the server on host A served the trainer's weights of that step
+    assert [r["step"] for r in rows] == list(range(steps))
+    trained = [json.loads(x) for x in (out / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in trained] == list(range(steps))
+    # the server on host A served the trainer's weights of the step before (async level 1)
+    assert [r["policy/step"] for r in rows][2:] == [r["step"] - 1 for r in rows][2:]
     assert "world 2" in (out / "logs" / "trainer.log").read_text()  # one rank on each trainer host
 
 

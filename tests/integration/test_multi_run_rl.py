@@ -1,9 +1,14 @@
 """`rl` with `[[runs]]` on CPU: two LoRA runs (own env, lr, orchestrator) on one trainer and one server.
 
 From the demo's warmed tiny model: run `rev` on reverse-text and run `echo` on echo-twice (partial credit),
-with different learning rates. Both rewards must rise, the adapters must differ, a checkpoint of one run
-must resume it alone (the other's files untouched), and killing one run's orchestrator must leave the other
-training to its end, with `rl` saying which run did not finish.
+with different learning rates. Each run must train every step at its own lr on its own env's rewards, with the
+server answering from its latest adapter; the adapters must differ; a checkpoint of one run must resume it alone
+(the other's files untouched); and killing one run's orchestrator must leave the other training to its end, with
+`rl` saying which run did not finish.
+
+That each run learns as it would alone is checked where it can be exact and where it can be measured: a mixed
+step's gradients are each run's own (tests/unit/trainer/test_multi_run_step.py), and held-out learning together
+against alone is `benchmarks/multi_run.py --e2e` (docs/benchmarks.md, "Multi-run LoRA").
 """
 
 from __future__ import annotations
@@ -57,20 +62,7 @@ def write_config(
 
 
 def rewards(run: RunLayout) -> list[float]:
-    rows = [json.loads(x) for x in run.metrics_file("orchestrator").read_text().splitlines() if x.strip()]
-    return [r["reward/mean"] for r in rows if r.get("kind", "train") == "train"]
-
-
-def rises(values: list[float]) -> bool:
-    """The least-squares line through the per-step rewards climbs by more than 0.01 over the run.
-
-    Per-step noise is ~0.025 here, so a fit over all steps is steadier than comparing thirds. Measured over
-    40 steps at these settings: rev +0.015..+0.049 (nine runs), echo at lr 5e-4 +0.049..+0.065; 50 steps
-    here for margin. (Echo at lr 2e-3 is unstable: its entropy climbs and its reward can fall.)
-    """
-    n, mid, mean = len(values), (len(values) - 1) / 2, sum(values) / len(values)
-    slope = sum((i - mid) * (v - mean) for i, v in enumerate(values)) / sum((i - mid) ** 2 for i in range(n))
-    return slope * (n - 1) > 0.01
+    return [r["reward/mean"] for r in orchestrator_rows(run)]
 
 
 def status(run: RunLayout) -> dict:
@@ -82,32 +74,39 @@ def adapter(run: RunLayout, step: int) -> dict[str, torch.Tensor]:
 
 
 def test_two_runs_learn_side_by_side_and_one_resumes_alone(warm_model, tmp_path):
-    out = tmp_path / "out"
-    cfg = write_config(tmp_path / "rl.toml", warm_model, out, 50, [REV, ECHO], batch=128)
+    out, steps = tmp_path / "out", 10
+    cfg = write_config(tmp_path / "rl.toml", warm_model, out, steps, [REV, ECHO])
     proc = subprocess.run([*RL, "@", str(cfg)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rev, echo = (RunLayout(out / f"run_{n}") for n in ("rev", "echo"))
-    assert rises(rewards(rev)), rewards(rev)
-    assert rises(rewards(echo)), rewards(echo)
     assert status(rev)["state"] == status(echo)["state"] == "done"
-    a, b = adapter(rev, 50), adapter(echo, 50)
+    for run, lr in ((rev, REV["lr"]), (echo, ECHO["lr"])):
+        trained = [json.loads(x) for x in run.metrics_file("trainer").read_text().splitlines()]
+        assert [m["step"] for m in trained] == list(range(steps)) and {m["lr"] for m in trained} == {lr}
+        rows = orchestrator_rows(run)
+        assert [r["step"] for r in rows] == list(range(steps))
+        assert [r["policy/step"] for r in rows][2:] == [r["step"] - 1 for r in rows][2:]  # its own latest adapter
+    a, b = adapter(rev, steps), adapter(echo, steps)  # LoRA B starts at zero: both trained, each its own way
     assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
-    trained = [json.loads(x) for x in rev.metrics_file("trainer").read_text().splitlines()]
-    assert {m["lr"] for m in trained} == {REV["lr"]} and len(trained) == 50
-    assert "[rl rev] step   49" in proc.stdout and "[rl echo] step   49" in proc.stdout
+    assert f"[rl rev] step {steps - 1:4d}" in proc.stdout and f"[rl echo] step {steps - 1:4d}" in proc.stdout
     for run in (rev, echo):  # each run: its own logs, config, checkpoints, report
         assert (run.logs / "orchestrator.log").exists() and (run.logs / "trainer.log").exists()
         assert (run.configs / "orchestrator.toml").exists() and (run.root / "report.html").exists()
 
-    # rev alone, from its checkpoint at step 50, five more steps; echo's files stay as they are
+    # rev alone, from its checkpoint at the last step, two more steps; echo's files stay as they are
     echo_files = {p: p.stat().st_mtime_ns for p in echo.root.rglob("*") if p.is_file()}
-    cfg = write_config(tmp_path / "rev.toml", warm_model, out, 55, [REV], batch=128)
+    cfg = write_config(tmp_path / "rev.toml", warm_model, out, steps + 2, [REV])
     proc = subprocess.run([*RL, "@", str(cfg), "--ckpt.resume-step", "-1"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "[rev] run rev started in adapter slot 0 at step 50" in (rev.logs / "trainer.log").read_text()
-    assert status(rev) == {**status(rev), "state": "done", "step": 55}
-    assert len(rewards(rev)) == 55 and (rev.weights_dir(55) / "adapter").is_dir()
+    assert f"[rev] run rev started in adapter slot 0 at step {steps}" in (rev.logs / "trainer.log").read_text()
+    assert status(rev) == {**status(rev), "state": "done", "step": steps + 2}
+    assert len(rewards(rev)) == steps + 2 and (rev.weights_dir(steps + 2) / "adapter").is_dir()
     assert {p: p.stat().st_mtime_ns for p in echo.root.rglob("*") if p.is_file()} == echo_files
+
+
+def orchestrator_rows(run: RunLayout) -> list[dict]:
+    rows = [json.loads(x) for x in run.metrics_file("orchestrator").read_text().splitlines() if x.strip()]
+    return [r for r in rows if r.get("kind", "train") == "train"]
 
 
 def test_killing_one_runs_orchestrator_leaves_the_other_training(warm_model, tmp_path):
