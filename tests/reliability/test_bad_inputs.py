@@ -161,6 +161,7 @@ def test_every_malformed_batch_is_refused_where_the_trainer_reads_it(tiny_model_
 TRAINER_CASES = ["not_a_dict", "missing_field", "length_mismatch", "out_of_vocabulary", "inf_sampler_logprob"]
 
 
+@pytest.mark.slow  # a trainer process each (~5 CPU s, 10-15 s with the suite around it)
 @pytest.mark.parametrize("case", [*TRAINER_CASES, "garbage_meta"])
 def test_the_trainer_stops_on_a_malformed_batch_with_one_line_naming_the_file(tiny_model_dir, tmp_path, case):
     named, words = write_case(tmp_path, case)
@@ -170,6 +171,7 @@ def test_the_trainer_stops_on_a_malformed_batch_with_one_line_naming_the_file(ti
     assert not RunLayout(tmp_path).broadcast_dir(1).exists()
 
 
+@pytest.mark.slow  # a trainer process each (~5 CPU s, 10-15 s with the suite around it)
 def test_a_step_without_loss_tokens_is_a_loud_no_op_that_still_publishes(tiny_model_dir, tmp_path):
     row = good_row()
     row["loss_mask"] = torch.zeros(LENGTH, dtype=torch.bool)
@@ -187,6 +189,7 @@ def test_a_step_without_loss_tokens_is_a_loud_no_op_that_still_publishes(tiny_mo
     assert metrics["step"] == 0 and metrics["empty_step"] == 1 and metrics["loss_tokens"] == 0
 
 
+@pytest.mark.slow  # a trainer process each (~5 CPU s, 10-15 s with the suite around it)
 def test_two_ranks_agree_when_one_rank_file_is_malformed(tiny_model_dir, tmp_path):
     """Rank 1's file has a non-finite sampler logprob, rank 0's is fine: both stop with rank 1's line, no hang."""
     bad = good_row()
@@ -209,6 +212,7 @@ def test_two_ranks_agree_when_one_rank_file_is_malformed(tiny_model_dir, tmp_pat
         assert "inference_logprobs[5] = inf" in errors[0]
 
 
+@pytest.mark.slow  # a trainer process each (~5 CPU s, 10-15 s with the suite around it)
 def test_truncated_weights_are_one_line_naming_them(tiny_model_dir, tmp_path):
     """A run's weights/step_N cut short (a disk fault), given as the model to start from."""
     weights = tmp_path / "weights" / "step_2"

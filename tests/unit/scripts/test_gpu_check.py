@@ -47,8 +47,10 @@ def test_dry_check_on_a_cpu_machine(tmp_path):
 
 
 def test_a_broken_command_fails_the_dry_check():
-    done = gpu_check(GPU_CHECK_EXTRA_TRAINER_ARGS="--no-such-flag")
+    only = "fsdp2_nccl,bench_qwen3_0.6b_16k,rl_single_gpu_shared_prefix"  # two rows pass the flag, one does not
+    done = gpu_check("--only", only, GPU_CHECK_EXTRA_TRAINER_ARGS="--no-such-flag")
     assert done.returncode == 1
     got = rows(done.stdout)
+    assert set(got) == set(only.split(","))
     assert got["fsdp2_nccl"] == got["bench_qwen3_0.6b_16k"] == "FAIL" and got["rl_single_gpu_shared_prefix"] == "dry"
     assert "no-such-flag" in done.stdout
