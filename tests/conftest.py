@@ -301,9 +301,9 @@ def _cpu_s() -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     log = os.environ.get(CPU_LOG_VAR)
-    cpu, wall = _cpu_s(), time.monotonic()
+    cpu, wall, start = _cpu_s(), time.monotonic(), time.time()
     yield
     if log:
-        row = {"test": item.nodeid, "wall_s": time.monotonic() - wall, "cpu_s": _cpu_s() - cpu}
+        row = {"test": item.nodeid, "start": start, "wall_s": time.monotonic() - wall, "cpu_s": _cpu_s() - cpu}
         with open(f"{log}.{os.getpid()}", "a") as f:
             f.write(json.dumps(row) + "\n")
