@@ -20,7 +20,8 @@ def rows(prefix: Path) -> list[dict]:
     files = sorted(prefix.parent.glob(prefix.name + ".*"))
     if not files:
         raise SystemExit(f"error: no {prefix}.<pid> files: run the tests with ASYNCRL_TEST_CPU_LOG={prefix}")
-    return [dict(json.loads(line), worker=f.suffix[1:]) for f in files for line in f.read_text().splitlines() if line]
+    lines = [(f.suffix[1:], line) for f in files for line in f.read_text().splitlines() if line.strip()]
+    return [dict(json.loads(line), worker=worker) for worker, line in lines]
 
 
 def workers(tests: list[dict]) -> None:

@@ -28,6 +28,7 @@ from asyncrl.config import loader
 from asyncrl.config.cli import to_toml
 from asyncrl.config.rl import RLConfig, resolve_rl
 from asyncrl.utils.process import free_port, spawn, stop_groups, tail, wait_for_http
+from tests.integration.test_rl import orchestrator_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CAN_MAKE_HOSTS, reason=WHY_NOT)]
 
@@ -119,8 +120,7 @@ def test_three_hosts_train_and_weights_reach_the_server(hosts, server, warm_mode
     assert json.loads((out / "trainer_world.json").read_text()) == {"world_size": 2}
     orch_log = (out / "logs" / "orchestrator.log").read_text()
     assert "packing batches for 2 trainer rank(s)" in orch_log  # learned, not configured
-    rows = [json.loads(x) for x in (out / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r.get("kind", "train") == "train"]
+    rows = orchestrator_rows(out)
     assert [r["step"] for r in rows] == list(range(steps))
     trained = [json.loads(x) for x in (out / "metrics" / "trainer.jsonl").read_text().splitlines()]
     assert [r["step"] for r in trained] == list(range(steps))

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.process import free_port
+from tests.integration.test_rl import orchestrator_rows
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +63,7 @@ def write_config(
 
 
 def rewards(run: RunLayout) -> list[float]:
-    return [r["reward/mean"] for r in orchestrator_rows(run)]
+    return [r["reward/mean"] for r in orchestrator_rows(run.root)]
 
 
 def status(run: RunLayout) -> dict:
@@ -83,7 +84,7 @@ def test_two_runs_learn_side_by_side_and_one_resumes_alone(warm_model, tmp_path)
     for run, lr in ((rev, REV["lr"]), (echo, ECHO["lr"])):
         trained = [json.loads(x) for x in run.metrics_file("trainer").read_text().splitlines()]
         assert [m["step"] for m in trained] == list(range(steps)) and {m["lr"] for m in trained} == {lr}
-        rows = orchestrator_rows(run)
+        rows = orchestrator_rows(run.root)
         assert [r["step"] for r in rows] == list(range(steps))
         assert [r["policy/step"] for r in rows][2:] == [r["step"] - 1 for r in rows][2:]  # its own latest adapter
     a, b = adapter(rev, steps), adapter(echo, steps)  # LoRA B starts at zero: both trained, each its own way
@@ -102,11 +103,6 @@ def test_two_runs_learn_side_by_side_and_one_resumes_alone(warm_model, tmp_path)
     assert status(rev) == {**status(rev), "state": "done", "step": steps + 2}
     assert len(rewards(rev)) == steps + 2 and (rev.weights_dir(steps + 2) / "adapter").is_dir()
     assert {p: p.stat().st_mtime_ns for p in echo.root.rglob("*") if p.is_file()} == echo_files
-
-
-def orchestrator_rows(run: RunLayout) -> list[dict]:
-    rows = [json.loads(x) for x in run.metrics_file("orchestrator").read_text().splitlines() if x.strip()]
-    return [r for r in rows if r.get("kind", "train") == "train"]
 
 
 def test_killing_one_runs_orchestrator_leaves_the_other_training(warm_model, tmp_path):
