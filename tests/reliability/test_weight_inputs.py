@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -126,10 +125,13 @@ def load_lora(http, name: str, path: Path):
 REWRITE = """
 import os, sys, time
 path, half, parent = sys.argv[1], int(sys.argv[2]), os.getppid()
-data = open(path, "rb").read()
+data, cuts = open(path, "rb").read(), 0
 with open(path, "r+b") as fh:
     while os.getppid() == parent:  # stops with the test, even one killed by SIGBUS
         fh.truncate(half)
+        cuts += 1
+        if cuts == 1:  # the test starts its updates on the first cut, not after a guessed delay
+            print("cut", flush=True)
         time.sleep(0.01)
         fh.seek(half)
         fh.write(data[half:])
@@ -144,9 +146,10 @@ def test_a_weight_file_rewritten_during_update_is_an_error_not_a_crash(http, ser
     again); another process cuts it in half and writes the rest back, again and again."""
     d = weight_dir(root / "rewritten", base)
     f = d / "model.safetensors"
-    writer = subprocess.Popen([sys.executable, "-c", REWRITE, str(f), str(f.stat().st_size // 2)])
+    args = [sys.executable, "-c", REWRITE, str(f), str(f.stat().st_size // 2)]
+    writer = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)
+        assert writer.stdout.readline() == "cut\n"
         answers = [update(http, d) for _ in range(30)]
     finally:
         writer.kill()
