@@ -14,9 +14,10 @@ chat requests back to back, and the table shows aggregate completion tokens/s (m
 Every completion runs the full `--max-tokens` (eos ignored), so tok/s compare across backends.
 `hf-generate` rows are one `model.generate` call over the same c prompts (left padding, do_sample,
 T=1, the same max/min new tokens), in this process with the engine's torch thread count, run
-interleaved with the server levels. Clients share one HTTP connection pool per 16 of them
-(httpx's pool costs O(connections) per request event; one pool of 256 makes the client the
-bottleneck, not the server).
+interleaved with the server levels. The clients are aiohttp (a third of httpx's CPU per request:
+on a small machine the client shares the cores with the server it measures), each with its own
+keep-alive connection, opened by one tiny request per client before the timed window: a serving
+benchmark measures a server's steady state, not TCP set-up.
 
     python benchmarks/inference.py                                   # embedded, c = 64, 128, 256
     python benchmarks/inference.py --backends embedded,vllm --hidden-size 256 --num-layers 4
@@ -34,12 +35,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from asyncrl.utils.process import free_port, serve, stop_group
 
 SYSTEM_PROMPT = "Reverse the text character by character."  # the rl --bench job's
-CLIENTS_PER_POOL = 16
 
 
 class EmbeddedServer:
@@ -116,28 +116,29 @@ async def run_level(base_url: str, model: str, concurrency: int, rounds: int, wo
     """c closed-loop clients x rounds requests; returns (completion tokens, wall seconds, latencies)."""
     latencies: list[float] = []
     tokens = 0
-    pools = [httpx.AsyncClient(base_url=base_url, timeout=600, limits=httpx.Limits(max_connections=CLIENTS_PER_POOL))
-             for _ in range(-(-concurrency // CLIENTS_PER_POOL))]  # fmt: skip
+    url = base_url + "/v1/chat/completions"
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(600)
+    ) as http:
 
-    async def one_client(i: int) -> None:
-        nonlocal tokens
-        for r in range(rounds):
-            t0 = time.perf_counter()
-            resp = await pools[i // CLIENTS_PER_POOL].post(
-                "/v1/chat/completions", json=work.body(model, r * concurrency + i, salt)
-            )
-            resp.raise_for_status()
-            latencies.append(time.perf_counter() - t0)
-            tokens += resp.json()["usage"]["completion_tokens"]
+        async def post(body: dict) -> dict:
+            async with http.post(url, json=body) as resp:
+                resp.raise_for_status()
+                return await resp.json()
 
-    try:
-        await pools[0].post("/v1/chat/completions", json=dict(work.body(model, 0, -1), max_tokens=4, min_tokens=4))
+        async def one_client(i: int) -> None:
+            nonlocal tokens
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                out = await post(work.body(model, r * concurrency + i, salt))
+                latencies.append(time.perf_counter() - t0)
+                tokens += out["usage"]["completion_tokens"]
+
+        warm = dict(work.body(model, 0, -1), max_tokens=1, min_tokens=1)
+        await asyncio.gather(*[post(warm) for _ in range(concurrency)])  # every client's connection open
         t0 = time.perf_counter()
         await asyncio.gather(*[one_client(i) for i in range(concurrency)])
         wall = time.perf_counter() - t0
-    finally:
-        for pool in pools:
-            await pool.aclose()
     return tokens, wall, latencies
 
 
