@@ -3,6 +3,7 @@
     python benchmarks/trainer.py                    # tiny models on CPU, 1 and 2 processes (gloo)
     python benchmarks/trainer.py --qwen3-0.6b       # + Qwen3-0.6B-shaped random weights at seq 16k (GPU)
     python benchmarks/trainer.py --rows-sweep       # only the bench job's shape: data.micro_batch_size x dtype
+    python benchmarks/trainer.py --logits           # a 152k vocabulary on CPU: the chunked lm_head vs full logits
 
 Every run is a fresh `python -m asyncrl.entrypoints.trainer --bench` (under torchrun for 2 ranks); the
 numbers come from its metrics file, the first (warm-up) step excluded. MFU needs a known GPU peak
@@ -31,6 +32,9 @@ CPU_CASES = [
 # the bench job's trainer step on tiny-1M: 129 samples of 85 tokens, 3 per 255-token row = 43 rows
 JOB_SHAPE = {"seq_len": 85, "samples_per_row": 3, "batch_size": 129}
 ROWS_PER_FORWARD = (1, 2, 4, 8, 16)
+# --logits: Qwen3's vocabulary on a small body (hidden, layers, heads, kv heads), where the logits dominate memory
+LOGITS_MODEL = (256, 2, 4, 2)
+LOGITS_SETTINGS = {"full logits": ["--model.fused-lm-head-chunk-size", "disabled"], "chunked head (default)": []}
 DTYPES = ("float32", "bfloat16")
 
 
@@ -135,6 +139,35 @@ def print_rows_sweep(results: list[tuple[int, str, dict]], threads: int) -> None
     print(f"(load average {os.getloadavg()[0]:.1f})")
 
 
+def logits_sweep(root: Path, seq: int, steps: int, threads: int) -> list[tuple[str, dict]]:
+    """One `seq`-token sample per step through full logits and through the chunked head, twice each, interleaved."""
+    from asyncrl.utils.tiny_model import build_tiny_model
+
+    hidden, layers, heads, kv = LOGITS_MODEL
+    model_dir = build_tiny_model(
+        root / "vocab-152k", hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv, vocab_size=151936
+    )
+    results = []
+    for i in range(2):
+        for name, extra in LOGITS_SETTINGS.items():
+            out = root / f"out-logits-{i}-{len(extra)}"
+            results.append(
+                (name, time_trainer(model_dir, out, 1, seq, 1, 1, steps, ["--device", "cpu", *extra], threads))
+            )
+    return results
+
+
+def print_logits_sweep(results: list[tuple[str, dict]], seq: int, threads: int) -> None:
+    hidden, layers, *_ = LOGITS_MODEL
+    print(
+        f"\nvocab 151,936, hidden {hidden}, {layers} layers: one {seq}-token row per step, 1 rank, {threads} thread(s)"
+    )
+    print(f"{'loss reads':<24} {'step s':>7} {'tokens/s':>9} {'peak RSS':>9}")
+    for name, r in results:
+        print(f"{name:<24} {r['step_s']:>7.2f} {r['tok_s']:>9,.0f} {r['mem']:>7.2f}Gi")
+    print(f"(logits of one row: {seq * 151936 * 4 / 2**30:.2f} GiB in float32; load average {os.getloadavg()[0]:.1f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
@@ -146,6 +179,10 @@ def main() -> None:
         "--rows-sweep", action="store_true", help="only the bench job's shape, data.micro_batch_size x dtype"
     )
     parser.add_argument(
+        "--logits", action="store_true", help="only the large-vocabulary case: chunked head vs full logits"
+    )
+    parser.add_argument("--logits-seq-len", type=int, default=4096, help="tokens per step of the --logits case")
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -155,6 +192,13 @@ def main() -> None:
     from asyncrl.utils.tiny_model import build_tiny_model
 
     cores = os.cpu_count() or 1
+    if args.logits:
+        with tempfile.TemporaryDirectory() as tmp:
+            threads = args.threads or cores
+            print_logits_sweep(
+                logits_sweep(Path(tmp), args.logits_seq_len, args.steps, threads), args.logits_seq_len, threads
+            )
+        return
     if args.rows_sweep:
         with tempfile.TemporaryDirectory() as tmp:
             threads = args.threads or cores

@@ -52,7 +52,7 @@ ENV_PREFIX = "PRIME_"
 NOT_HERE = {
     "model.cp": "context parallelism (one sequence split over several GPUs) is not implemented: PyTorch's "
     "context-parallel attention needs CUDA GPUs (it has no CPU kernel), so it could not be built and tested here; "
-    "to fit long sequences use --model.ac (activation checkpointing), data.micro_batch_size 1 or a lower seq_len",
+    "to fit long sequences use --model.ac (activation checkpointing), a lower data.micro_batch_tokens or seq_len",
 }
 COMPONENTS = ("trainer", "orchestrator", "inference")
 

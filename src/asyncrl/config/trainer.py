@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -22,6 +22,7 @@ from asyncrl.config.base import (
 Dtype = Literal["bfloat16", "float32"]
 
 ADVANTAGE_TYPES = ("rloo", "opo")  # the orchestrator's advantage.type values PRIME-RL's docs call objectives
+MICRO_BATCH_TOKENS = 16384  # a forward's activations grow with its tokens: at 16k-token rows, one row at a time
 MICRO_BATCH_ROWS = 16  # fastest of 1/2/4/8/16 on the bench job's shape, CPU (benchmarks/trainer.py --rows-sweep)
 
 
@@ -47,6 +48,11 @@ class TrainerModelConfig(ModelConfig):
     fsdp_cpu_offload: bool = Field(False, description="offload sharded params/grads/optimizer to CPU")
     attn_implementation: str = Field("sdpa", description="HF attention implementation")
     trust_remote_code: bool = Field(False, description="allow custom modelling code from the model dir")
+    fused_lm_head_chunk_size: Annotated[int, Field(ge=1)] | Literal["disabled"] | None = Field(
+        None,
+        description="the loss reads the lm_head this many positions at a time and never holds the whole "
+        "[tokens, vocab] logits (default: as many as fit 256 MiB of float32 logits); 'disabled': full logits",
+    )
 
 
 class TokenizerConfig(BaseConfig):
@@ -133,6 +139,12 @@ class TrainerDataConfig(BaseConfig):
     )
     micro_batch_size: int = Field(
         MICRO_BATCH_ROWS, ge=1, description="packed rows per forward/backward (lower it on OOM; 1: one row at a time)"
+    )
+    micro_batch_tokens: int = Field(
+        MICRO_BATCH_TOKENS,
+        ge=1,
+        description="at most this many tokens (rows x the longest's length) per forward/backward; a longer row "
+        "runs alone",
     )
     fake: FakeDataConfig | None = Field(None, description="train on fake data of this shape (with --bench)")
 

@@ -222,6 +222,18 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="transformers gives it a public name",
     ),
     Patch(
+        symbol="transformers Qwen3ForCausalLM.forward (any causal LM's): logits = lm_head(hidden states), as is",
+        how="relied on; the lm_head's forward replaced on the model instance",
+        dist="transformers",
+        verified={"==5.19.0": "c3e0bc6f25e56273"},
+        checks=("transformers.models.qwen3.modeling_qwen3:Qwen3ForCausalLM.forward",),
+        where=("trainer.head:head_stats", "trainer.head:supported"),
+        why="the loss reads the lm_head chunk by chunk inside the root module's forward (where FSDP2 gathered its "
+        "weight), never the whole [tokens, vocab] logits; a model that changes its logits after the head "
+        "(soft-capping, a scale) is read from full logits",
+        remove_when="transformers' causal LMs hand the loss their hidden states and head (a fused linear loss)",
+    ),
+    Patch(
         symbol="transformers TokenizersBackend._tokenizer",
         how="private (read)",
         dist="transformers",

@@ -228,14 +228,6 @@ def test_custom_loss_by_import_path():
         get_loss_fn(LossConfig(type="custom", custom="just_a_name"))
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
 def _row(lengths, temps, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 256, (sum(lengths),), generator=g)

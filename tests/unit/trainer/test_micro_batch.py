@@ -15,7 +15,15 @@ import torch
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.trainer.loss import token_logprobs
 from asyncrl.trainer.model import check_packing
-from asyncrl.trainer.rl.data import PackedRow, micro_batches, plan_forwards, prepare, split_to, stack_rows
+from asyncrl.trainer.rl.data import (
+    PackedRow,
+    concatenated_sizes,
+    micro_batches,
+    plan_forwards,
+    prepare,
+    split_to,
+    stack_rows,
+)
 from asyncrl.trainer.rl.loop import RLLoop
 from asyncrl.transport.row import Row
 
@@ -128,6 +136,20 @@ def test_plan_forwards_keeps_short_rows_apart_from_long_ones():
     sizes = plan_forwards([100] * 10, 4, cost, cost(64))
     assert sum(sizes) == 10 and max(sizes) <= 4 and len(sizes) == 3
     assert plan_forwards([], 4, cost, cost(64)) == []
+
+
+def test_a_token_budget_caps_each_forward_and_a_longer_row_runs_alone():
+    # 16k-token rows: one per forward at the default 16,384 tokens, whatever micro_batch_size allows
+    assert plan_forwards([16384] * 3, 16, cost, cost(64), 16384) == [1, 1, 1]
+    assert plan_forwards([20000, 100, 100], 16, cost, cost(64), 16384) == [1, 2]  # over the budget: alone
+    sizes = plan_forwards([1000] * 40, 16, cost, cost(64), 8000)
+    assert sum(sizes) == 40 and max(sizes) <= 8  # 8 x 1000 tokens per forward at most
+    assert plan_forwards([256] * 12, 16, cost, cost(64), None) == [12]  # no budget: rows alone decide
+    # concatenated rows (no padding): in order, within both limits
+    assert concatenated_sizes([300, 200, 200, 100, 50], 16, 500) == [2, 3]
+    assert concatenated_sizes([900, 10], 16, 500) == [1, 1]
+    assert concatenated_sizes([10] * 5, 2, None) == [2, 2, 1]
+    assert concatenated_sizes([], 2, 100) == []
 
 
 def test_split_to_gives_every_rank_as_many_forwards():

@@ -51,14 +51,15 @@ def runs(model) -> list[list[PackedRow]]:
     return out
 
 
-def loops_for(model, losses: list[dict], size: int, stack: bool) -> list[RLLoop]:
-    """One RL loop per run, each its own loss config and adapter slot (1, 3, 0: not in slot order)."""
+def loops_for(model, losses: list[dict], size: int, stack: bool, head: int | str | None = None) -> list[RLLoop]:
+    """One RL loop per run, each its own loss config and adapter slot (1, 3, 0: not in slot order); `head`: the
+    runs' `model.fused_lm_head_chunk_size`."""
     ctx = SimpleNamespace(world_size=1, device=CPU, all_reduce_max=lambda n: n)
     lm = SimpleNamespace(stackable=stack, selector=model.selector)
     flops = SimpleNamespace(row_flops=lambda lengths: float(lengths.sum()))
     loops = []
     for slot, loss in zip((1, 3, 0), losses):
-        config = TrainerConfig(loss=loss, data={"micro_batch_size": size})
+        config = TrainerConfig(loss=loss, data={"micro_batch_size": size}, model={"fused_lm_head_chunk_size": head})
         session = SimpleNamespace(
             config=config, model=model, ctx=ctx, lm=lm, flops=flops, slot=SimpleNamespace(index=slot)
         )
@@ -112,6 +113,26 @@ def test_a_mixed_step_is_each_run_trained_alone(model, runs, loss, size, stack):
         for g, w in zip(slot_grads(model, loop.session.slot.index), want_grads):
             torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-4)
     assert "teacher_kl" in got[2] and "teacher_kl" not in got[0] and "ref_kl" in got[2]
+
+
+@pytest.mark.parametrize("loss", ["aipo", "dppo", "grpo", "gspo", "cispo"])
+def test_the_chunked_head_trains_as_full_logits_do(model, runs, loss):
+    """Every built-in loss, with an entropy bonus, reference KL, forward-KL targets and LoRA slots: the lm_head
+    read 5 positions at a time gives the token sums and gradients of full logits (`"disabled"`)."""
+    losses = [loss_config(loss), loss_config(loss) | {"entropy_coef": 0.01}, {"type": "cispo", "ref_kl": 0.1}]
+    results = []
+    for head in ("disabled", 5):
+        loops = loops_for(model, losses, 4, True, head)
+        sums = together(model, loops, runs)
+        results.append((sums, [[g.clone() for g in slot_grads(model, loop.session.slot.index)] for loop in loops]))
+    (want_sums, want_grads), (got_sums, got_grads) = results
+    for want, got in zip(want_sums, got_sums):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    for want, got in zip(want_grads, got_grads):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-4)
 
 
 def test_rows_of_several_runs_share_forwards_grouped_by_run(runs):

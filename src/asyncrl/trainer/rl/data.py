@@ -166,23 +166,45 @@ def _with_sharing(batch: RowBatch, rows: list[PackedRow], stack: bool) -> RowBat
     return batch
 
 
-def plan_forwards(lengths: list[int], size: int, row_cost: Callable[[int], float], overhead: float) -> list[int]:
+def plan_forwards(
+    lengths: list[int], size: int, row_cost: Callable[[int], float], overhead: float, max_tokens: int | None = None
+) -> list[int]:
     """How many rows each forward pass takes, for rows sorted longest first and stacked (each forward
-    padded to its first row): consecutive runs of at most `size` rows minimizing the total cost, a
-    forward of k rows of length L costing k * row_cost(L) + overhead. Rows of very different lengths
-    then go to different forwards instead of padding short rows to the longest."""
+    padded to its first row): consecutive runs of at most `size` rows and `max_tokens` padded tokens (a
+    longer row alone) minimizing the total cost, a forward of k rows of length L costing k * row_cost(L) +
+    overhead. Rows of very different lengths then go to different forwards instead of padding short rows
+    to the longest."""
     n = len(lengths)
     best, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
     for j in range(1, n + 1):
-        for i in range(max(0, j - size), j):
+        for i in range(j - 1, max(0, j - size) - 1, -1):  # ever more rows, padded to an ever longer first
+            if i < j - 1 and max_tokens is not None and (j - i) * lengths[i] > max_tokens:
+                break
             cost = best[i] + (j - i) * row_cost(lengths[i]) + overhead
-            if cost < best[j]:
+            if cost <= best[j]:  # ties go to the larger forward
                 best[j], cut[j] = cost, i
     sizes, j = [], n
     while j > 0:
         sizes.append(j - cut[j])
         j = cut[j]
     return sizes[::-1]
+
+
+def fixed_sizes(n: int, size: int) -> list[int]:
+    """`n` rows `size` at a time (the last run may hold fewer)."""
+    return [min(size, n - i) for i in range(0, n, size)]
+
+
+def concatenated_sizes(lengths: list[int], size: int, max_tokens: int | None = None) -> list[int]:
+    """Rows per forward for rows concatenated into one (no padding), in order: at most `size` rows and
+    `max_tokens` tokens each (a longer row alone)."""
+    sizes, count, total = [], 0, 0
+    for n in lengths:
+        if count and (count == size or (max_tokens is not None and total + n > max_tokens)):
+            sizes.append(count)
+            count, total = 0, 0
+        count, total = count + 1, total + n
+    return sizes + [count] if count else sizes
 
 
 def split_to(sizes: list[int], count: int) -> list[int]:
@@ -203,7 +225,7 @@ def micro_batches(
     `size` rows each (the last may hold fewer)."""
     rows = sorted(rows, key=lambda r: -r.input_ids.numel())  # stable: the orchestrator's order already is
     if sizes is None:
-        sizes = [min(size, len(rows) - i) for i in range(0, len(rows), size)]
+        sizes = fixed_sizes(len(rows), size)
     starts = [0, *itertools.accumulate(sizes)]
     return [stack_rows(rows[a:b], stack) for a, b in zip(starts, starts[1:])]
 
@@ -233,7 +255,7 @@ def mixed_micro_batches(
         ]
     tagged = sorted(((r, i) for i, own in enumerate(rows) for r in own), key=lambda t: -t[0].input_ids.numel())
     if sizes is None:
-        sizes = [min(size, len(tagged) - i) for i in range(0, len(tagged), size)]
+        sizes = fixed_sizes(len(tagged), size)
     starts, out = [0, *itertools.accumulate(sizes)], []
     for a, b in zip(starts, starts[1:]):
         group = sorted(tagged[a:b], key=lambda t: t[1])  # stable: longest first within each run

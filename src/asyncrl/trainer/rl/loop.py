@@ -37,15 +37,9 @@ from asyncrl.config.trainer import TrainerConfig
 from asyncrl.core import failpoint
 from asyncrl.core.errors import UserError
 from asyncrl.trainer.ckpt import complete_steps
+from asyncrl.trainer.head import ENTROPY, LOGPROB, TEACHER_CE, TEACHER_KL, HeadRequest, head_setting, model_stats
 from asyncrl.trainer.lora import adapters_off
-from asyncrl.trainer.loss import (
-    entropy_with_grad,
-    get_loss_fn,
-    mismatch_kl_sum,
-    teacher_cross_entropy,
-    token_entropy,
-    token_logprobs,
-)
+from asyncrl.trainer.loss import get_loss_fn, mismatch_kl_sum
 from asyncrl.trainer.model import DTYPES, load_model
 from asyncrl.trainer.perf import format_mfu
 from asyncrl.trainer.rl.data import (
@@ -55,6 +49,7 @@ from asyncrl.trainer.rl.data import (
     RolloutSource,
     RowBatch,
     check_seq_len,
+    concatenated_sizes,
     micro_batches,
     mixed_micro_batches,
     plan_forwards,
@@ -95,6 +90,7 @@ class RLLoop(Loop):
         self._dists: dict[str, list[torch.Tensor]] | None = None  # this step's, when W&B distributions are due
         self._log_ratios: list[torch.Tensor] = []  # this step's logπ - logμ on this rank's loss tokens
         self.reference: torch.nn.Module | None = None  # scores π_start when loss.ref_kl is set
+        self.head = head_setting(self.config.model.fused_lm_head_chunk_size)  # how the loss reads the lm_head
 
     def start(self) -> None:
         s, cfg = self.session, self.config
@@ -136,15 +132,20 @@ class RLLoop(Loop):
         wait_s = time.perf_counter() - start
         loss_tokens, tokens, samples, flops = ctx.all_reduce_sum(self._counts(rows)).tolist()
         size, stack = self.config.data.micro_batch_size, self.session.lm.stackable
-        mbs = rows if together else micro_batches(rows, size, stack, self._plan(rows) if stack else None)
+        mbs = rows if together else micro_batches(rows, size, stack, self._plan(rows))
         return StepBatch(mbs, int(loss_tokens), int(tokens), int(samples), flops, timing={"wait_s": wait_s})
 
     def _plan(self, rows: list[PackedRow]) -> list[int]:
-        """Rows per forward pass: padding-aware (`plan_forwards`), as many passes on every rank."""
-        flops = self.session.flops
+        """Rows per forward pass within `data.micro_batch_size` and `data.micro_batch_tokens`: padding-aware for
+        stacked rows (`plan_forwards`), in order for concatenated ones; as many passes on every rank."""
+        flops, data = self.session.flops, self.config.data
         lengths = sorted((r.input_ids.numel() for r in rows), reverse=True)  # micro_batches' order
-        cost = functools.cache(lambda n: flops.row_flops(torch.tensor([n])))
-        sizes = plan_forwards(lengths, self.config.data.micro_batch_size, cost, cost(FORWARD_OVERHEAD_TOKENS))
+        if self.session.lm.stackable:
+            cost = functools.cache(lambda n: flops.row_flops(torch.tensor([n])))
+            overhead = cost(FORWARD_OVERHEAD_TOKENS)
+            sizes = plan_forwards(lengths, data.micro_batch_size, cost, overhead, data.micro_batch_tokens)
+        else:
+            sizes = concatenated_sizes(lengths, data.micro_batch_size, data.micro_batch_tokens)
         return split_to(sizes, self.session.ctx.all_reduce_max(len(sizes)))
 
     def _shareable(self, mbs: list[Row]) -> list[Row]:
@@ -184,39 +185,43 @@ class RLLoop(Loop):
         )
 
     def forward_backward_step(self, mb: RowBatch, scale: float) -> dict[str, torch.Tensor]:
-        logits, mask = self._forward(mb)
-        loss, finish = self.loss_terms(logits, mb, self._reference_logprobs(mb, mask))
+        stats, mask = self._forward(mb)
+        loss, finish = self.loss_terms(stats, mb, self._reference_logprobs(mb, mask))
         (loss * scale).backward()
         return finish()
 
     def _forward(self, mb: RowBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The policy's logits over `mb`, and the attention-mask kwargs they were computed with."""
+        """The policy's per-token statistics over `mb` ([rows, length, 4]: `trainer.head`), and the attention-mask
+        kwargs they were computed with."""
         model = self.session.model
         mask = self.mask_kwargs(mb, model.config._attn_implementation)
-        return model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **mask).logits, mask
+        request = HeadRequest(
+            mb.input_ids, mb.temperatures, mb.parents, mb.teacher_ids, mb.teacher_targets, **self.head
+        )
+        return model_stats(model, request, **self._model_inputs(mb, mask)), mask
+
+    @staticmethod
+    def _model_inputs(mb: RowBatch, mask: dict[str, torch.Tensor]) -> dict:
+        return {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "use_cache": False, **mask}
 
     def loss_terms(
-        self, logits: torch.Tensor, mb: RowBatch, ref_logprobs: torch.Tensor | None
+        self, stats: torch.Tensor, mb: RowBatch, ref_logprobs: torch.Tensor | None
     ) -> tuple[torch.Tensor, Callable[[], dict[str, torch.Tensor]]]:
-        """This run's summed loss over `mb` (its `logits`), and what gives its token sums once backward is done."""
+        """This run's summed loss over `mb` (its token `stats`), and what gives its token sums once backward is done."""
         loss_cfg = self.config.loss
-        logprobs = token_logprobs(logits, mb.input_ids, mb.temperatures, mb.parents)
-        inputs = mb.loss_inputs(logprobs, ref_logprobs)
+        inputs = mb.loss_inputs(stats[..., LOGPROB], ref_logprobs)
         out = self.loss_fn(inputs, loss_cfg)
-        loss, entropy = out.loss, None
-        if loss_cfg.entropy_coef > 0:  # the bonus needs the entropy's gradient: computed before backward
-            entropy = self._entropy_sum(logits, mb, entropy_with_grad)
+        loss, entropy = out.loss, self._entropy_sum(stats[..., ENTROPY], mb)
+        if loss_cfg.entropy_coef > 0:  # the entropy bonus (its gradient flows through the head's backward)
             loss = loss - loss_cfg.entropy_coef * entropy
         if mb.teacher_ids is not None:  # forward-KL distillation: the teacher's targets at every loss token
-            ce, kl = teacher_cross_entropy(logits, mb.temperatures, mb.teacher_ids, mb.teacher_targets, mb.parents)
-            loss = loss + ce
-            out.metrics["teacher_kl"] = kl
+            loss = loss + stats[..., TEACHER_CE].sum()
+            out.metrics["teacher_kl"] = stats[..., TEACHER_KL].sum()
 
         def finish() -> dict[str, torch.Tensor]:
             sums = {
                 "loss": loss.detach().float(),
-                # measured after backward, once the autograd graph is freed
-                "entropy": entropy.detach() if entropy is not None else self._entropy_sum(logits.detach(), mb),
+                "entropy": entropy.detach(),
                 "mismatch_kl": mismatch_kl_sum(inputs),
             }
             log_ratio = (inputs.logprobs.detach() - inputs.inference_logprobs)[inputs.loss_mask]
@@ -240,7 +245,7 @@ class RLLoop(Loop):
         s = lead.session
         scales = [loop.session.loss_scale(b) for loop, b in zip(loops, batches)]
         rows = [b.micro_batches for b in batches]
-        sizes = lead._plan([r for rs in rows for r in rs]) if s.lm.stackable else None
+        sizes = lead._plan([r for rs in rows for r in rs]) if s.lm.stackable else None  # mixed: stacked rows only
         slots = [loop.session.slot.index for loop in loops]  # every rank: the same slots get gradients
         sums = [defaultdict(lambda: torch.zeros((), device=s.ctx.device)) for _ in loops]
         for mb, parts in mixed_micro_batches(rows, lead.config.data.micro_batch_size, s.lm.stackable, sizes):
@@ -256,7 +261,7 @@ class RLLoop(Loop):
         loops: list[RLLoop], mb: RowBatch, parts: list[Part], scales: list[float]
     ) -> list[dict[str, torch.Tensor]]:
         """One forward over rows of several runs, each part's loss from its own run, one backward."""
-        logits, mask = loops[0]._forward(mb)
+        stats, mask = loops[0]._forward(mb)
         with_ref = [loops[p.run] for p in parts if loops[p.run].reference is not None]
         ref = with_ref[0]._reference_logprobs(mb, mask) if with_ref else None  # the base: one for every run
         total, finishers = 0.0, []
@@ -264,7 +269,7 @@ class RLLoop(Loop):
             loop = loops[p.run]
             sub = mb if len(parts) == 1 else mb.rows(p.a, p.b, p.teacher)
             ref_p = None if ref is None or loop.reference is None else ref[p.a : p.b]
-            loss, finish = loop.loss_terms(logits[p.a : p.b], sub, ref_p)
+            loss, finish = loop.loss_terms(stats[p.a : p.b], sub, ref_p)
             total = total + loss * scales[p.run]
             finishers.append(finish)
         total.backward()
@@ -275,9 +280,9 @@ class RLLoop(Loop):
         if self.reference is None:
             return None
         model = self.reference
+        request = HeadRequest(mb.input_ids, mb.temperatures, mb.parents, **self.head)
         with adapters_off(model) if model is self.session.model else contextlib.nullcontext():
-            logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **mask).logits
-        return token_logprobs(logits, mb.input_ids, mb.temperatures, mb.parents)
+            return model_stats(model, request, **self._model_inputs(mb, mask))[..., LOGPROB]
 
     def step_summary(self) -> dict[str, float]:
         """Quantiles of this step's importance ratio r = π/μ over this rank's loss tokens (rank 0's are logged)."""
@@ -301,12 +306,11 @@ class RLLoop(Loop):
             return {"attention_mask": additive.masked_fill_(~mb.attention_mask, torch.finfo(dtype).min)}
         raise ValueError(f"attention '{attn}' cannot run shared-prefix rows; they must be unshared first")
 
-    def _entropy_sum(self, logits: torch.Tensor, mb: RowBatch, entropy=token_entropy) -> torch.Tensor:
-        parents = mb.parents if mb.parents is not None else [None] * len(logits)
-        rows = [(entropy(lg, t, parents=p), m) for lg, t, m, p in zip(logits, mb.temperatures, mb.loss_mask, parents)]
+    def _entropy_sum(self, entropy: torch.Tensor, mb: RowBatch) -> torch.Tensor:
+        """Σ over `mb`'s loss tokens of the entropy ([rows, length]) of the distribution that sampled them."""
         if self._dists is not None:
-            self._dists["dist/entropy"] += [e.detach()[m.bool()].cpu() for e, m in rows]
-        return sum((e * m).sum() for e, m in rows)
+            self._dists["dist/entropy"] += [e.detach()[m].cpu() for e, m in zip(entropy, mb.loss_mask.bool())]
+        return (entropy * mb.loss_mask).sum()
 
     def take_distributions(self) -> dict[str, list[torch.Tensor]]:
         dists, self._dists = self._dists or {}, None

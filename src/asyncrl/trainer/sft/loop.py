@@ -17,11 +17,11 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
 from loguru import logger
 
 from asyncrl.config.sft import SFTConfig
 from asyncrl.core.errors import UserError
+from asyncrl.trainer.head import LOGPROB, HeadRequest, head_setting, model_stats
 from asyncrl.trainer.model import load_tokenizer
 from asyncrl.trainer.perf import format_mfu
 from asyncrl.trainer.session import Loop, StepBatch, TrainSession, run_training
@@ -136,12 +136,15 @@ class SFTLoop(Loop):
         }
 
     def forward_backward_step(self, mb: SFTMicroBatch, scale: float) -> dict[str, torch.Tensor]:
-        logits = self.session.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+        ones = torch.ones(mb.input_ids.shape, device=mb.input_ids.device)
+        request = HeadRequest(mb.input_ids, ones, **head_setting(self.config.model.fused_lm_head_chunk_size))
+        kwargs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "use_cache": False}
+        logprobs = model_stats(self.session.model, request, **kwargs)[..., LOGPROB]
         targets = mb.loss_mask[:, 1:]
         if targets.any():
-            loss = F.cross_entropy(logits[:, :-1][targets].float(), mb.input_ids[:, 1:][targets], reduction="sum")
+            loss = -logprobs[:, 1:][targets].sum()
         else:  # a dummy/empty micro-batch still runs backward so FSDP's collectives stay in step
-            loss = logits.sum() * 0.0
+            loss = logprobs.sum() * 0.0
         (loss * scale).backward()
         return {"loss": loss.detach().float()}
 
