@@ -17,6 +17,7 @@ CHECKS = [
     "engine_logprobs_vs_trainer",
     "engine_cuda_throughput",
     "bench_qwen3_0.6b_16k",
+    "bench_qwen3_0.6b_16k_ac",
     "rl_single_gpu_shared_prefix",
     "rl_multi_run_lora",
     "multi_run_batched_trainer",
