@@ -25,6 +25,17 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(autouse=True)
+def _no_inherited_run_lock():
+    """An entrypoint's main() run in this process joins its run dir (`utils.runlock`) and exports
+    ASYNCRL_INHERITED_FD for the processes it starts: not for the processes later tests start, which would
+    take themselves for an rl's children."""
+    before = os.environ.get("ASYNCRL_INHERITED_FD")
+    yield
+    if before is None:
+        os.environ.pop("ASYNCRL_INHERITED_FD", None)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     from asyncrl.utils.tiny_model import build_tiny_model

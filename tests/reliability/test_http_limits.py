@@ -277,6 +277,28 @@ def test_lone_surrogate_is_400_and_the_connection_stays_usable(server, case):
     assert error["code"] == 400 and "surrogate" in error["message"] and b"\n" not in answers[0][1].strip()
 
 
+NESTED = "[" * 1_000 + "]" * 1_000  # ~2 KB: deeper than Python's recursion limit once parsed
+
+
+@pytest.mark.parametrize(
+    "path,template",
+    [
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": %s}], "max_tokens": 1}'),
+        ("/v1/completions", '{"prompt": %s, "max_tokens": 1}'),
+        ("/tokenize", '{"prompt": %s}'),
+        ("/update_weights", '{"weight_dir": %s}'),
+    ],
+    ids=["chat", "completions", "tokenize", "update_weights"],
+)
+def test_deeply_nested_json_is_400_and_the_connection_stays_usable(server, path, template):
+    """It was a 500 with a traceback (RecursionError) on every route, and could break the next request."""
+    body = (template % NESTED).encode()
+    answers, _ = exchange(server.port, request_bytes("POST", path, body) + request_bytes("GET", "/health"), 30)
+    assert [status for status, _ in answers] == [400, 200], answers
+    error = json.loads(answers[0][1])["error"]
+    assert error["code"] == 400 and "nests JSON" in error["message"] and b"\n" not in answers[0][1].strip()
+
+
 def test_a_server_stall_is_not_the_clients_delay():
     """A client sends its whole request in time, but the server's loop is busy past the head deadline reading
     another connection (here a `stall` that sleeps in its data_received; in CI, a starved process): the deadline
@@ -393,6 +415,17 @@ def test_20_mib_prompt_is_413(server):
     assert_error(r, 413, "--server.max-body-mib")
 
 
+@pytest.mark.parametrize("field", ["prompt", "messages"])
+def test_a_tokenize_text_longer_than_the_context_is_400_before_it_is_encoded(server, field):
+    """/tokenize encoded a 7 MiB prompt (51 s of server CPU, no auth by default); now it is refused as chat and
+    completions refuse one: the text cannot fit `max_model_len` whatever it encodes to."""
+    text = "a" * (7 * MIB)
+    body = {"prompt": text} if field == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    r = httpx.post(f"{server.url}/tokenize", json=body, timeout=60)
+    assert_error(r, 400, "maximum context length")
+    assert r.json()["error"]["param"] == field
+
+
 def test_too_many_messages_is_400(server):
     body = {"messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 1}
     with HealthPoller(server) as health:
@@ -405,11 +438,11 @@ def test_too_many_messages_is_400(server):
 
 
 BIG = 6 * MIB  # under the default 8 MiB limit: served, off the event loop
-TOKENIZED = 3 * MIB  # /tokenize encodes it all (seconds of tokenizer work, in its worker thread)
+TOKENIZED = 3 * MIB  # /tokenize, like chat, refuses it unencoded: too long for the model
 BIG_CASES = {
     "chat": ("/v1/chat/completions", chat("a" * BIG), 400),  # too long for the model
-    "tokenize": ("/tokenize", {"prompt": "a" * TOKENIZED}, 200),
-    "tokenize chat": ("/tokenize", {"messages": [{"role": "user", "content": "a" * TOKENIZED}]}, 200),
+    "tokenize": ("/tokenize", {"prompt": "a" * TOKENIZED}, 400),
+    "tokenize chat": ("/tokenize", {"messages": [{"role": "user", "content": "a" * TOKENIZED}]}, 400),
     "completion": ("/v1/completions", {"prompt": "a" * BIG, "max_tokens": 1}, 400),
     "2000 messages": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 2000}, 400),
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -110,6 +111,16 @@ def test_kill_9_leaves_nothing_a_live_dir_is_refused_and_sighup_stops_cleanly(ti
         own = lambda files: {p: s for p, s in files.items() if p.parent.name in ("logs", "configs")}  # noqa: E731
         settled = {p: s for p, s in own(before).items() if p.parent.name == "configs" or p.suffix == ".pid"}
         assert set(own(now)) == set(own(before)) and all(now[p] == s for p, s in settled.items()), own(now)
+
+        # a trainer started on its own on the live dir, with the run's own config: refused alike, the run's
+        # metrics untouched (it used to drop the live run's rows and rewrite trainer_world.json)
+        trainer_rows = out / "metrics" / "trainer.jsonl"
+        metrics = trainer_rows.read_text() if trainer_rows.exists() else ""
+        trainer = [sys.executable, "-m", "asyncrl.entrypoints.trainer", "@", str(out / "configs" / "trainer.toml")]
+        refused = subprocess.run(trainer, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
+        assert f"in use: rl (pid {first.pid}) runs on it" in refused.stderr, refused.stderr
+        assert not metrics or trainer_rows.read_text().startswith(metrics)
 
         # kill -9 of rl: everything it started goes with it
         first.kill()

@@ -144,6 +144,12 @@ class TeacherConfig(EndpointConfig):
 
     model: str | None = Field(None, description="the teacher's served model name (None: its /v1/models' first)")
     max_concurrent: int | None = Field(None, ge=1, description="scoring requests in flight at once (None: no cap)")
+    timeout: float = Field(
+        60.0,
+        gt=0,
+        description="seconds one scoring request may take (a prefill of a group's tokens); a teacher that lets two "
+        "in a row time out stops the run",
+    )
 
 
 class DistillConfig(BaseConfig):

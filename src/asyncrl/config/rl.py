@@ -38,7 +38,7 @@ from asyncrl.config.inference import InferenceConfig, chosen_backend
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.trainer import RunConfig, TrainerConfig
 from asyncrl.core.errors import UserError
-from asyncrl.transport.layout import RUN_NAME, run_dir
+from asyncrl.transport.layout import RUN_NAME, RUN_NAME_RULE, run_dir
 
 
 class RunSpec(BaseConfig):
@@ -57,7 +57,7 @@ class RunSpec(BaseConfig):
     @model_validator(mode="after")
     def _check(self) -> RunSpec:
         if not RUN_NAME.match(self.name):
-            raise ValueError(f"run name {self.name!r}: use letters, digits, '_', '.', '-' (it becomes a model name)")
+            raise ValueError(f"run name {self.name!r}: use {RUN_NAME_RULE} (it becomes a model name)")
         if self.lr is not None and self.trainer.optim is not None and "lr" in self.trainer.optim.model_fields_set:
             raise ValueError(f"run {self.name!r} sets lr twice (lr and trainer.optim.lr); set it once")
         return self

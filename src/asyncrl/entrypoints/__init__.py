@@ -7,7 +7,8 @@ set up logging (and the run record `asyncrl status` reads) under it, run the com
 error is one `error: ...` line and exit 2, Ctrl-C exit 130), and, where asked, write the run's report.
 
 Invariants: a `locked` entrypoint (rl) takes its run dir's lock (`utils.runlock`) before it writes anything
-there, and one that cannot is refused in one line; the report comes after `run_guarded`, so the run record
+there, a trainer, orchestrator or sft started on its own joins the dir (`runlock.join`) before it writes
+anything there, and one that cannot is refused in one line; the report comes after `run_guarded`, so the run record
 has its exit by then; a torchrun'd
 (`ranked`) entrypoint logs to one file per rank and reports on rank 0 only. It lives here, not in a
 sibling module, because the entrypoint modules never import one another (.importlinter).
@@ -56,18 +57,34 @@ def entry(
     reports: Callable[[T, RunLayout], list[RunLayout]] | None = None,
     locked: bool = False,
     component: str | None = None,
+    joins: bool = False,
 ) -> None:
     """An entrypoint's main(): `run(config, layout)` for the `model` config that argv (+ env) gives.
 
     `resolve`, `passthrough`: as `parse_or_exit` takes them. `run_of(config)`: the config whose `output_dir`
     and `ckpt` are this process's run (rl: its trainer's); `log_of(config)`: its log settings. `ranked`: a
     torchrun'd component. `reports(config, layout)`: the runs to write a report of at the end, whatever the
-    outcome (none if empty). `locked`: hold the run dir's lock for this process and its children.
+    outcome (none if empty). `locked`: hold the run dir's lock for this process and its children (rl). `joins`:
+    started on its own, join the dir (`runlock.join`; rank 0 of a torchrun'd one): the components that write
+    a run's state (trainer, orchestrator, sft).
     `component`: the name of its log file and run record (default `prog`; rl's teacher server: `teacher`).
     """
     try:
         _entry(
-            model, run, prog, summary, argv, resolve, passthrough, run_of, log_of, ranked, reports, locked, component
+            model,
+            run,
+            prog,
+            summary,
+            argv,
+            resolve,
+            passthrough,
+            run_of,
+            log_of,
+            ranked,
+            reports,
+            locked,
+            component,
+            joins,
         )
     except SystemExit as e:
         if argv is None and (e.code is None or isinstance(e.code, int)):
@@ -78,15 +95,17 @@ def entry(
 
 
 def _entry(
-    model, run, prog, summary, argv, resolve, passthrough, run_of, log_of, ranked, reports, locked, component
+    model, run, prog, summary, argv, resolve, passthrough, run_of, log_of, ranked, reports, locked, component, joins
 ) -> None:
     config = parse_or_exit(model, prog, summary, argv, resolve=resolve, passthrough=passthrough)
     layout = RunLayout.for_config(run_of(config))
-    if locked:
-        try:
+    try:
+        if locked:
             runlock.hold(layout.root)
-        except UserError as e:
-            fail(str(e))
+        elif joins and (not ranked or int(os.environ.get("RANK", "0")) == 0):
+            runlock.join(layout.root, component or prog)
+    except UserError as e:
+        fail(str(e))
     if ranked and "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: it dies with torchrun, however that ends
         die_with_parent(os.getppid())
     log = log_of(config)

@@ -16,7 +16,7 @@ def run(config: OrchestratorConfig, layout: RunLayout) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    entry(OrchestratorConfig, run, "orchestrator", SUMMARY, argv)
+    entry(OrchestratorConfig, run, "orchestrator", SUMMARY, argv, joins=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def reports(config: SFTConfig, layout: RunLayout) -> list[RunLayout]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    entry(SFTConfig, run, "sft", SUMMARY, argv, ranked=True, reports=reports)
+    entry(SFTConfig, run, "sft", SUMMARY, argv, ranked=True, reports=reports, joins=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ def run(config: TrainerConfig, layout: RunLayout) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    entry(TrainerConfig, run, "trainer", SUMMARY, argv, ranked=True)
+    entry(TrainerConfig, run, "trainer", SUMMARY, argv, ranked=True, joins=True)
 
 
 if __name__ == "__main__":

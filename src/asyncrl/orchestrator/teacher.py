@@ -28,11 +28,13 @@ One class per scoring mode, each a `TeacherClient` (`teacher_client` picks it fr
   the gradient unbiased and takes out most of its variance (every sampled token is no longer pushed down by the
   average KL).
 - `DenseTeacher` (`distill.kind = "forward_kl"`): each score instead carries the teacher's top-k at every
-  position (`TeacherScores.top`: {token id: logprob}, the sampled token included), the target distribution the
+  position (`TeacherScores.top`: {token id: logprob}, the sampled token included, cut to that however many the
+  server lists; an id outside the vocabulary is a UserError naming the teacher), the target distribution the
   trainer's cross-entropy term pulls the student toward; the student's server is not asked.
 
-Connection errors and 5xx answers are retried with backoff; a 4xx answer, a malformed one, or a teacher still
-unreachable after the retries is a UserError naming the teacher's URL and what it answered.
+Connection errors and 5xx answers are retried with backoff; a 4xx answer, a malformed one, a teacher still
+unreachable after the retries, or one that lets two requests in a row run past `teacher.timeout` (60 s: a
+scoring request is a prefill) is a UserError naming the teacher's URL and what it answered.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from asyncrl.orchestrator.samples import TeacherScores, TokenSample
 # ASCII, digits, whitespace runs, accented and CJK characters, emoji: tokenizers that differ anywhere usual differ here
 PROBE = "Hello, World! 0123456789 3.14159\n\n\t  tabs  and   spaces;  café naïve Ærø señor 日本語の文章 中文 🙂🚀👍🏽"
 RETRIES = 5
+TIMEOUTS = 2  # requests in a row that time out: the teacher hangs (a scoring request takes seconds)
 KEY_OPTIONS = {"teacher": "orchestrator.teacher.api_key_var", "student": "orchestrator.client.api_key_var"}
 BACKOFF_S = 0.5
 
@@ -85,6 +88,7 @@ class TeacherClient:
         self._slots = asyncio.Semaphore(config.max_concurrent) if config.max_concurrent else None
         self.model: str | None = config.model
         self.max_model_len: int | None = None
+        self.vocab_size: int | None = None  # the tokenizer's, as the teacher or the student's server says it
         self.trims = False  # the server is asyncrl's: it lists prompt logprobs only from `logprob_start_len` on
         self.unscored_tokens = 0  # loss tokens past the teacher's context (counted, warned about once)
 
@@ -109,6 +113,7 @@ class TeacherClient:
         self.trims = _asyncrl([card])
         answer = await self._post_json("/tokenize", {"model": self.model, "prompt": PROBE})
         tokens, vocab = answer.get("tokens"), _positive_int(answer.get("vocab_size") or card.get("vocab_size"))
+        self.vocab_size = vocab or student_vocab
         if tokens != student_tokens or (vocab is not None and student_vocab is not None and vocab != student_vocab):
             raise UserError(
                 f"the teacher {self.model!r} ({self.root}) has another tokenizer than the student "
@@ -256,12 +261,21 @@ class TeacherClient:
 
     async def _request(self, method: str, path: str, body: dict | None, retry: bool) -> dict:
         """The JSON answer; transient failures (connection errors, 5xx) retried, the rest a UserError."""
-        last = ""
+        last, timed_out = "", 0
         for attempt in range(RETRIES if retry else 1):
             if attempt:
                 await asyncio.sleep(min(BACKOFF_S * 2 ** (attempt - 1), 8.0))
             try:
                 response = await self._http.request(method, path, json=body)
+            except httpx.TimeoutException:
+                timed_out += 1
+                if timed_out == TIMEOUTS or not retry:
+                    raise UserError(
+                        f"{self.role} server at {self.root} did not answer {method} {path} within "
+                        f"{self.config.timeout:g} s, {timed_out} time(s) in a row: it hangs or is overloaded "
+                        f"(orchestrator.teacher.timeout sets the limit); {teacher_hint(self.url)}"
+                    ) from None
+                continue
             except httpx.HTTPError as e:
                 last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 continue
@@ -300,8 +314,21 @@ class DenseTeacher(TeacherClient):
 
     def _scores(self, entries: Any, ids: list[int], start: int) -> TeacherScores:
         scores = super()._scores(entries, ids, start)
-        scores.top = [self._listed(e, t) if t >= start else {} for t, e in enumerate(entries)]
+        scores.top = [self._top_k(e, t, ids[t]) if t >= start else {} for t, e in enumerate(entries)]
         return scores
+
+    def _top_k(self, entry: Any, t: int, token: int) -> dict[int, float]:
+        """Position t's listed tokens cut to the `top_k` likeliest plus the sampled `token` (a server may list
+        more than it was asked: all of them would go into the batch), every id checked against the vocabulary."""
+        listed = self._listed(entry, t)
+        bad = [x for x in listed if x < 0 or (self.vocab_size is not None and x >= self.vocab_size)]
+        if bad:
+            raise UserError(
+                f"{self.role} at {self.root} listed token id {bad[0]} at prompt position {t}, outside the "
+                f"vocabulary of {self.vocab_size} tokens: it is no teacher for this student's tokenizer"
+            )
+        keep = sorted(listed, key=listed.__getitem__, reverse=True)[: self.top_k]
+        return {x: listed[x] for x in {*keep, token} if x in listed}
 
 
 class BaselineTeacher(TeacherClient):

@@ -45,7 +45,7 @@ from asyncrl.trainer.dist import DistContext
 from asyncrl.trainer.model import load_model
 from asyncrl.trainer.session import AdapterSlot, Loop, StepBatch, TrainSession, in_process_group
 from asyncrl.transport.files import write_text_atomic
-from asyncrl.transport.layout import RUN_NAME, RunLayout
+from asyncrl.transport.layout import RUN_NAME, RUN_NAME_RULE, RunLayout
 
 POLL_S = 0.05  # rank 0 looks for new batches, runs and STOP files this often
 ROUND_S = 1.0  # ... and tells the other ranks at least this often that there is nothing to do
@@ -87,7 +87,7 @@ def _stop_reason(stop: Path) -> str:
 def run_trainer_config(base: TrainerConfig, layout: RunLayout, name: str, raw: dict) -> TrainerConfig:
     """The trainer settings of run `name`: the trainer's own, overridden by its run.toml (`raw`)."""
     if not RUN_NAME.match(name):
-        raise UserError(f"run name {name!r} is not usable as a model name: use letters, digits, '_', '.', '-'")
+        raise UserError(f"run name {name!r} is not usable as a model name: use {RUN_NAME_RULE}")
     try:
         loader.validate(RunConfig, raw)
     except UserError as e:

@@ -52,7 +52,8 @@ ADAPTER = "adapter"  # a LoRA run's PEFT adapter, inside each exported weight di
 ORCHESTRATOR = "orchestrator"  # the orchestrator's: complete once it exists (it is renamed into place whole)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 RUN_PREFIX = "run_"
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # also a served adapter (model) name
+RUN_NAME = re.compile(r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a served adapter name too: the server's rule
+RUN_NAME_RULE = "up to 64 letters, digits, '_', '.', '-', starting with a letter or digit, without '..'"
 
 
 def step_of(name: str) -> int | None:

@@ -48,7 +48,8 @@ def test_trainer_settings_of_a_run_keep_only_what_it_sets():
     [
         ([], {}, "runs is empty"),
         ([{"name": "a"}, {"name": "a"}], {}, "run names must differ"),
-        ([{"name": "a b"}], {}, "use letters, digits"),
+        ([{"name": "a b"}], {}, "use up to 64 letters, digits"),
+        ([{"name": "a..b"}], {}, "without '..'"),
         ([{"name": "a", "lr": 1e-3, "trainer": {"optim": {"lr": 2e-3}}}], {}, "sets lr twice"),
         ([{"name": "a", "trainer": {"optim": {"lrr": 1}}}], {}, "lrr"),
         ([{"name": "a"}], {"trainer": {"optim": {"lr": 1e-4}}}, "add [trainer.model.lora]"),
@@ -84,3 +85,13 @@ def test_the_examples_parse(path):
     orch = cfg.run_orchestrators()
     assert [r.name for r in cfg.runs] == ["reverse", "echo"] and cfg.trainer.model.lora is not None
     assert [o.env[0].id for o in orch.values()] == ["reverse-text", "echo-twice"]
+
+
+@pytest.mark.parametrize("name", ["a", "run-1", "A.b_c", "x" * 64, "a..b", ".a", "-a", "a b", "x" * 65, "é", "a/b"])
+def test_a_run_name_rl_accepts_is_one_the_server_loads(name):
+    """[[runs]] names become adapter names: one `rl` takes must pass the server's /load_lora_adapter rule."""
+    from asyncrl.inference.api.training import ADAPTER_NAME
+    from asyncrl.transport.layout import RUN_NAME
+
+    if RUN_NAME.match(name):
+        assert ADAPTER_NAME.match(name)

@@ -57,3 +57,15 @@ def test_valid_text_passes(case):
 def test_the_message_count_is_checked_first():
     body = json.dumps({"messages": [{"role": "user", "content": "\ud800"}] * 3}, ensure_ascii=True).encode()
     assert "at most 2" in check_json(body, 2)
+
+
+@pytest.mark.parametrize("depth", [129, 1_000, 100_000])
+def test_json_nested_past_the_limit_is_refused_at_any_depth(depth):
+    """Deeper than the interpreter's recursion limit too (json.loads raises RecursionError there)."""
+    body = ('{"messages": [{"role": "user", "content": ' + "[" * depth + "]" * depth + "}]}").encode()
+    assert "nests JSON more than 128 levels" in check_json(body, 100)
+
+
+def test_json_nested_to_the_limit_and_brackets_in_strings_pass():
+    assert check_json(("[" * 128 + "]" * 128).encode(), 100) is None
+    assert check_json(b'{"prompt": "' + b"[{" * 5_000 + b'"}', 100) is None  # text, not nesting

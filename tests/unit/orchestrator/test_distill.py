@@ -350,6 +350,54 @@ def test_a_teacher_listing_a_non_integer_token_id_is_one_line():
         asyncio.run(client.close())
 
 
+def test_a_teachers_lists_are_cut_to_top_k_and_checked_against_the_vocabulary():
+    """A teacher listing every token (262 where top_k = 4 was asked) put them all into the batch; an id outside the
+    vocabulary killed the trainer, which blamed the batch file. Now: the k likeliest plus the sampled token, and
+    an out-of-vocabulary id is one line naming the teacher."""
+    client = DenseTeacher(TeacherConfig(base_url="http://127.0.0.1:9/v1"), 64, 2)
+    client.vocab_size = 10
+    entry = {str(x): {"logprob": -float(x)} for x in range(10)}  # token x: logprob -x
+    try:
+        assert client._top_k(entry, 3, 7) == {0: 0.0, 1: -1.0, 7: -7.0}  # top 2 and the sampled token
+        assert client._top_k(entry, 3, 1) == {0: 0.0, 1: -1.0}  # the sampled token among them: 2
+        for bad in ("10", "-1"):
+            with pytest.raises(UserError, match=f"listed token id {bad} at prompt position 3, outside the vocab"):
+                client._top_k({**entry, bad: {"logprob": -0.1}}, 3, 1)
+    finally:
+        asyncio.run(client.close())
+
+
+def test_a_teacher_that_never_answers_stops_the_run_in_one_line(monkeypatch):
+    """A teacher that accepts scoring requests and never answers hung the run silently (1200 s x 5 tries); now two
+    requests in a row past `teacher.timeout` are one line naming the teacher's URL."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held = []
+    threading.Thread(target=lambda: [held.append(listener.accept()) for _ in range(16)], daemon=True).start()
+    monkeypatch.setattr(teacher_mod, "BACKOFF_S", 0.0)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    client = TeacherClient(TeacherConfig(base_url=url, timeout=0.3), 64)
+    client.model = "teacher"
+    sample = TokenSample(list(range(5, 12)), [False] * 4 + [True] * 3, [-1.0] * 7)
+
+    async def go():
+        try:
+            return await client.score(sample)
+        finally:
+            await client.close()
+
+    try:
+        with pytest.raises(UserError, match=rf"teacher server at {url[:-3]} did not answer POST /v1/completions within "
+                           r"0.3 s, 2 time\(s\) in a row: it hangs"):  # fmt: skip
+            asyncio.run(go())
+    finally:
+        listener.close()
+
+
 def test_a_malformed_scoring_answer_is_one_line():
     """Choices are matched to prompts by their `index`; a missing choice, a short list or no choices is a UserError."""
     client = TeacherClient(TeacherConfig(base_url="http://127.0.0.1:9/v1"), 64)

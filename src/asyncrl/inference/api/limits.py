@@ -1,4 +1,5 @@
-"""Request limits checked before any route runs: body size (413), valid Unicode (400), message count (400).
+"""Request limits checked before any route runs: body size (413), valid Unicode (400), message count and JSON
+nesting (400).
 
 `RequestLimits` is one ASGI middleware, installed by `install_api` on the embedded app and on vLLM's app:
 
@@ -6,9 +7,10 @@
   read, or as soon as a streamed (chunked) body passes the limit. The 413 closes the connection (its unread
   body would otherwise be read as the next request);
 - a JSON body is parsed off the event loop (in `cpu.run`'s worker thread) and refused if a string in it holds
-  a lone UTF-16 surrogate (`"\\ud800"`: valid JSON, but no text: every tokenizer and JSON encoder fails on it)
-  or if its `messages` has more than `server.max_messages` entries. The route then parses the same bytes
-  again; that second parse is fast next to the checks it saves.
+  a lone UTF-16 surrogate (`"\\ud800"`: valid JSON, but no text: every tokenizer and JSON encoder fails on it),
+  if its `messages` has more than `server.max_messages` entries, or if it nests deeper than `MAX_JSON_DEPTH`
+  (Python's parsers recurse: a 1 KB body nested 1,000 deep raised RecursionError in every route, a 500). The
+  route then parses the same bytes again; that second parse is fast next to the checks it saves.
 
 A lone surrogate reaches a parsed string only from a `\\uD800`-`\\uDFFF` escape or from one decoded as such
 (json.loads decodes bytes with "surrogatepass"), so a body whose decoded text holds neither (`_MAY_HOLD_SURROGATE`,
@@ -32,6 +34,8 @@ from asyncrl.inference.api.errors import error_response
 MIB = 1024 * 1024
 INLINE_BYTES = 64 * 1024  # bodies up to this are checked on the event loop (a thread hop costs more)
 _MAY_HOLD_SURROGATE = re.compile(r"[\ud800-\udfff]|\\u[dD][89abcdefABCDEF]")  # a surrogate, or its JSON escape
+MAX_JSON_DEPTH = 128  # lists and objects inside each other; a request's deepest (a tool's JSON schema) is far less
+_TOO_DEEP = f"request body nests JSON more than {MAX_JSON_DEPTH} levels deep: flatten it"
 
 
 def install_limits(app, server: ServerConfig) -> None:
@@ -102,12 +106,31 @@ def check_json(body: bytes, max_messages: int) -> str | None:
         obj = json.loads(text)
     except ValueError:
         return None
+    except RecursionError:  # nested deeper than the interpreter's recursion limit
+        return _TOO_DEEP
+    if _too_deep(text, obj):
+        return _TOO_DEEP
     messages = obj.get("messages") if isinstance(obj, dict) else None
     if isinstance(messages, list) and len(messages) > max_messages:  # first: a count needs no second pass
         return f"messages: {len(messages)} messages; at most {max_messages} (the server's --server.max-messages)"
     if _MAY_HOLD_SURROGATE.search(text) and not _valid_unicode(obj):
         return "request body holds a lone UTF-16 surrogate (e.g. \\ud800): strings must be valid Unicode"
     return None
+
+
+def _too_deep(text: str, obj: Any) -> bool:
+    """Whether `obj` (parsed from `text`) nests lists and objects deeper than MAX_JSON_DEPTH; walked only when
+    `text` holds that many brackets at all."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return False
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 def _valid_unicode(obj: Any) -> bool:

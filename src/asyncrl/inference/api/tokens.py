@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 
 from asyncrl.inference.api import cpu
 from asyncrl.inference.api.backend import Backend
-from asyncrl.inference.api.chat import render_chat, request_template_kwargs
+from asyncrl.inference.api.chat import check_fits, render_chat, request_template_kwargs
 from asyncrl.inference.api.completions import (
     ChoiceResult,
     TokenText,
@@ -48,15 +48,19 @@ async def tokenize(body: TokenizeRequest, backend: BackendDep, config: Config):
 
 def _tokenize(backend: Backend, body: TokenizeRequest, trust_request_template: bool) -> dict[str, Any]:
     """/tokenize's answer (blocking: run through `cpu.run`)."""
-    tok = backend.tokenizer
-    ids = _chat_ids(tok, body, trust_request_template) if body.messages is not None else _prompt_ids(tok, body)
+    tok, limit = backend.tokenizer, backend.max_model_len  # what cannot fit the context is refused, as chat does
+    ids = (
+        _chat_ids(tok, body, trust_request_template, limit)
+        if body.messages is not None
+        else _prompt_ids(tok, body, limit)
+    )
     out: dict[str, Any] = {"count": len(ids), "max_model_len": backend.max_model_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = tok.convert_ids_to_tokens(ids)
     return out
 
 
-def _chat_ids(tok, body: TokenizeRequest, trust_request_template: bool) -> list[int]:
+def _chat_ids(tok, body: TokenizeRequest, trust_request_template: bool, max_model_len: int) -> list[int]:
     ids = render_chat(
         tok,
         body.messages,
@@ -65,6 +69,7 @@ def _chat_ids(tok, body: TokenizeRequest, trust_request_template: bool) -> list[
         body.continue_final_message,
         request_template_kwargs(body),
         trust_request_template,
+        max_model_len,
     )
     return with_special_tokens(tok, ids) if body.add_special_tokens else ids
 
@@ -80,7 +85,8 @@ def with_special_tokens(tok, ids: list[int]) -> list[int]:
     return ids
 
 
-def _prompt_ids(tok, body: TokenizeRequest) -> list[int]:
+def _prompt_ids(tok, body: TokenizeRequest, max_model_len: int) -> list[int]:
+    check_fits(tok, body.prompt, max_model_len, "prompt")
     add = True if body.add_special_tokens is None else body.add_special_tokens
     return tok.encode(body.prompt, add_special_tokens=add)
 
