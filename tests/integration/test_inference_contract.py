@@ -600,6 +600,12 @@ def test_lora_adapter(server, http, model_dir, tmp_path):
     ref = logits.log_softmax(-1).gather(1, torch.tensor((prompt + ids)[1:])[:, None])[:, 0].tolist()
     scored = prompt_logprobs(http, server, prompt + ids, model="tuned")
     assert_prompt_scores(scored, prompt + ids, ref, PROMPT_LOGPROB_TOL[server.backend])
+    # unloaded: the name is gone from the server (and free under --max-lora-adapters); a second unload is a 404
+    assert http.post("/unload_lora_adapter", json={"lora_name": "tuned"}).status_code == 200
+    assert "tuned" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert_error(http.post("/v1/chat/completions", json={"model": "tuned", "messages": MESSAGES, "max_tokens": 2}), 404)
+    assert_error(http.post("/unload_lora_adapter", json={"lora_name": "tuned"}), 404)
+    assert greedy(http, server) == before
 
 
 def test_update_weights_while_generating(server, http, model_dir, tmp_path):

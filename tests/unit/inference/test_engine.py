@@ -276,6 +276,40 @@ def test_lora_adapter_validation(tiny_model_dir, tmp_path):
     assert engine.lora_names() == []
 
 
+def test_an_adapter_in_use_is_not_unloaded_until_its_requests_are_done(tiny_model_dir, tmp_path):
+    """/unload_lora_adapter while a request of the adapter streams: 409 naming it; once it is done: unloaded."""
+    from safetensors.torch import save_file
+
+    engine = make_engine(tiny_model_dir)
+    adapter = tmp_path / "a"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{key}.lora_A.weight": torch.zeros(2, 64), f"{key}.lora_B.weight": torch.zeros(64, 2)},
+              str(adapter / "adapter_model.safetensors"))  # fmt: skip
+    params = SamplingParams(max_tokens=64, min_tokens=64, ignore_eos=True)
+
+    async def main():
+        await engine.start()
+        try:
+            await engine.load_lora_adapter("x", str(adapter))
+            stream = engine.generate([1, 2, 3], params, lora_name="x")
+            first = await stream.__anext__()  # streaming: the request is in the batch now
+            with pytest.raises(InvalidRequest, match=r"'x' serves 1 request\(s\) now") as refused:
+                await engine.unload_lora_adapter("x")
+            assert refused.value.status == 409 and engine.lora_names() == ["x"]
+            rest = [d async for d in stream]
+            assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 64
+            await engine.unload_lora_adapter("x")
+            assert engine.lora_names() == []
+            with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'x'"):
+                engine.generate([1], SamplingParams(max_tokens=2), lora_name="x")
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_kv_cache_growth_keeps_contents():
     cache = SlotKVCache(1, torch.float32, torch.device("cpu"))
     cache.ensure(2, 10)

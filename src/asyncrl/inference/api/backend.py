@@ -91,6 +91,9 @@ class TrainingEngine(Protocol):
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         """Register (or replace) a PEFT adapter; requests with model=lora_name then use it."""
 
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Drop a loaded adapter (the route checked it is loaded); its name is free for another."""
+
     def lora_names(self) -> list[str]:
         """Names of the loaded adapters."""
 

@@ -338,6 +338,10 @@ class LoadLoraRequest(_Body):
     _path = field_validator("lora_path")(_no_nul)
 
 
+class UnloadLoraRequest(_Body):
+    lora_name: str = Field(..., min_length=1)
+
+
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
     """Concrete max_tokens; refuses prompts that (with max_tokens) overflow the context, vLLM-style wording."""
     if prompt_len >= max_model_len:

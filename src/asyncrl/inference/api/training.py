@@ -1,5 +1,5 @@
 """The routes RL training drives, written once for both engines: /update_weights, /reload_weights,
-/load_lora_adapter.
+/load_lora_adapter, /unload_lora_adapter (a name not loaded: 404).
 
 Mounted on the embedded app and on vLLM's app alike, against the app's `TrainingEngine`. Changes are
 serialized on the app's weights lock, and each route answers once the change is live. Everything a
@@ -21,7 +21,7 @@ from fastapi import APIRouter
 from asyncrl.inference.api.adapter_dir import check_adapter_dir
 from asyncrl.inference.api.deps import Config, Engine, WeightsLock
 from asyncrl.inference.api.errors import InvalidRequest
-from asyncrl.inference.api.schemas import LoadLoraRequest, UpdateWeightsRequest
+from asyncrl.inference.api.schemas import LoadLoraRequest, UnloadLoraRequest, UpdateWeightsRequest
 from asyncrl.inference.api.weight_dir import is_dir
 
 router = APIRouter()
@@ -57,6 +57,15 @@ async def load_lora_adapter(body: LoadLoraRequest, engine: Engine, lock: Weights
     async with lock:
         check_room(engine.lora_names(), body.lora_name, config.max_lora_adapters)
         await engine.load_lora_adapter(body.lora_name, body.lora_path)
+    return {"status": "ok", "lora_name": body.lora_name}
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoraRequest, engine: Engine, lock: WeightsLock):
+    async with lock:
+        if body.lora_name not in engine.lora_names():
+            raise InvalidRequest(f"no LoRA adapter '{body.lora_name[:128]}' is loaded", param="lora_name", status=404)
+        await engine.unload_lora_adapter(body.lora_name)
     return {"status": "ok", "lora_name": body.lora_name}
 
 

@@ -332,6 +332,23 @@ class EmbeddedEngine(Backend):
         await self._run_op(lambda: self.lora.add(adapter))
         logger.info(f"loaded LoRA adapter '{lora_name}' from {lora_path}")
 
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self._run_op(lambda: self._unload(lora_name))
+        logger.info(f"unloaded LoRA adapter '{lora_name}'")
+
+    def _unload(self, lora_name: str) -> None:
+        """Engine thread, between steps: drop the adapter, unless requests still use it (409)."""
+        with self._wake:
+            waiting = list(self._waiting)
+        using = sum(r.adapter == lora_name for r in [*waiting, *(a.req for a in self._active)])
+        if using:
+            raise InvalidRequest(
+                f"LoRA adapter '{lora_name}' serves {using} request(s) now: unload it once they are done",
+                param="lora_name",
+                status=409,
+            )
+        self.lora.remove(lora_name)
+
     async def _run_op(self, fn: Callable[[], object]) -> object:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._wake:

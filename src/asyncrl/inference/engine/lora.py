@@ -113,6 +113,10 @@ class LoraManager:
                 self._hooked.add(mod_name)
         self.adapters[adapter.name] = adapter
 
+    def remove(self, name: str) -> None:
+        """Drop adapter `name` (its modules' hooks stay: they skip what no active adapter names)."""
+        del self.adapters[name]
+
     def set_rows(self, names: list[str | None], device: torch.device) -> None:
         """Adapter name (or None) per flattened input row of the next forward."""
         self._active = []

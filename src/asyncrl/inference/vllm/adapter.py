@@ -5,7 +5,7 @@
   `reload_weights` plus the tied-weights fix of worker.py, via `collective_rpc`);
 - `reload_weights()`: the same from the base model (`model.name`);
 - `load_lora_adapter(name, path)`: vLLM's adapter loading (needs `--enable-lora`); a name already
-  loaded is replaced in place (a new RL step).
+  loaded is replaced in place (a new RL step); `unload_lora_adapter(name)`: vLLM's unloading.
 
 Every change drops the prefix cache (running requests are recomputed), so no KV computed with the
 old weights survives. The API's weights lock serializes calls. Imports vllm: vLLM env only.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from loguru import logger
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.api.weight_dir import Header, check_weight_dir, checkpoint_header
@@ -61,6 +61,11 @@ class VLLMEngine:
             raise InvalidRequest(result.error.message, param=result.error.param, status=result.error.code)
         if replacing:  # cached KV blocks of this adapter were computed with its old weights
             await self.engine.reset_prefix_cache(reset_running_requests=True)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        result = await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=lora_name))
+        if isinstance(result, ErrorResponse):
+            raise InvalidRequest(result.error.message, param=result.error.param, status=result.error.code)
 
 
 def _base_header(model_name: str) -> Header | None:
