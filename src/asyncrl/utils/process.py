@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import random
 import signal
 import socket
 import ssl
@@ -49,11 +50,37 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+PORTS_FROM = 10_000  # free_port's picks: from here up to the kernel's ephemeral range
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing uses right now, below the kernel's ephemeral range: a server may
+    take seconds to bind it, and meanwhile the kernel hands ephemeral ports to outgoing connections (one that
+    got it made the server's bind fail: address already in use). Random, so concurrent callers rarely pick
+    one port; where the range leaves no room, the kernel's pick."""
+    low = _ephemeral_low()
+    for _ in range(100 if low - PORTS_FROM > 1000 else 0):
+        port = _random.randrange(PORTS_FROM, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use (or lingering): another
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_random = random.SystemRandom()
 
 
 PIPED = Path("|")  # `spawn`'s log: stdout + stderr to a pipe (`proc.stdout`), e.g. for `copy_lines`

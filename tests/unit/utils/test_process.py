@@ -155,3 +155,16 @@ def test_a_death_report_shows_only_what_this_attempt_wrote(tmp_path):
         f.write("new line\n")
     assert telling_tail(log, start=start) == "new line"
     assert "old last line" in telling_tail(log, start=10**6)  # shorter than that: a new file, all of it
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_free():
+    """An outgoing connection is never handed such a port while its server starts (chaos CI: a resumed rl's
+    server lost its port to one, 'address already in use')."""
+    import socket
+
+    from asyncrl.utils.process import PORTS_FROM, _ephemeral_low
+
+    ports = {free_port() for _ in range(20)}
+    assert all(PORTS_FROM <= p < _ephemeral_low() for p in ports) and len(ports) > 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
