@@ -193,12 +193,12 @@ def _logit_grad(logp, ids, teacher, g_lp, g_ent, g_ce) -> torch.Tensor:
     """d(Σ g·stat)/d(scaled logits) of one chunk from its log-probabilities [chunk, V] (overwritten; at most one
     more such block alive): logπ(y) gives onehot(y) - p, the entropy H gives -p·(logp + H), the teacher CE
     gives Σw·p - Σ_k w_k·onehot(x_k)."""
-    entropy = -(logp.exp() * logp).sum(-1, keepdim=True)
-    coef = (logp + entropy).mul_(-g_ent).sub_(g_lp)
+    p = logp.exp()
+    entropy = -(p * logp).sum(-1, keepdim=True)
+    coef = logp.add_(entropy).mul_(-g_ent).sub_(g_lp)  # in logp's own block: it is not read again
     if teacher is not None:
         coef.add_(g_ce * teacher[1].sum(-1, keepdim=True))
-    grad = logp.exp_().mul_(coef)
-    del coef
+    grad = p.mul_(coef)
     grad.scatter_add_(-1, ids[:, None], g_lp)
     if teacher is not None:
         grad.scatter_add_(-1, teacher[0], -g_ce * teacher[1])
