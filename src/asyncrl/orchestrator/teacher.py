@@ -277,8 +277,9 @@ class TeacherClient:
                     ) from None
                 continue
             except httpx.HTTPError as e:
-                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                last, timed_out = (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__), 0
                 continue
+            timed_out = 0  # an answer: the timeouts counted are in a row
             if response.status_code >= 500:
                 last = f"HTTP {response.status_code}: {_message(response)}"
                 continue
