@@ -8,10 +8,10 @@ error is one `error: ...` line and exit 2, Ctrl-C exit 130), and, where asked, w
 
 Invariants: a `locked` entrypoint (rl) takes its run dir's lock (`utils.runlock`) before it writes anything
 there, a trainer, orchestrator or sft started on its own joins the dir (`runlock.join`) before it writes
-anything there, and one that cannot is refused in one line; the report comes after `run_guarded`, so the run record
-has its exit by then; a torchrun'd
-(`ranked`) entrypoint logs to one file per rank and reports on rank 0 only. It lives here, not in a
-sibling module, because the entrypoint modules never import one another (.importlinter).
+anything there, and one that cannot is refused in one line; the report comes after `run_guarded`, so the run
+record has its exit by then; a torchrun'd (`ranked`) entrypoint logs to one file per rank and reports on rank 0
+only. It lives here, not in a sibling module, because the entrypoint modules never import one another
+(.importlinter).
 
 A process started as the command (`argv` None) ends as soon as its work is done (`_exit_now`): its threads
 joined and its atexit handlers run (log sinks closed) as at any exit, its output flushed, then `os._exit` with the
