@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
 from asyncrl.config.base import BaseConfig, LogConfig, default_output_dir
-from asyncrl.config.orchestrator import EnvConfig, zmq_address
+from asyncrl.config.orchestrator import SECRET_VAR, EnvConfig, zmq_address
+
+DEFAULT_KEY_VARS = ("OPENAI_API_KEY",)
+
+
+def check_allowed_url(url: str) -> str:
+    """An `--allow-urls` entry as given, or ValueError saying what one looks like."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or "@" in parts.netloc:
+        raise ValueError(f"{url!r} is not an http(s) URL like http://10.0.0.2:8000")
+    return url
 
 
 class EnvServerConfig(BaseConfig):
@@ -19,9 +30,30 @@ class EnvServerConfig(BaseConfig):
     )
     workers: int = Field(1, ge=1, description="worker processes (above 1: a broker over a pool of servers)")
     max_concurrent: int | None = Field(None, ge=1, description="episodes at once (default: no bound)")
+    allow_urls: list[str] = Field(
+        default_factory=list,
+        description="model endpoints (base URL prefixes, e.g. http://10.0.0.2:8000) requests may have episodes "
+        "call; a request naming another is refused (default: loopback hosts only)",
+    )
+    allow_key_vars: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_KEY_VARS),
+        description="environment variables requests may have the model client read (its API key variable, "
+        "headers from environment variables); a request naming another is refused",
+    )
+    secret_var: str = Field(
+        SECRET_VAR,
+        description="environment variable holding a shared secret: when set, only clients with the same secret "
+        "get through (ZeroMQ CURVE, encrypted)",
+    )
+    max_frame_mib: int = Field(64, ge=1, description="a larger request frame drops its connection unread")
     parent_pid: int | None = Field(None, description="exit when this process is gone (set by an orchestrator)")
     output_dir: Path = Field(default_factory=default_output_dir, description="logs go to {output_dir}/logs")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
+
+    @field_validator("allow_urls")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        return [check_allowed_url(url) for url in urls]
 
     @field_validator("address")
     @classmethod

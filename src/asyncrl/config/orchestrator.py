@@ -55,6 +55,9 @@ class SamplingConfig(BaseConfig):
     extra_body: dict[str, Any] = Field(default_factory=dict, description="extra request fields for the server")
 
 
+SECRET_VAR = "ASYNCRL_ENV_SECRET"  # an env server's shared secret: the default variable both sides read
+
+
 class EnvServingConfig(BaseConfig):
     """Run a verifiers v1 environment's episodes in a standalone env server (verifiers' `serve_env`, ZMQ)."""
 
@@ -67,6 +70,11 @@ class EnvServingConfig(BaseConfig):
     max_concurrent: int | None = Field(None, ge=1, description="episodes at once in a server started here")
     restarts: int = Field(3, ge=0, description="times a started server that dies is started again")
     startup_timeout: float = Field(120.0, gt=0, description="seconds for the server to answer its first health check")
+    secret_var: str = Field(
+        SECRET_VAR,
+        description="environment variable holding the env server's shared secret (when set: ZeroMQ CURVE; the "
+        "server needs the same secret in its own secret_var)",
+    )
 
     @field_validator("address")
     @classmethod

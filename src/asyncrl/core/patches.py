@@ -45,6 +45,46 @@ class Patch:
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
+        symbol="verifiers.v1.serve.server.EnvServer",
+        how="subclassed (its frontend socket set up as assigned; _run checked first)",
+        dist="verifiers",
+        verified={"==0.4.0": "5af6ff2654062ed6"},
+        checks=(
+            "verifiers.v1.serve.server:EnvServer.__init__",
+            "verifiers.v1.serve.server:EnvServer._run",
+            "verifiers.v1.serve.server:EnvServer._handle",
+        ),
+        where=("orchestrator.envs.guarded:GuardedEnvServer",),
+        why="a request may name any model endpoint and environment variables, and the socket has no frame cap "
+        "or CURVE: the guard refuses such requests, the socket gets its options before it binds",
+        remove_when="verifiers' EnvServer takes socket options and a request check",
+    ),
+    Patch(
+        symbol="verifiers.v1.serve.pool.EnvServerPool",
+        how="subclassed; EnvServer replaced in the pool's spawned workers (by its log_setup hook)",
+        dist="verifiers",
+        verified={"==0.4.0": "5a0e6859a6607eed"},
+        checks=(
+            "verifiers.v1.serve.pool:EnvServerPool.__init__",
+            "verifiers.v1.serve.pool:EnvServerPool._spawn_worker",
+            "verifiers.v1.serve.pool:serve_env",
+        ),
+        where=("orchestrator.envs.guarded:GuardedPool", "orchestrator.envs.guarded:worker_setup"),
+        why="the broker's bound socket needs the frame cap and CURVE; its workers must check requests as one "
+        "server does",
+        remove_when="as EnvServer's entry, with serve_env passing a server class to its workers",
+    ),
+    Patch(
+        symbol="verifiers.v1.serve.client.EnvClient",
+        how="subclassed (its socket set up as assigned)",
+        dist="verifiers",
+        verified={"==0.4.0": "c2963e70bb3ac792"},
+        checks=("verifiers.v1.serve.client:EnvClient.__init__",),
+        where=("orchestrator.envs.guarded:GuardedEnvClient",),
+        why="a client of a server with a secret needs the CURVE keys on its socket before it connects",
+        remove_when="verifiers' EnvClient takes socket options",
+    ),
+    Patch(
         symbol="verifiers.v1.clients.train.build_async_openai",
         how="wrapped (module attribute replaced)",
         dist="verifiers",

@@ -148,7 +148,8 @@ def test_a_server_past_its_restarts_fails_every_episode_with_the_reason(tmp_path
 def _env_server(address: str, *extra: str, log: Path | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "asyncrl.entrypoints.env_server", "--env.id", "tool-calc", "--address", address]
     out = open(log, "wb") if log else subprocess.DEVNULL
-    return subprocess.Popen([*cmd, "--log.file", "false", *extra], stdout=out, stderr=subprocess.STDOUT)
+    cmd += ["--allow-key-vars", KEY_VAR, "--log.file", "false"]
+    return subprocess.Popen([*cmd, *extra], stdout=out, stderr=subprocess.STDOUT)
 
 
 def test_a_server_at_an_address_is_used_and_left_running(tmp_path):
@@ -194,7 +195,7 @@ def test_an_address_nothing_answers_fails_each_episode_with_how_to_start_it(tmp_
     slot, tasks = _slot({"address": address, "startup_timeout": 1})
     first, second = _groups(slot, tasks[:2], [], tmp_path)
     error = "did not answer in 1 s (start it: env-server --env.id tool-calc --env.args '"
-    assert error in first[0]["error"] and f"--address {address})" in first[0]["error"]
+    assert error in first[0]["error"] and f"--address {address}; or the secret" in first[0]["error"]
     assert second[0]["error"] == first[0]["error"]  # not waited for again
 
 

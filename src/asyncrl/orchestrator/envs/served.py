@@ -28,6 +28,7 @@ from loguru import logger
 
 from asyncrl.config.orchestrator import EnvConfig
 from asyncrl.core.errors import UserError
+from asyncrl.orchestrator.envs.guard import secret
 from asyncrl.utils.process import free_port, spawn, stop_group, telling_tail
 
 POLL_S = 0.5  # how often a started server's process is checked
@@ -41,9 +42,10 @@ class EnvServerError(RuntimeError):
 class ServedEnv:
     """One environment's env server and the client to it; `run` one episode, `close` at the run's end."""
 
-    def __init__(self, name: str, cfg: EnvConfig, log_dir: Path | None):
+    def __init__(self, name: str, cfg: EnvConfig, log_dir: Path | None, client: Any = None):
         assert cfg.server is not None
         self.name, self.cfg, self.serving = name, cfg, cfg.server
+        self.endpoint = client  # the model client (verifiers' config) episodes get: a server started here allows it
         self.log = (log_dir / f"env-server-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.log") if log_dir else None
         self.proc: Any = None
         self.client: Any = None
@@ -82,13 +84,13 @@ class ServedEnv:
             return self.client, self.lost
 
     async def start(self) -> None:
-        from verifiers.v1.serve import EnvClient
+        from asyncrl.orchestrator.envs.guarded import GuardedEnvClient
 
         address = self.serving.address
         if address is None:
             address = f"tcp://127.0.0.1:{free_port()}"
             self.proc = spawn(self.command(address), self.log)
-        client = EnvClient(address)
+        client = GuardedEnvClient(address, secret(self.serving.secret_var))
         try:
             await self.wait_healthy(client)
         except BaseException:
@@ -103,6 +105,10 @@ class ServedEnv:
         cmd += ["--env.args", json.dumps(self.cfg.args), "--address", address, "--workers", str(self.serving.workers)]
         if self.serving.max_concurrent is not None:
             cmd += ["--max-concurrent", str(self.serving.max_concurrent)]
+        if self.endpoint is not None:  # what this orchestrator's episodes call, and the key variable they read
+            cmd += ["--allow-urls", json.dumps([self.endpoint.base_url])]
+            cmd += ["--allow-key-vars", json.dumps([self.endpoint.api_key_var])]
+        cmd += ["--secret-var", self.serving.secret_var]
         if self.log is not None:  # the run's directory (its logs/ holds ours): the server is findable by it
             cmd += ["--output-dir", str(self.log.parent.parent)]
         return cmd + ["--parent-pid", str(os.getpid()), "--log.file", "false"]
@@ -121,11 +127,17 @@ class ServedEnv:
                 return
             await asyncio.sleep(0.2)
         self.stop_process()
-        started = f"; its log: {self.log}" if self.proc is not None else f" (start it: {self.hint()})"
+        started = (
+            f"; its log: {self.log}" if self.proc is not None else f" (start it: {self.hint()}; or {self.secret_hint})"
+        )
         raise UserError(
             f"env server for environment {self.name} at {self.serving.address or 'a local port'} did not answer "
             f"in {self.serving.startup_timeout:g} s{started}"
         )
+
+    @property
+    def secret_hint(self) -> str:
+        return f"the secret in {self.serving.secret_var} is set here or there, not on both hosts"
 
     def hint(self) -> str:
         args = json.dumps(self.cfg.args)

@@ -204,7 +204,7 @@ class V1Runner:
         if cfg is None or cfg.server is None:
             return None
         if slot.name not in self.servers:
-            self.servers[slot.name] = ServedEnv(slot.name, cfg, self.log_dir)
+            self.servers[slot.name] = ServedEnv(slot.name, cfg, self.log_dir, self.client)
         return self.servers[slot.name]
 
     async def serve(self, env: Any) -> None:

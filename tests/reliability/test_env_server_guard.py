@@ -1,0 +1,257 @@
+"""An env server under peers that are not its orchestrator (issue 46, cases 2 and 10), over real ZMQ sockets.
+
+Each server is the `env-server` entrypoint (the shipped tool-calc environment) in a process of its own; the
+peers speak its wire by hand (a DEALER socket and msgpack frames, as verifiers' client does), so what they send
+is exactly what an attacker can. Checked: a request cannot point the server's model client at a URL of its
+choosing, nor have it read an environment variable it does not allow, and the server calls nothing then; a
+frame above the cap drops its connection unread; a server bound beyond loopback without a secret says so, and
+with one refuses peers without it; a client that disconnects mid-episode costs one log line, no traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from asyncrl.orchestrator.envs.guarded import GuardedEnvClient
+from asyncrl.utils.process import free_port, stop_group
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+CANARY = "canary-key-3f9d"
+
+
+class Listener:
+    """A local HTTP server that records every request's path and headers, and answers each one after `delay`
+    seconds with `reply(i)` (an OpenAI chat completion), or 404."""
+
+    def __init__(self, reply=None, delay: float = 0.0):
+        self.seen: list[tuple[str, dict]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                outer.seen.append((self.path, dict(self.headers)))
+                time.sleep(delay)
+                answer = reply(len(outer.seen), json.loads(body or b"{}")) if reply else None
+                data = json.dumps(answer or {}).encode()
+                self.send_response(200 if answer else 404)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+
+
+@contextlib.contextmanager
+def env_server(log: Path, *flags: str, host: str = "127.0.0.1", env: dict | None = None):
+    address = f"tcp://{host}:{free_port()}"
+    cmd = [sys.executable, "-m", "asyncrl.entrypoints.env_server", "--env.id", "tool-calc", "--address", address]
+    environ = {**os.environ, "OPENAI_API_KEY": CANARY, "ASYNCRL_LEAK_ME": CANARY, **(env or {})}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*cmd, "--log.file", "false", *flags],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=environ,
+            start_new_session=True,
+        )
+    try:
+        reach = address.replace("0.0.0.0", "127.0.0.1")
+        _wait_healthy(reach, env.get("ASYNCRL_ENV_SECRET") if env else None, proc, log)
+        yield reach, proc
+    finally:
+        stop_group(proc, grace=10.0)
+
+
+def _wait_healthy(address: str, secret: str | None, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        if asyncio.run(_health(address, secret, 1.0)):
+            return
+    raise AssertionError(f"env server never answered: {log.read_text()}")
+
+
+async def _health(address: str, secret: str | None, timeout: float) -> bool:
+    client = GuardedEnvClient(address, secret)
+    try:
+        return await client.health(timeout=timeout)
+    finally:
+        await client.close()
+
+
+def dealer(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def run_frames(client: dict, task_data: dict | None = None) -> list[bytes]:
+    request = {"task_data": task_data or {}, "client": client, "model": "m", "sampling": {}}
+    return [uuid.uuid4().hex.encode(), b"run", msgpack.packb(request)]
+
+
+def reply_to(sock: zmq.Socket, frames: list[bytes], timeout_s: float = 30.0) -> dict | None:
+    sock.send_multipart(frames)
+    while sock.poll(int(timeout_s * 1000)):
+        request_id, kind, data = sock.recv_multipart()
+        if kind == b"reply":
+            return msgpack.unpackb(data)
+    return None
+
+
+@pytest.mark.parametrize(
+    "client, refused",
+    [
+        ({"base_url": "{listener}"}, "is not one this env server calls (http://127.0.0.1:1)"),
+        ({"base_url": "http://127.0.0.1:1/v1", "headers_from_env": {"X-Leak": "ASYNCRL_LEAK_ME"}}, "'ASYNCRL_LEAK_ME'"),
+        ({"base_url": "http://127.0.0.1:1/v1", "api_key_var": "ASYNCRL_LEAK_ME"}, "'ASYNCRL_LEAK_ME'"),
+        ({"base_url": "http://127.0.0.1:1@{listener_host}/v1"}, "is not one this env server calls"),
+    ],
+)
+def test_a_request_cannot_point_the_model_client_elsewhere_or_read_other_variables(tmp_path, client, refused):
+    listener = Listener()
+    host = listener.url.removeprefix("http://").removesuffix("/v1")
+    client = {
+        k: v.format(listener=listener.url, listener_host=host) if isinstance(v, str) else v for k, v in client.items()
+    }
+    try:
+        with env_server(tmp_path / "env.log", "--allow-urls", "http://127.0.0.1:1") as (address, _):
+            answer = reply_to(dealer(address), run_frames({"type": "eval", "api_key_var": "OPENAI_API_KEY", **client}))
+        assert answer is not None and answer["success"] is False
+        assert answer["error"].startswith("RequestRefused: refused: ") and refused in answer["error"], answer
+        assert listener.seen == []  # nothing called, no key sent anywhere
+        assert "Traceback" not in (tmp_path / "env.log").read_text()
+    finally:
+        listener.close()
+
+
+def test_the_default_allows_loopback_model_endpoints_only(tmp_path):
+    listener = Listener()
+    try:
+        with env_server(tmp_path / "env.log") as (address, _):
+            sock = dealer(address)
+            far = reply_to(sock, run_frames({"type": "eval", "base_url": "http://10.255.0.1:8000/v1"}))
+            assert (
+                "(loopback hosts only); to allow it, start the env server with --allow-urls http://10.255.0.1:8000"
+                in far["error"]
+            )
+            near = reply_to(
+                sock, run_frames({"type": "eval", "base_url": listener.url, "api_key_var": "OPENAI_API_KEY"})
+            )
+        assert "RequestRefused" not in (near or {}).get("error", "")  # let through: the task data is what fails
+    finally:
+        listener.close()
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_frame_above_the_cap_drops_its_connection_unread(tmp_path):
+    with env_server(tmp_path / "env.log", "--max-frame-mib", "8") as (address, proc):
+        before = _rss_mib(proc.pid)
+        sock = dealer(address)
+        sock.send_multipart([b"id", b"run", b"\x00" * (256 << 20)])
+        assert not sock.poll(3000)  # no answer: the connection was dropped
+        del sock
+        assert asyncio.run(_health(address, None, 5.0))  # still serving others
+        grown = _rss_mib(proc.pid) - before
+    assert grown < 64, f"the server's memory grew {grown:.0f} MiB for a 256 MiB frame"
+
+
+def test_beyond_loopback_without_a_secret_it_warns_and_with_one_refuses_strangers(tmp_path):
+    with env_server(tmp_path / "open.log", host="0.0.0.0"):
+        pass
+    assert "no secret and bound to 0.0.0.0: anyone who reaches" in (tmp_path / "open.log").read_text()
+    with env_server(tmp_path / "shut.log", host="0.0.0.0", env={"ASYNCRL_ENV_SECRET": "s3cret"}) as (address, _):
+        assert asyncio.run(_health(address, "s3cret", 5.0))
+        assert not asyncio.run(_health(address, None, 2.0))
+        assert not asyncio.run(_health(address, "guess", 2.0))
+        sock = dealer(address)  # a stranger's request gets no answer and reaches nothing
+        assert reply_to(sock, run_frames({"type": "eval", "base_url": "http://127.0.0.1:1/v1"}), timeout_s=2) is None
+    assert "no secret" not in (tmp_path / "shut.log").read_text()
+
+
+def _tool_calc_task() -> dict:
+    from asyncrl.config.orchestrator import EnvConfig
+    from asyncrl.orchestrator.envs.loading import load_env
+    from asyncrl.orchestrator.envs.v1 import v1_tasks
+
+    env = load_env(EnvConfig(id="tool-calc", args={"num_train_examples": 2, "seed": 1}))
+    return v1_tasks(env, "tool-calc")[0].data.model_dump(mode="json")
+
+
+def _chat_reply(i: int, body: dict) -> dict:
+    """A tool call on every turn (the episode goes on till its turn limit), a second apart."""
+    call = {"id": f"c{i}", "type": "function", "function": {"name": "calculate", "arguments": '{"expression": "1+1"}'}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    return {"id": f"r{i}", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
+            "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]}  # fmt: skip
+
+
+def _until(done, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def test_clients_gone_mid_episode_cost_a_line_each_and_no_traceback(tmp_path):
+    model = Listener(_chat_reply, delay=1.0)
+    task = _tool_calc_task()
+    try:
+        with env_server(tmp_path / "env.log") as (address, _):
+            for i in range(3):  # each starts an episode and vanishes (a killed process: no cancel)
+                sock = dealer(address)
+                sock.send_multipart(
+                    run_frames({"type": "eval", "base_url": model.url, "api_key_var": "OPENAI_API_KEY"}, task)
+                )
+                _until(lambda i=i: len(model.seen) > i)  # its episode calls the model: it is under way
+                sock.close()
+            _until(lambda: (tmp_path / "env.log").read_text().count("went away") >= 3)
+        log = (tmp_path / "env.log").read_text().partition("EnvServer down")[0]  # (its shutdown says more)
+    finally:
+        model.close()
+    assert len(model.seen) >= 3, log
+    assert log.count("a client went away mid-episode: its episode's frames are dropped (trace ") == 3, log
+    assert "Traceback" not in log and "ZMQError" not in log and "failed to send response" not in log, log
+
+
+def test_a_pool_of_workers_guards_as_one_server_does(tmp_path):
+    with env_server(tmp_path / "env.log", "--workers", "2", "--max-frame-mib", "8") as (address, proc):
+        sock = dealer(address)
+        answer = reply_to(sock, run_frames({"type": "eval", "base_url": "http://10.255.0.1:8000/v1"}))
+        assert answer is not None and "RequestRefused: refused: its model endpoint" in answer["error"], answer
+        before = _rss_mib(proc.pid)
+        sock.send_multipart([b"id", b"run", b"\x00" * (256 << 20)])
+        assert not sock.poll(3000)
+        assert _rss_mib(proc.pid) - before < 64
+    assert "Traceback" not in (tmp_path / "env.log").read_text()
