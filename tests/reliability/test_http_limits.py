@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import h11
@@ -237,6 +238,22 @@ def test_trusted_request_template_is_bounded(trusted):
     assert _peak_rss_gib(trusted.proc.pid) < 2.0  # the server itself never held the 2 GB string
     again = httpx.post(f"{url}/tokenize", json=with_template(tokenize, "cd", "kwargs"), timeout=60)
     assert again.status_code == 200 and again.json()["tokens"] == list(b"cd")  # a fresh worker took over
+
+
+def test_plain_chats_never_wait_behind_request_templates(trusted):
+    """Issue 46, case 5: 8 template bombs at once used to hold every chat for up to 85 s (one CPU thread)."""
+    bomb = with_template(chat("hi"), LOOP_TEMPLATE, "kwargs")
+    url = f"{trusted.url}/v1/chat/completions"
+    with ThreadPoolExecutor(3) as threads:
+        bombs = [threads.submit(httpx.post, url, json=bomb, timeout=120) for _ in range(3)]
+        time.sleep(1.0)  # let them reach the server first (were the plain chat first, it could not be behind them)
+        plain = httpx.post(url, json=chat("hi"), timeout=120)
+        behind = sum(not b.done() for b in bombs)  # 2 sandboxes, 5 s each: the third ends >= 10 s in
+        answers = [b.result() for b in bombs]
+    assert plain.status_code == 200, plain.text
+    assert behind >= 1, "the plain chat was answered only after every template bomb"
+    for answer in answers:
+        assert_error(answer, 400, "longer than")
 
 
 def _peak_rss_gib(pid: int) -> float:

@@ -66,11 +66,11 @@ async def _lifespan(app: FastAPI):
     backend: Backend = app.state.asyncrl_engine
     trusted = app.state.asyncrl_config.trust_request_chat_template
     if trusted:
-        await asyncio.to_thread(template_sandbox.sandbox().start)
+        await asyncio.to_thread(template_sandbox.pool().start)
     await backend.start()
     try:
         yield
     finally:
         await backend.shutdown()
         if trusted:
-            template_sandbox.sandbox().close()
+            template_sandbox.pool().close()

@@ -2,6 +2,7 @@
 
 - `render_chat`: OpenAI messages (+ tools) through the tokenizer's chat template, like vLLM does
   (assistant tool-call arguments given as JSON strings are parsed to objects for the template).
+- `chat_ids`: a route's way to it, awaited; a request's own template goes to the template pool instead.
 - `parse_hermes_tool_calls`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
 - `split_reasoning`: `<think>...</think>` into (reasoning, content), qwen3 or deepseek_r1 rules.
 - `StreamingChatParser`: the same two parses incrementally, for SSE deltas.
@@ -20,8 +21,9 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
+from asyncrl.inference.api import cpu, template_sandbox
 from asyncrl.inference.api.errors import InvalidRequest
-from asyncrl.inference.api.template_sandbox import RequestTemplateError, refuse_untrusted, sandbox
+from asyncrl.inference.api.template_sandbox import RequestTemplateError, refuse_untrusted
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
@@ -75,6 +77,34 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+async def chat_ids(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    chat_template_kwargs: dict[str, Any] | None,
+    trust_request_template: bool,
+    max_model_len: int | None,
+) -> list[int]:
+    """A chat request's prompt token ids, for a route: the served model's template through `render_chat` on the
+    CPU thread (cpu.py). A request's own template (`chat_template_kwargs["chat_template"]`) is refused unless
+    `trust_request_template`; it renders in the template pool (template_sandbox.py), off the CPU thread, and only
+    its text is encoded there: no other request waits while it runs."""
+    kwargs = dict(chat_template_kwargs or {})
+    template = kwargs.pop("chat_template", None)
+    if template is None:
+        args = (messages, tools, add_generation_prompt, continue_final_message, chat_template_kwargs, max_model_len)
+        return await cpu.run(render_chat, tokenizer, *args)
+    if not trust_request_template:
+        refuse_untrusted()
+    generation = add_generation_prompt and not continue_final_message
+    args = (messages, tools, generation, continue_final_message, template, kwargs)
+    job = await cpu.run(_template_job, tokenizer, *args)
+    text = await template_sandbox.pool().render(job)
+    return await cpu.run(_encode, tokenizer, text, max_model_len)
+
+
 def render_chat(
     tokenizer,
     messages: list[dict[str, Any]],
@@ -82,16 +112,13 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
-    trust_request_template: bool = False,
     max_model_len: int | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template (cached, see module docstring).
+    """Token ids of `messages` rendered with the tokenizer's own chat template (cached, see module docstring).
 
-    A template in `chat_template_kwargs` (the request's own) is refused unless `trust_request_template`, and is
-    then rendered by the template sandbox (template_sandbox.py). With `max_model_len`, a rendered text too long
-    for it is refused before it is encoded (`check_fits`). Blocking: routes call it through `cpu.run`."""
-    if (chat_template_kwargs or {}).get("chat_template") is not None and not trust_request_template:
-        refuse_untrusted()
+    With `max_model_len`, a rendered text too long for it is refused before it is encoded (`check_fits`).
+    Blocking: routes call it through `chat_ids`, which sends a request's own template elsewhere."""
+    assert (chat_template_kwargs or {}).get("chat_template") is None, "request templates go through chat_ids"
     args = (messages, tools, add_generation_prompt, continue_final_message, chat_template_kwargs)
     try:
         key = json.dumps(args, sort_keys=True, ensure_ascii=False)
@@ -117,9 +144,20 @@ def _render(
     max_model_len: int | None,
 ) -> list[int]:
     text = _render_text(tokenizer, messages, tools, add_generation_prompt, continue_final_message, chat_template_kwargs)
+    return _encode(tokenizer, text, max_model_len)
+
+
+def _encode(tokenizer, text: str, max_model_len: int | None) -> list[int]:
     if max_model_len is not None:
         check_fits(tokenizer, text, max_model_len, "messages")
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _check_renderable(tokenizer, messages: list[dict[str, Any]]) -> None:
+    if not messages:
+        raise TemplateError("messages must not be empty")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise TemplateError("the served model's tokenizer has no chat template; use /v1/completions")
 
 
 def _render_text(
@@ -130,28 +168,20 @@ def _render_text(
     continue_final_message: bool,
     chat_template_kwargs: dict[str, Any] | None,
 ) -> str:
-    if not messages:
-        raise TemplateError("messages must not be empty")
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise TemplateError("the served model's tokenizer has no chat template; use /v1/completions")
-    kwargs = dict(chat_template_kwargs or {})
-    if kwargs.get("chat_template") is not None:
-        generation = add_generation_prompt and not continue_final_message
-        return _render_request_template(tokenizer, messages, tools, generation, continue_final_message, kwargs)
+    _check_renderable(tokenizer, messages)
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             normalize_messages(messages),
             tools=tools or None,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
             tokenize=False,
-            **kwargs,
+            **(chat_template_kwargs or {}),
         )
     except TemplateError:
         raise
     except Exception as e:  # jinja errors, raise_exception() in templates, bad message shapes
         raise TemplateError(f"cannot apply the chat template to these messages: {e}") from e
-    return text
 
 
 def max_token_chars(tokenizer) -> int:
@@ -176,19 +206,20 @@ def check_fits(tokenizer, text: str, max_model_len: int, param: str) -> None:
         )
 
 
-def _render_request_template(
+def _template_job(
     tokenizer,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     add_generation_prompt: bool,
     continue_final_message: bool,
+    template: Any,
     kwargs: dict[str, Any],
-) -> str:
-    """The text a request's own template (kwargs["chat_template"]) renders, in the sandbox."""
-    template = kwargs.pop("chat_template")
+) -> dict[str, Any]:
+    """What the template pool renders for a request's own template (blocking: through `cpu.run`)."""
+    _check_renderable(tokenizer, messages)
     if not isinstance(template, str):
         raise RequestTemplateError("chat_template must be a string")
-    job = {
+    return {
         "messages": normalize_messages(messages),
         "tools": tools or None,
         "chat_template": template,
@@ -196,7 +227,6 @@ def _render_request_template(
         "continue_final_message": continue_final_message,
         "template_kwargs": {**tokenizer.special_tokens_map, **kwargs},
     }
-    return sandbox().render(job)
 
 
 def request_template_kwargs(body: Any) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ from loguru import logger
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.api import cpu
 from asyncrl.inference.api.backend import Backend, PromptLogprobs, SamplingParams, SeqDelta
-from asyncrl.inference.api.chat import ChatOutputParser, check_fits, render_chat, request_template_kwargs
+from asyncrl.inference.api.chat import ChatOutputParser, chat_ids, check_fits, request_template_kwargs
 from asyncrl.inference.api.deps import BackendDep, Config
 from asyncrl.inference.api.errors import InvalidRequest, error_body
 from asyncrl.inference.api.schemas import (
@@ -329,8 +329,7 @@ def prompt_logprobs_json(
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, backend: BackendDep, config: Config):
-    prompt_ids = await cpu.run(
-        render_chat,
+    prompt_ids = await chat_ids(
         backend.tokenizer,
         body.messages,
         body.tools,

@@ -3,24 +3,32 @@
 A chat template is a program (jinja): one sent by a client can loop for minutes or build gigabyte strings
 (`{% set x = 'a' * 2000000000 %}`), and jinja's sandbox bounds neither. So a request's template is refused
 unless the server runs with `--trust-request-chat-template` (vLLM's flag, same meaning); when trusted it is
-rendered by `TemplateSandbox`: one child process (spawned, so it shares nothing with the engine), with its
+rendered by a `TemplateSandbox`: a child process (spawned, so it shares nothing with the engine), with its
 address space capped at `MEMORY_MIB` above what it needs to start (RLIMIT_AS: a bigger allocation fails
 there with a MemoryError), and a deadline of `TIMEOUT_S` per render, after which it is killed and a fresh one
 is started for the next request. Overruns are a 400 on `chat_template`. The served model's own template is
 trusted and rendered in the server (chat.py); only request templates come here.
+
+`TemplatePool` holds `POOL_SIZE` sandboxes, each driven by a thread of its own: request templates wait for
+one of them, never for the server's CPU thread (cpu.py), so a plain chat never waits behind a request's
+template, however many bad ones are queued.
 """
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
+import queue
 import resource
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from loguru import logger
 
 from asyncrl.inference.api.errors import InvalidRequest
 
+POOL_SIZE = 2  # sandboxes (processes) rendering request templates at once
 TIMEOUT_S = 5.0
 MEMORY_MIB = 512
 START_TIMEOUT_S = 120.0  # the worker imports transformers' template code before its first render
@@ -99,17 +107,48 @@ class TemplateSandbox:
         self._proc, self._conn = None, None
 
 
-_SANDBOX: TemplateSandbox | None = None
-_SANDBOX_LOCK = threading.Lock()
+class TemplatePool:
+    """`size` sandboxes, each used by one thread of the pool's own: `await render(job)` from the event loop."""
+
+    def __init__(self, size: int = POOL_SIZE, **sandbox_args: Any):
+        self.sandboxes = [TemplateSandbox(**sandbox_args) for _ in range(size)]
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        for one in self.sandboxes:
+            self._idle.put(one)
+        self._threads = ThreadPoolExecutor(size, thread_name_prefix="asyncrl-template")
+
+    async def render(self, job: dict[str, Any]) -> str:
+        """`TemplateSandbox.render` in one of the pool's threads (a thread has a sandbox to itself)."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self._render, job)
+
+    def _render(self, job: dict[str, Any]) -> str:
+        sandbox = self._idle.get()
+        try:
+            return sandbox.render(job)
+        finally:
+            self._idle.put(sandbox)
+
+    def start(self) -> None:
+        """Start every sandbox's worker now, at once (each takes seconds)."""
+        list(self._threads.map(TemplateSandbox.start, self.sandboxes))
+
+    def close(self) -> None:
+        for one in self.sandboxes:
+            one.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
 
-def sandbox() -> TemplateSandbox:
-    """The process' one sandbox (started on first use)."""
-    global _SANDBOX
-    with _SANDBOX_LOCK:
-        if _SANDBOX is None:
-            _SANDBOX = TemplateSandbox()
-        return _SANDBOX
+_POOL: TemplatePool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def pool() -> TemplatePool:
+    """The process' one pool of sandboxes (their workers start on first use, or at `start`)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = TemplatePool()
+        return _POOL
 
 
 # --- the worker process ---------------------------------------------------------------------------------

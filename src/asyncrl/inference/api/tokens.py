@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 
 from asyncrl.inference.api import cpu
 from asyncrl.inference.api.backend import Backend
-from asyncrl.inference.api.chat import check_fits, render_chat, request_template_kwargs
+from asyncrl.inference.api.chat import chat_ids, check_fits, request_template_kwargs
 from asyncrl.inference.api.completions import (
     ChoiceResult,
     TokenText,
@@ -43,35 +43,27 @@ router = APIRouter()
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, backend: BackendDep, config: Config):
     backend.resolve_model(body.model)
-    return await cpu.run(lambda: cpu.json_response(_tokenize(backend, body, config.trust_request_chat_template)))
+    chat = None if body.messages is None else await _chat_ids(backend, body, config.trust_request_chat_template)
+    return await cpu.run(lambda: cpu.json_response(_tokenize(backend, body, chat)))
 
 
-def _tokenize(backend: Backend, body: TokenizeRequest, trust_request_template: bool) -> dict[str, Any]:
-    """/tokenize's answer (blocking: run through `cpu.run`)."""
+def _tokenize(backend: Backend, body: TokenizeRequest, chat: list[int] | None) -> dict[str, Any]:
+    """/tokenize's answer, given a chat's ids (blocking: run through `cpu.run`)."""
     tok, limit = backend.tokenizer, backend.max_model_len  # what cannot fit the context is refused, as chat does
-    ids = (
-        _chat_ids(tok, body, trust_request_template, limit)
-        if body.messages is not None
-        else _prompt_ids(tok, body, limit)
-    )
+    if chat is None:
+        ids = _prompt_ids(tok, body, limit)
+    else:
+        ids = with_special_tokens(tok, chat) if body.add_special_tokens else chat
     out: dict[str, Any] = {"count": len(ids), "max_model_len": backend.max_model_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = tok.convert_ids_to_tokens(ids)
     return out
 
 
-def _chat_ids(tok, body: TokenizeRequest, trust_request_template: bool, max_model_len: int) -> list[int]:
-    ids = render_chat(
-        tok,
-        body.messages,
-        body.tools,
-        body.add_generation_prompt,
-        body.continue_final_message,
-        request_template_kwargs(body),
-        trust_request_template,
-        max_model_len,
-    )
-    return with_special_tokens(tok, ids) if body.add_special_tokens else ids
+async def _chat_ids(backend: Backend, body: TokenizeRequest, trust_request_template: bool) -> list[int]:
+    args = (body.messages, body.tools, body.add_generation_prompt, body.continue_final_message)
+    kwargs = request_template_kwargs(body)
+    return await chat_ids(backend.tokenizer, *args, kwargs, trust_request_template, backend.max_model_len)
 
 
 def with_special_tokens(tok, ids: list[int]) -> list[int]:
