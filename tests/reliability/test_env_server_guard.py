@@ -25,6 +25,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
+from waiting import wait_until
 
 from asyncrl.orchestrator.envs.guarded import GuardedEnvClient
 from asyncrl.utils.process import free_port, stop_group
@@ -34,18 +35,21 @@ CANARY = "canary-key-3f9d"
 
 
 class Listener:
-    """A local HTTP server that records every request's path and headers, and answers each one after `delay`
-    seconds with `reply(i)` (an OpenAI chat completion), or 404."""
+    """A local HTTP server that records every request's path and headers, and answers each one with `reply(i)`
+    (an OpenAI chat completion), or 404, once `release` is set (set from the start unless `held`)."""
 
-    def __init__(self, reply=None, delay: float = 0.0):
+    def __init__(self, reply=None, held: bool = False):
         self.seen: list[tuple[str, dict]] = []
+        self.release = threading.Event()
+        if not held:
+            self.release.set()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 outer.seen.append((self.path, dict(self.headers)))
-                time.sleep(delay)
+                outer.release.wait(60)
                 answer = reply(len(outer.seen), json.loads(body or b"{}")) if reply else None
                 data = json.dumps(answer or {}).encode()
                 self.send_response(200 if answer else 404)
@@ -211,21 +215,15 @@ def _tool_calc_task() -> dict:
 
 
 def _chat_reply(i: int, body: dict) -> dict:
-    """A tool call on every turn (the episode goes on till its turn limit), a second apart."""
+    """A tool call on every turn (the episode goes on till its turn limit)."""
     call = {"id": f"c{i}", "type": "function", "function": {"name": "calculate", "arguments": '{"expression": "1+1"}'}}
     message = {"role": "assistant", "content": None, "tool_calls": [call]}
     return {"id": f"r{i}", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
             "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]}  # fmt: skip
 
 
-def _until(done, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done() and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
 def test_clients_gone_mid_episode_cost_a_line_each_and_no_traceback(tmp_path):
-    model = Listener(_chat_reply, delay=1.0)
+    model = Listener(_chat_reply, held=True)
     task = _tool_calc_task()
     try:
         with env_server(tmp_path / "env.log") as (address, _):
@@ -234,9 +232,10 @@ def test_clients_gone_mid_episode_cost_a_line_each_and_no_traceback(tmp_path):
                 sock.send_multipart(
                     run_frames({"type": "eval", "base_url": model.url, "api_key_var": "OPENAI_API_KEY"}, task)
                 )
-                _until(lambda i=i: len(model.seen) > i)  # its episode calls the model: it is under way
+                assert wait_until(lambda i=i: len(model.seen) > i)  # its episode calls the model: under way
                 sock.close()
-            _until(lambda: (tmp_path / "env.log").read_text().count("went away") >= 3)
+            model.release.set()  # the model answers: each episode goes on, with no client to send to
+            wait_until(lambda: (tmp_path / "env.log").read_text().count("went away") >= 3)
         log = (tmp_path / "env.log").read_text().partition("EnvServer down")[0]  # (its shutdown says more)
     finally:
         model.close()

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from waiting import wait_until
 
 from asyncrl.utils.process import ChildExited, free_port, serve, spawn, stop_group, stop_groups, tail, wait_for_http
 
@@ -49,14 +50,10 @@ def test_stop_reaches_grandchildren_and_kills_what_ignores_sigterm(tmp_path):
         f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
     )
     proc = spawn([sys.executable, "-c", parent], tmp_path / "p.log")
-    while not pid_file.exists() or not pid_file.read_text():
-        time.sleep(0.02)
+    assert wait_until(lambda: pid_file.exists() and pid_file.read_text(), 60)
     grandchild = int(pid_file.read_text())
     assert stop_groups([proc], grace=0.5) == []  # the parent obeys SIGTERM; its child is killed with the group
-    deadline = time.monotonic() + 10
-    while _alive(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(grandchild)
+    assert wait_until(lambda: not _alive(grandchild), 10)
 
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
@@ -64,8 +61,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
     ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)"
     code = f"{ignore}; open({str(ready)!r}, 'w'); time.sleep(60)"
     proc = spawn([sys.executable, "-c", code], None)
-    while not ready.exists():
-        time.sleep(0.02)
+    assert wait_until(ready.exists, 60)
     assert stop_groups([proc], grace=0.3) == [proc] and proc.returncode == -9
 
 
@@ -107,14 +103,11 @@ def test_a_spawned_child_dies_with_its_parent_whatever_kills_it(tmp_path):
         f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
     )
     proc = spawn([sys.executable, "-c", parent], tmp_path / "p.log")
-    while not pid_file.exists() or not pid_file.read_text():
-        time.sleep(0.02)
+    assert wait_until(lambda: pid_file.exists() and pid_file.read_text(), 60)
     proc.kill()
     proc.wait()
-    child, deadline = int(pid_file.read_text()), time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not _alive(child)
+    child = int(pid_file.read_text())
+    assert wait_until(lambda: not _alive(child), 5)
 
 
 def test_the_run_lock_is_held_by_the_children_and_freed_when_the_last_one_ends(tmp_path):
@@ -137,9 +130,7 @@ def test_the_run_lock_is_held_by_the_children_and_freed_when_the_last_one_ends(t
     with pytest.raises(UserError, match=rf"in use: rl \(pid \d+\) is gone, but .* \(pids {child}\)"):
         runlock.hold(run)
     os.kill(child, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert wait_until(lambda: not _alive(child), 5)
     fd = runlock.hold(run)  # the kernel dropped it with its last holder
     os.close(fd)
     os.environ.pop("ASYNCRL_INHERITED_FD")
