@@ -498,6 +498,28 @@ def test_update_and_reload_weights(server, http, model_dir, tmp_path):
     assert greedy(http, server) == before
 
 
+def test_update_weights_answers_the_fingerprints_of_what_it_loaded(server, http, model_dir, tmp_path):
+    """Issue 47: the server answers with the fingerprint of each tensor it loaded; one element of one tensor
+    changed after the trainer fingerprinted it (on its way: disk, copy) is named."""
+    from safetensors.torch import load_file, save_file
+
+    from asyncrl.transport import fingerprint
+    from asyncrl.utils.tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", hidden_size=128, num_layers=2, num_heads=4, seed=1)
+    tensors = load_file(other / "model.safetensors")
+    fingerprint.write(other, fingerprint.of_tensors(tensors))
+    r = http.post("/update_weights", json={"weight_dir": str(other)})
+    assert r.status_code == 200 and r.json()["fingerprint"], r.text
+    assert fingerprint.mismatch(other, r.json()["fingerprint"]) is None
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][0, 0] += 1.0
+    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    r = http.post("/update_weights", json={"weight_dir": str(other)})
+    assert r.status_code == 200 and fingerprint.mismatch(other, r.json()["fingerprint"]).startswith(f"tensor {name} (")
+    assert http.post("/reload_weights", json={}).status_code == 200
+
+
 def test_trained_weights_answer_with_tools_and_reasoning(server, http, trained_weights):
     """Parsing on real model output: the trained model says REPLY to MESSAGES' (tool-less) prompt ids,
     sent through /v1/chat/completions/tokens with `tools` so the server parses calls."""
@@ -579,6 +601,14 @@ def test_lora_adapter(server, http, model_dir, tmp_path):
     assert_error(http.post("/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path / "nope")}))
     r = http.post("/load_lora_adapter", json={"lora_name": "tuned", "lora_path": str(tmp_path / "adapter")})
     assert r.status_code == 200, r.text
+    if server.backend == "embedded":  # what it holds; vLLM loads an adapter lazily, at its first request
+        from safetensors.torch import load_file
+
+        from asyncrl.transport import fingerprint
+
+        assert r.json()["fingerprint"] == fingerprint.of_tensors(
+            load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+        )
     assert "tuned" in [m["id"] for m in http.get("/v1/models").json()["data"]]
     tuned = chat(http, server, model="tuned", temperature=0.9, seed=3, max_tokens=10, logprobs=True,
                  return_token_ids=True)  # fmt: skip

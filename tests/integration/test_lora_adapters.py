@@ -63,6 +63,11 @@ def test_the_exported_adapter_is_peft_format_and_moved(lora_run):
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
     assert all(k.startswith("base_model.model.model.layers.") for k in tensors)
     assert any(k.endswith("lora_B.weight") and t.abs().max() > 0 for k, t in tensors.items())  # it learned
+    from asyncrl.transport import fingerprint  # beside the files, of their tensors: the adapter and the merged
+
+    assert fingerprint.read(adapter) == fingerprint.of_tensors(tensors)
+    merged = load_file(str(RunLayout(lora_run).weights_dir(2) / "model.safetensors"))
+    assert fingerprint.read(RunLayout(lora_run).weights_dir(2)) == fingerprint.of_tensors(merged)
 
 
 def test_peft_loads_the_adapter_and_matches_the_merged_weights(lora_run, tiny_model_dir):

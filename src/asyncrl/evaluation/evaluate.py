@@ -37,6 +37,7 @@ from asyncrl.evaluation.runner import (
     summarize,
 )
 from asyncrl.orchestrator.client import InferenceClient
+from asyncrl.transport import fingerprint
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout, is_stable, step_dirs
 from asyncrl.utils.monitor import MetricsSink
@@ -72,17 +73,20 @@ def find_targets(config: EvalConfig) -> list[Target]:
 
 
 async def _load(admin: InferenceClient, target: Target) -> None:
+    loaded = None
     try:
         if target.path is None:
             await admin.reload_weights()
         else:
-            await admin.update_weights(target.path)
+            loaded = await admin.update_weights(target.path)
     except RuntimeError as e:
         what = f"weights {target.path}" if target.path else "the base model"
         raise UserError(
             f"cannot load {what} into the server at {admin.root}: {e}. --weights-dir needs asyncrl's "
             "`inference` server started with the base model these weights were trained from"
         ) from e
+    if target.path is not None and (differs := fingerprint.mismatch(target.path, loaded)):
+        raise UserError(f"the server at {admin.root} loaded other weights than {target.path} holds: {differs}")
     logger.info(f"server now serves {target.label}" + (f" ({target.path})" if target.path else ""))
 
 

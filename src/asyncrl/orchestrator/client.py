@@ -114,22 +114,31 @@ class InferenceClient:
             )
         return response.json()
 
-    async def update_weights(self, weight_dir: str | Path) -> None:
-        """Make the server load the HF weights in `weight_dir` (its prefix cache is reset too)."""
-        await self._post("/update_weights", {"weight_dir": str(Path(weight_dir).resolve())})
+    async def update_weights(self, weight_dir: str | Path) -> dict[str, str] | None:
+        """Make the server load the HF weights in `weight_dir` (its prefix cache is reset too); the fingerprints
+        of what it loaded, when it gives them."""
+        answer = await self._post("/update_weights", {"weight_dir": str(Path(weight_dir).resolve())})
+        return answer.get("fingerprint")
 
-    async def load_lora_adapter(self, name: str, adapter_dir: str | Path) -> None:
-        """Make the server load (or replace) the LoRA adapter `name` from the PEFT dir `adapter_dir`."""
-        await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(adapter_dir).resolve())})
+    async def load_lora_adapter(self, name: str, adapter_dir: str | Path) -> dict[str, str] | None:
+        """Make the server load (or replace) the LoRA adapter `name` from the PEFT dir `adapter_dir`; the
+        fingerprints of what it loaded, when it gives them."""
+        body = {"lora_name": name, "lora_path": str(Path(adapter_dir).resolve())}
+        return (await self._post("/load_lora_adapter", body)).get("fingerprint")
 
     async def reload_weights(self) -> None:
         """Make the server go back to the base model's weights."""
         await self._post("/reload_weights", {})
 
-    async def _post(self, path: str, body: dict) -> None:
+    async def _post(self, path: str, body: dict) -> dict:
         try:
             response = await self._http.post(path, json=body)
         except httpx.HTTPError as e:
             raise RuntimeError(f"POST {self.root}{path} failed: {e!r}; {start_hint(self.url)}") from e
         if response.status_code != 200:
             raise RuntimeError(f"POST {self.root}{path} answered {response.status_code}: {response.text[:500]}")
+        try:
+            answer = response.json()
+        except ValueError:
+            return {}
+        return answer if isinstance(answer, dict) else {}

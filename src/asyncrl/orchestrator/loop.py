@@ -27,6 +27,7 @@ import asyncio
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from loguru import logger
@@ -45,6 +46,7 @@ from asyncrl.orchestrator.metrics import StepFacts, distill_record, log_extras, 
 from asyncrl.orchestrator.rollouts import GroupCollector, RolloutFailure, StepRollouts, gather_all, step_shape
 from asyncrl.orchestrator.samples import Rollout, TrajectoryConverter
 from asyncrl.orchestrator.teacher import PROBE, TeacherClient
+from asyncrl.transport import fingerprint
 from asyncrl.transport.layout import ADAPTER, RunLayout
 from asyncrl.transport.weights import weights_problem
 from asyncrl.utils.monitor import MetricsSink, drop_rows_from
@@ -150,15 +152,26 @@ class Orchestrator:
                 await self.server.reload_weights()
             self.served_model = self.config.model.name
         elif lora is not None:
-            await self.server.load_lora_adapter(lora, policy.path / ADAPTER)
+            loaded = await self.server.load_lora_adapter(lora, policy.path / ADAPTER)
+            self._verify(policy.step, policy.path / ADAPTER, loaded)
             self.served_model = lora
         else:
-            await self.server.update_weights(policy.path)
+            self._verify(policy.step, policy.path, await self.server.update_weights(policy.path))
         self.loaded_policy = policy.step
         if self.teacher is not None and self.teacher.student is not None:
             self.teacher.student.model = self.served_model  # the baseline's scores name what the rollouts name
         logger.debug(f"server now serves policy {policy.step} ({policy.path or 'base model'})")
         return time.perf_counter() - start
+
+    def _verify(self, step: int, published_dir: Path, loaded: dict[str, str] | None) -> None:
+        """Stop before sampling when the server loaded other tensors than the trainer published (fingerprints)."""
+        if (differs := fingerprint.mismatch(published_dir, loaded)) is not None:
+            raise UserError(
+                f"policy step {step}: the inference server at {self.server.root} loaded other weights than the "
+                f"trainer published in {published_dir}: {differs}; they changed on the way (disk, copy) or the "
+                "engine did not apply them: see the server's log, delete the dir and resume (the trainer "
+                "publishes it again)"
+            )
 
     async def _maybe_eval(self, step: int) -> None:
         ev = self.config.eval

@@ -3,7 +3,8 @@
 The full state dict is gathered to rank 0 (CPU), LoRA adapters are merged into their base weights,
 tensors are cast back to the dtype of the checkpoint we loaded, a tied lm_head is dropped (HF re-ties
 it on load), and the files are written through `transport.files.publish_dir` (temp dir, rename,
-`STABLE` marker last). Large models are sharded into several safetensors files plus an index.
+`STABLE` marker last), with each tensor's fingerprint in `fingerprint.json` (transport/fingerprint.py: the
+server answers with those of what it loaded). Large models are sharded into several safetensors files plus an index.
 A LoRA run also puts the adapter alone, in PEFT format, in each dir's `adapter/` (`export_weights(..., adapter=)`).
 """
 
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from asyncrl.core import failpoint
 from asyncrl.trainer.lora import merge_lora_state_dict, peft_adapter, peft_config
+from asyncrl.transport import fingerprint
 from asyncrl.transport.files import STABLE, publish_dir
 from asyncrl.transport.layout import ADAPTER, step_of
 
@@ -104,6 +106,7 @@ def export_weights(
 
     def write(tmp: Path) -> None:
         write_hf_dir(tmp, hf_state, hf_config, tokenizer, dtype)
+        fingerprint.write(tmp, fingerprint.of_tensors(hf_state))
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
         if peft is not None:
@@ -141,5 +144,7 @@ def _publish(dests: list[Path], write) -> None:
 def write_adapter(path: Path, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
     """A PEFT adapter dir: adapter_config.json + adapter_model.safetensors (in the export dtype)."""
     path.mkdir()
-    save_file({k: v.to(dtype) for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+    tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    fingerprint.write(path, fingerprint.of_tensors(tensors))
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))

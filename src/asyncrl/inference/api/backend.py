@@ -82,14 +82,16 @@ class TrainingEngine(Protocol):
 
     model_name: str
 
-    async def update_weights(self, weight_dir: str) -> None:
-        """Load a HF safetensors dir into the live model (raise InvalidRequest if it does not fit)."""
+    async def update_weights(self, weight_dir: str) -> dict[str, str] | None:
+        """Load a HF safetensors dir into the live model (raise InvalidRequest if it does not fit); the
+        fingerprints of what it loaded, by tensor name (transport/fingerprint.py), or None."""
 
     async def reload_weights(self) -> None:
         """Go back to the weights the server started with."""
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
-        """Register (or replace) a PEFT adapter; requests with model=lora_name then use it."""
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str] | None:
+        """Register (or replace) a PEFT adapter; requests with model=lora_name then use it. The fingerprints of
+        the adapter's tensors as loaded, or None."""
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         """Drop a loaded adapter (the route checked it is loaded); its name is free for another."""
@@ -129,16 +131,17 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    async def update_weights(self, weight_dir: str) -> None:
-        """Load a HF safetensors dir into the live model (raise InvalidRequest if it does not fit)."""
+    async def update_weights(self, weight_dir: str) -> dict[str, str] | None:
+        """Load a HF safetensors dir into the live model (raise InvalidRequest if it does not fit); the
+        fingerprints of what it loaded, by tensor name (transport/fingerprint.py), or None."""
 
     @abstractmethod
     async def reload_weights(self) -> None:
         """Go back to the weights the server started with."""
 
     @abstractmethod
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
-        """Register a PEFT adapter; requests with model=lora_name then use it."""
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str] | None:
+        """Register a PEFT adapter; requests with model=lora_name then use it (see TrainingEngine)."""
 
     @abstractmethod
     def lora_names(self) -> list[str]:

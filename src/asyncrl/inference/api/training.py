@@ -2,7 +2,9 @@
 /load_lora_adapter, /unload_lora_adapter (a name not loaded: 404).
 
 Mounted on the embedded app and on vLLM's app alike, against the app's `TrainingEngine`. Changes are
-serialized on the app's weights lock, and each route answers once the change is live. Everything a
+serialized on the app's weights lock, and each route answers once the change is live, with the fingerprints
+of what was loaded (`fingerprint`: tensor name -> transport/fingerprint.py's digest; null where the engine
+gives none). Everything a
 client can get wrong that needs no engine (missing fields, an adapter named like the served model
 or with a name that is no model name: not 1-128 characters of [A-Za-z0-9._-], a leading '.' or '..',
 an adapter path that is no directory or holds a malformed adapter, one adapter more than
@@ -32,8 +34,8 @@ ADAPTER_NAME = re.compile(r"^(?!\.)(?!.*\.\.)[A-Za-z0-9._-]{1,128}$")
 async def update_weights(body: UpdateWeightsRequest, engine: Engine, lock: WeightsLock, config: Config):
     check_allowed(body.weight_dir, config.allowed_weights_root, "weight_dir")
     async with lock:
-        await engine.update_weights(body.weight_dir)
-    return {"status": "ok", "weight_dir": body.weight_dir}
+        loaded = await engine.update_weights(body.weight_dir)
+    return {"status": "ok", "weight_dir": body.weight_dir, "fingerprint": loaded}
 
 
 @router.post("/reload_weights")
@@ -56,8 +58,8 @@ async def load_lora_adapter(body: LoadLoraRequest, engine: Engine, lock: Weights
     await asyncio.to_thread(check_adapter_dir, body.lora_path)
     async with lock:
         check_room(engine.lora_names(), body.lora_name, config.max_lora_adapters)
-        await engine.load_lora_adapter(body.lora_name, body.lora_path)
-    return {"status": "ok", "lora_name": body.lora_name}
+        loaded = await engine.load_lora_adapter(body.lora_name, body.lora_path)
+    return {"status": "ok", "lora_name": body.lora_name, "fingerprint": loaded}
 
 
 @router.post("/unload_lora_adapter")

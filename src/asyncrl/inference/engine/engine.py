@@ -45,7 +45,7 @@ from asyncrl.inference.engine.prefix_cache import PrefixCache, shared_prefix_gro
 from asyncrl.inference.engine.sampling import RowSampler, sample
 from asyncrl.inference.engine.scoring import score, score_token_cap
 from asyncrl.inference.engine.sequence import FastDecode, Sequence
-from asyncrl.inference.engine.weight_loading import copy_into, load_matching_weights
+from asyncrl.inference.engine.weight_loading import copy_into, load_matching_weights, loaded_fingerprints
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _SEED_STRIDE = 1_000_003  # seeds of the n sequences of one seeded request: seed + i * stride
@@ -316,10 +316,11 @@ class EmbeddedEngine(Backend):
         with self._wake:
             self._wake.notify()
 
-    async def update_weights(self, weight_dir: str) -> None:
+    async def update_weights(self, weight_dir: str) -> dict[str, str]:
         tensors = await asyncio.to_thread(load_matching_weights, weight_dir, self.model)
         await self._run_op(lambda: copy_into(self.model, tensors))
         logger.info(f"loaded weights from {weight_dir}")
+        return await asyncio.to_thread(loaded_fingerprints, self.model, tensors)  # the weights lock is held
 
     async def reload_weights(self) -> None:
         base = await asyncio.to_thread(_model_dir, self.model_name)
@@ -327,10 +328,11 @@ class EmbeddedEngine(Backend):
         await self._run_op(lambda: copy_into(self.model, tensors))
         logger.info(f"reloaded base weights from {base}")
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:
         adapter = await asyncio.to_thread(read_adapter, lora_name, lora_path, self.model)
         await self._run_op(lambda: self.lora.add(adapter))
         logger.info(f"loaded LoRA adapter '{lora_name}' from {lora_path}")
+        return adapter.fingerprints
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         await self._run_op(lambda: self._unload(lora_name))

@@ -20,6 +20,7 @@ from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.api.tensor_values import check_values
 from asyncrl.inference.api.weight_dir import file_inside
 from asyncrl.inference.engine.weight_loading import read_state_dict
+from asyncrl.transport import fingerprint
 
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
@@ -29,6 +30,7 @@ _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 class LoraAdapter:
     name: str
     weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)  # module -> A, B, scale
+    fingerprints: dict[str, str] = field(default_factory=dict)  # file key -> the fingerprint of the tensor held
 
 
 def _fail(msg: str) -> InvalidRequest:
@@ -61,11 +63,13 @@ def read_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
     check_values(tensors, f"adapter '{path}'", "lora_path")
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    keys: dict[tuple[str, str], str] = {}
     for key, t in tensors.items():
         m = _KEY.match(key.removeprefix(_PREFIX))
         if m is None:
             raise _fail(f"adapter tensor '{key}' is not a LoRA A/B matrix (modules_to_save/embeddings unsupported)")
         pairs.setdefault(m["module"], {})[m["ab"]] = t
+        keys[m["module"], m["ab"]] = key
     if not pairs:
         raise _fail(f"adapter '{path}' contains no LoRA weights")
 
@@ -93,6 +97,8 @@ def read_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
                 mod_alpha = float(value)
         scale = mod_alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
         adapter.weights[mod_name] = (a.to(param.device, param.dtype), b.to(param.device, param.dtype), scale)
+        for ab_name, held, read in (("A", adapter.weights[mod_name][0], a), ("B", adapter.weights[mod_name][1], b)):
+            adapter.fingerprints[keys[mod_name, ab_name]] = fingerprint.of_tensor(held, read.dtype)
     return adapter
 
 

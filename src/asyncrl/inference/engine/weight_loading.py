@@ -18,6 +18,7 @@ import torch
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.api.tensor_values import check_values, read_file
 from asyncrl.inference.api.weight_dir import safetensors_files
+from asyncrl.transport import fingerprint
 
 
 def read_state_dict(files: list[Path], param: str = "weight_dir") -> dict[str, torch.Tensor]:
@@ -62,6 +63,12 @@ def load_matching_weights(path: str | Path, model: torch.nn.Module, confine: boo
         {k: v for k, v in tensors.items() if state[k].is_floating_point()}, f"weights in '{path}'", "weight_dir"
     )
     return tensors
+
+
+def loaded_fingerprints(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The fingerprint of each of `tensors`' names as the model now holds it, in the dtype it was read in."""
+    state = model.state_dict()
+    return {name: fingerprint.of_tensor(state[name], t.dtype) for name, t in tensors.items()}
 
 
 @torch.no_grad()

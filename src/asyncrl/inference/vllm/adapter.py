@@ -33,17 +33,19 @@ class VLLMEngine:
         self.model_name = model_name
         self.expected = _base_header(model_name)
 
-    async def update_weights(self, weight_dir: str) -> None:
+    async def update_weights(self, weight_dir: str) -> dict[str, str] | None:
         await asyncio.to_thread(check_weight_dir, weight_dir, self.expected)
-        await self._load(str(Path(weight_dir).resolve()))
+        return await self._load(str(Path(weight_dir).resolve()), fingerprints=True)
 
     async def reload_weights(self) -> None:
         await self._load(self.model_name)
 
-    async def _load(self, path: str) -> None:
-        await self.engine.collective_rpc("asyncrl_load_weights", kwargs={"weights_path": path})
+    async def _load(self, path: str, fingerprints: bool = False) -> dict[str, str] | None:
+        kwargs = {"weights_path": path, "fingerprints": fingerprints}
+        per_worker = await self.engine.collective_rpc("asyncrl_load_weights", kwargs=kwargs)
         await self.engine.reset_prefix_cache(reset_running_requests=True)
         logger.info(f"serving weights from {path}")
+        return per_worker[0] if per_worker else None
 
     def lora_names(self) -> list[str]:
         return list(self.models.lora_requests)

@@ -9,10 +9,12 @@ import torch
 class WeightReloadExtension:
     """Mixed into vLLM's worker class, so `self` is the worker (`reload_weights`, `model_runner`)."""
 
-    def asyncrl_load_weights(self, weights_path: str) -> None:
-        """Reload all weights from a HF safetensors dir, in place (tensors keep their storage)."""
+    def asyncrl_load_weights(self, weights_path: str, fingerprints: bool = False) -> dict[str, str] | None:
+        """Reload all weights from a HF safetensors dir, in place (tensors keep their storage); with `fingerprints`,
+        return those of the dir's tensors as this worker reads them (transport/fingerprint.py)."""
         self.reload_weights(weights_path=weights_path)
         self._asyncrl_refresh_tied_layers()
+        return _read_fingerprints(weights_path) if fingerprints else None
 
     def _asyncrl_refresh_tied_layers(self) -> None:
         # vLLM's reload re-processes only the layers a checkpoint tensor was loaded into. A layer that
@@ -34,3 +36,17 @@ class WeightReloadExtension:
                 quant_method = getattr(module, "quant_method", None)
                 if isinstance(quant_method, UnquantizedEmbeddingMethod):
                     quant_method.process_weights_after_loading(module)
+
+
+def _read_fingerprints(weights_path: str) -> dict[str, str]:
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from asyncrl.transport import fingerprint
+
+    out: dict[str, str] = {}
+    for file in sorted(Path(weights_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({key: fingerprint.of_tensor(f.get_tensor(key)) for key in f.keys()})
+    return out
