@@ -94,6 +94,8 @@ def make_run(run: Path) -> Path:
                 "step_time_s": 8.0,
                 "wait_s": 1.5,
                 "publish_s": 0.7,
+                "off_policy/mean": 0.6 + 0.1 * (s % 3),
+                "off_policy/max": 1.0 + (s % 2),
                 "tokens_per_s": 5200.0 + 20 * s,
             }
         )

@@ -5,10 +5,14 @@ teacher the sample carries the teacher's scores (`TokenSample.teacher`) and gets
 (`advantage.token_advantages`), or with forward_kl the teacher's targets (`advantage.teacher_targets`) and the
 reward's term only. The batch is packed for the trainer's rank count as it stands at that step
 (`TrainerRanks`) and written atomically as `rollouts/step_n`; the batches of steps older than the policy it was
-generated with are pruned (the trainer has consumed them).
+generated with are pruned (the trainer has consumed them). Each sample is stamped with the policy that produced
+it (its group's: a request never spans a weight update, since updates land between steps and a step's
+requests still running at its end are cancelled); `meta.json` holds the oldest stamp and the samples per lag.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from loguru import logger
 
@@ -24,13 +28,17 @@ from asyncrl.transport.row import Row
 
 def step_items(groups: list[Group], config: OrchestratorConfig) -> list[PackItem]:
     """The samples of the groups' valid rollouts, in order, each with its advantages (module docstring)."""
-    return [sample_item(s, r, i, config) for i, g in enumerate(groups) for r in g.valid for s in r.samples]
+    return [
+        sample_item(s, r, i, config, g.policy_step) for i, g in enumerate(groups) for r in g.valid for s in r.samples
+    ]
 
 
-def sample_item(sample: TokenSample, rollout: Rollout, group: int, config: OrchestratorConfig) -> PackItem:
+def sample_item(
+    sample: TokenSample, rollout: Rollout, group: int, config: OrchestratorConfig, policy_step: int = 0
+) -> PackItem:
     rw = config.reward_weight
     advantage = rollout.advantage if rw == 1.0 else rw * rollout.advantage
-    item = PackItem(sample, advantage, config.sampling.temperature, group=group)
+    item = PackItem(sample, advantage, config.sampling.temperature, group=group, policy_step=policy_step)
     if sample.teacher is not None:
         distill_item(item, rollout.advantage, config)
     return item
@@ -88,6 +96,7 @@ def write_step_batch(
         "num_tokens_unshared": stats.num_tokens_unshared,
         "policy_step": policy[0],
         "min_policy_step": policy[1],
+        "staleness": {str(lag): n for lag, n in sorted(Counter(step - item.policy_step for item in items).items())},
     }
     write_batch(layout, step, per_rank, meta)
     if policy[0] > 0:

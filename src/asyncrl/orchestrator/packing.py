@@ -47,6 +47,7 @@ class PackItem:
     group: Hashable | None = None  # samples of one rollout group may share their prompt (None: never)
     token_advantages: list[float] | None = None  # one per token (distillation); None: `advantage` on every token
     teacher_targets: list[dict[int, float]] | None = None  # one per token (forward_kl): {id: target mass}
+    policy_step: int = 0  # the policy that produced every completion token of it (its group's stamp)
 
     def advantages(self, start: int = 0) -> list[float]:
         """The advantages of the sample's tokens from `start` on."""

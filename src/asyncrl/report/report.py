@@ -75,6 +75,7 @@ PLOTS = [
     ),
     Plot("generation tokens/s", "orchestrator:train", named("perf/gen_tokens_per_s")),
     Plot("completion length", "orchestrator:train", named("completion_len/mean", "completion_len/max")),
+    Plot("staleness of trained samples (steps behind)", "trainer", named("off_policy/mean", "off_policy/max")),
     Plot("trainer loss", "trainer", named("loss")),
     Plot("entropy", "trainer", named("entropy")),
     Plot("grad norm", "trainer", named("grad_norm")),

@@ -84,6 +84,8 @@ def test_never_more_than_k_ahead_of_a_slow_trainer(tmp_path, k):
         n = r["step"]
         assert n - r["policy/step"] <= k and r["off_policy/level"] <= k
         assert metas[n]["policy_step"] == r["policy/step"] and metas[n]["num_samples"] == 8
+        lags = {int(lag): count for lag, count in metas[n]["staleness"].items()}  # each sample's policy stamp
+        assert sum(lags.values()) == 8 and max(lags) == r["off_policy/level"] == n - metas[n]["min_policy_step"]
         if n - k >= 1:  # the batch of step n exists only after the trainer published weights n-k
             assert trainer.published[n - k] <= written[n]
     # Slow trainer: the first k+1 steps go without waiting, later ones wait and run exactly k behind.

@@ -29,7 +29,16 @@ def make_run(root, steps: int, reward0: float = 0.2, crashed_at: int | None = No
                 "time/step": 0.4,
             }
         )
-        trainer.append({"step": s, "loss": 1.0 / (s + 1), "entropy": 2.0, "grad_norm": 0.5, "tokens_per_s": 900.0})
+        trainer.append(
+            {
+                "step": s,
+                "loss": 1.0 / (s + 1),
+                "entropy": 2.0,
+                "grad_norm": 0.5,
+                "tokens_per_s": 900.0,
+                "off_policy/mean": 0.5,
+            }
+        )
     orch.append({"step": 2, "kind": "eval", "eval/reward/mean": 0.4})
     if crashed_at is not None:  # a crashed attempt logged step 1 once already; the resumed one logs it again
         orch.insert(crashed_at, {**orch[1], "reward/mean": -5.0})
@@ -58,6 +67,7 @@ def test_report_of_a_run_is_one_offline_page_with_every_plot_it_has_data_for(tmp
         "eval reward by step",
         "off-policy level (steps behind)",
         "orchestrator step time (s)",
+        "staleness of trained samples (steps behind)",
         "trainer loss",
         "entropy",
         "grad norm",

@@ -111,3 +111,22 @@ def test_a_filler_copy_has_no_teacher_mass():
 
     dealt = deal_rows([with_targets(row([4]), 2)], 2, 1)
     assert dealt[0].teacher_ids.shape == (4, 2) and not dealt[0].teacher_targets.any()
+
+
+def test_the_trainer_refuses_a_batch_older_than_its_async_bound_and_logs_its_staleness(tmp_path):
+    """Issue 47: each sample's policy stamp (its group's) travels in the batch's meta; a batch holding a sample
+    more than max_async_level steps behind is refused in one line, before anything trains on it."""
+    layout = RunLayout(tmp_path)
+    write_batch(layout, 5, [[row([2, 2])]], {"min_policy_step": 3, "staleness": {"1": 6, "2": 2}})
+    source = RolloutSource(layout, 0, 1, timeout=1, max_async_level=2)
+    assert len(source.get(5)) == 1
+    assert source.stamps == {"off_policy/mean": 1.25, "off_policy/max": 2.0}
+    write_batch(layout, 6, [[row([2, 2])]], {"min_policy_step": 3, "staleness": {"0": 7, "3": 1}})
+    with pytest.raises(UserError) as refused:
+        source.get(6)
+    said = str(refused.value)
+    assert "\n" not in said
+    assert said.startswith("rollout batch of step 6 holds 1 samples of policy step 3, 3 steps behind: more than ")
+    assert "max_async_level = 2" in said
+    write_batch(layout, 7, [[row([2, 2])]])  # written before stamps: read, no staleness
+    assert len(source.get(7)) == 1 and source.stamps == {}

@@ -292,13 +292,21 @@ def check_seq_len(rows: list[Row], seq_len: int | None, step: int) -> list[Row]:
 
 class RolloutSource:
     """Step n's micro-batches for this rank, from the run's `rollouts/step_n` (blocks until written); each
-    file checked as it is read (`transport.batch.read_batch`, token ids against `vocab_size` when given)."""
+    file checked as it is read (`transport.batch.read_batch`, token ids against `vocab_size` when given), and
+    the batch's policy stamps against `max_async_level` (`stamps`: the step's staleness, for its metrics)."""
 
     def __init__(
-        self, layout: RunLayout, rank: int, world_size: int, timeout: float | None, vocab_size: int | None = None
+        self,
+        layout: RunLayout,
+        rank: int,
+        world_size: int,
+        timeout: float | None,
+        vocab_size: int | None = None,
+        max_async_level: int | None = None,
     ) -> None:
         self.layout, self.rank, self.world_size, self.timeout = layout, rank, world_size, timeout
-        self.vocab_size = vocab_size
+        self.vocab_size, self.max_async_level = vocab_size, max_async_level
+        self.stamps: dict[str, float] = {}
         self._told = False
 
     def get(self, step: int) -> list[Row]:
@@ -306,7 +314,9 @@ class RolloutSource:
             wait_for_batch(self.layout, step, timeout=self.timeout)
         except TimeoutError as e:
             raise UserError(f"{e}; is the orchestrator running with the same output_dir?") from e
-        packed_for = read_meta(self.layout, step).get("num_ranks", 1)
+        meta = read_meta(self.layout, step)
+        self.stamps = check_stamps(meta, step, self.max_async_level)
+        packed_for = meta.get("num_ranks", 1)
         if packed_for == self.world_size:
             return read_batch(self.layout, step, self.rank, self.vocab_size)
         if not self._told:
@@ -318,6 +328,25 @@ class RolloutSource:
             )
         rows = [mb for r in range(packed_for) for mb in read_batch(self.layout, step, r, self.vocab_size)]
         return deal_rows(rows, self.world_size, self.rank)
+
+
+def check_stamps(meta: dict, step: int, max_async_level: int | None) -> dict[str, float]:
+    """The staleness of step `step`'s samples from its batch's policy stamps (`off_policy/mean`, `off_policy/max`:
+    steps between the policy that produced a sample and the one it trains); a UserError when one is older than
+    `max_async_level` allows. A batch without stamps (written before them) gives none."""
+    lags = meta.get("staleness")
+    if not isinstance(lags, dict) or not lags:
+        return {}
+    counts = {int(lag): int(n) for lag, n in lags.items()}
+    oldest = max(counts)
+    if max_async_level is not None and oldest > max_async_level:
+        raise UserError(
+            f"rollout batch of step {step} holds {counts[oldest]} samples of policy step {step - oldest}, {oldest} "
+            f"steps behind: more than max_async_level = {max_async_level} allows; give the orchestrator and the "
+            "trainer the same max_async_level (rl: set it once, at the top level) and resume"
+        )
+    mean = sum(lag * n for lag, n in counts.items()) / sum(counts.values())
+    return {"off_policy/mean": mean, "off_policy/max": float(oldest)}
 
 
 class FakeSource:

@@ -98,7 +98,9 @@ class RLLoop(Loop):
             shape = cfg.data.fake or FakeDataConfig()
             self.source = FakeSource(shape, s.vocab_size, s.ctx.rank, s.ctx.world_size, cfg.seed)
         else:
-            self.source = RolloutSource(s.layout, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout, s.vocab_size)
+            self.source = RolloutSource(
+                s.layout, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout, s.vocab_size, cfg.max_async_level
+            )
             if s.ctx.is_main:  # an orchestrator without num_train_workers packs for this many ranks
                 write_text_atomic(s.layout.trainer_world, json.dumps({"world_size": s.ctx.world_size}))
         if cfg.loss.ref_kl is not None:
@@ -133,7 +135,8 @@ class RLLoop(Loop):
         loss_tokens, tokens, samples, flops = ctx.all_reduce_sum(self._counts(rows)).tolist()
         size, stack = self.config.data.micro_batch_size, self.session.lm.stackable
         mbs = rows if together else micro_batches(rows, size, stack, self._plan(rows))
-        return StepBatch(mbs, int(loss_tokens), int(tokens), int(samples), flops, timing={"wait_s": wait_s})
+        stamps = getattr(self.source, "stamps", {})  # the step's staleness (real batches only)
+        return StepBatch(mbs, int(loss_tokens), int(tokens), int(samples), flops, stamps, {"wait_s": wait_s})
 
     def _plan(self, rows: list[PackedRow]) -> list[int]:
         """Rows per forward pass within `data.micro_batch_size` and `data.micro_batch_tokens`: padding-aware for
