@@ -2,7 +2,8 @@
 
 Builds a random Qwen3 model of `--hidden`/`--layers` locally, publishes it as a bfloat16 weight dir, then
 times, `--repeats` times each (median): the trainer fingerprinting what it publishes; the embedded engine's
-update (read and check the dir, copy into the live float32 model: `load_matching_weights` + `copy_into`);
+update (read and check the dir, convert for the live float32 model and swap it in: `load_matching_weights`,
+`staged`, `swap_in`);
 and its fingerprints of what it then holds (`loaded_fingerprints`). Prints one table.
 
     .venv/bin/python benchmarks/fingerprint.py [--hidden 1024] [--layers 8] [--repeats 3]
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from asyncrl.inference.engine.weight_loading import copy_into, load_matching_weights, loaded_fingerprints
+from asyncrl.inference.engine.weight_loading import load_matching_weights, loaded_fingerprints, staged, swap_in
 from asyncrl.transport import fingerprint
 from asyncrl.utils.tiny_model import build_tiny_model
 
@@ -48,7 +49,7 @@ def main() -> None:
         size_mib = sum(t.numel() * t.element_size() for t in published.values()) / 2**20
         trainer_s = median_s(lambda: fingerprint.of_tensors(published), args.repeats)
         tensors = load_matching_weights(src, model)
-        update_s = median_s(lambda: copy_into(model, load_matching_weights(src, model)), args.repeats)
+        update_s = median_s(lambda: swap_in(model, staged(model, load_matching_weights(src, model))), args.repeats)
         server_s = median_s(lambda: loaded_fingerprints(model, tensors), args.repeats)
     print("| weights (bf16) | trainer: fingerprint | server: update | server: fingerprint | % of the update |")
     print("|---|---|---|---|---|")

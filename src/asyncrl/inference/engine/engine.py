@@ -45,7 +45,7 @@ from asyncrl.inference.engine.prefix_cache import PrefixCache, shared_prefix_gro
 from asyncrl.inference.engine.sampling import RowSampler, sample
 from asyncrl.inference.engine.scoring import score, score_token_cap
 from asyncrl.inference.engine.sequence import FastDecode, Sequence
-from asyncrl.inference.engine.weight_loading import copy_into, load_matching_weights, loaded_fingerprints
+from asyncrl.inference.engine.weight_loading import load_matching_weights, loaded_fingerprints, staged, swap_in
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _SEED_STRIDE = 1_000_003  # seeds of the n sequences of one seeded request: seed + i * stride
@@ -317,15 +317,18 @@ class EmbeddedEngine(Backend):
             self._wake.notify()
 
     async def update_weights(self, weight_dir: str) -> dict[str, str]:
+        """Read, check and convert the dir's tensors off the engine thread; swap them in between two decode steps."""
         tensors = await asyncio.to_thread(load_matching_weights, weight_dir, self.model)
-        await self._run_op(lambda: copy_into(self.model, tensors))
+        ready = await asyncio.to_thread(staged, self.model, tensors)
+        await self._run_op(lambda: swap_in(self.model, ready))
         logger.info(f"loaded weights from {weight_dir}")
         return await asyncio.to_thread(loaded_fingerprints, self.model, tensors)  # the weights lock is held
 
     async def reload_weights(self) -> None:
         base = await asyncio.to_thread(_model_dir, self.model_name)
         tensors = await asyncio.to_thread(load_matching_weights, base, self.model, False)
-        await self._run_op(lambda: copy_into(self.model, tensors))
+        ready = await asyncio.to_thread(staged, self.model, tensors)
+        await self._run_op(lambda: swap_in(self.model, ready))
         logger.info(f"reloaded base weights from {base}")
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:

@@ -1,8 +1,10 @@
 """Load a HF safetensors weight dir into the embedded engine's live model, validated before anything is swapped.
 
 Everything that can be wrong with a weight dir (missing, empty, other architecture, other shapes, integer
-tensors, NaN or inf values) is found before the copy and raised as `InvalidRequest`, so the model keeps
-serving its current weights. Tied parameters count as present when any of their aliases is.
+tensors, NaN or inf values) is found before the swap and raised as `InvalidRequest`, so the model keeps
+serving its current weights. Tied parameters count as present when any of their aliases is. The checked
+tensors are converted off the engine thread (`staged`) and swapped in as the parameters themselves between
+two decode steps (`swap_in`): a running request waits for pointer swaps, not for a copy of the model.
 
 Files are read with plain reads into memory, never memory-mapped (api/tensor_values.py): a file another
 process truncates or rewrites while we read it is then an error (409 when we saw it change), not a SIGBUS
@@ -71,9 +73,20 @@ def loaded_fingerprints(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
     return {name: fingerprint.of_tensor(state[name], t.dtype) for name, t in tensors.items()}
 
 
-@torch.no_grad()
-def copy_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy validated tensors into the model's parameters/buffers in place (dtype/device converted)."""
+def staged(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Validated tensors as tensors of their own in the dtype and on the device of the model's (the slow part of
+    an update: run it off the engine thread, then `swap_in`)."""
     state = model.state_dict()
+    return {name: t.to(state[name].device, state[name].dtype).contiguous() for name, t in tensors.items()}
+
+
+@torch.no_grad()
+def swap_in(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Make `staged` tensors the model's parameters/buffers by name: a pointer swap each (microseconds), so a
+    step between two decode steps; a parameter tied to others (lm_head to the embedding) is one object."""
     for name, t in tensors.items():
-        state[name].copy_(t)
+        try:
+            target = model.get_parameter(name)
+        except AttributeError:
+            target = model.get_buffer(name)
+        target.data = t
