@@ -129,6 +129,22 @@ def reply_to(sock: zmq.Socket, frames: list[bytes], timeout_s: float = 30.0) -> 
     return None
 
 
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """A server that calls http://127.0.0.1:1 only, with a frame cap of 8 MiB (shared by this module's tests)."""
+    log = tmp_path_factory.mktemp("guarded") / "env.log"
+    with env_server(log, "--allow-urls", "http://127.0.0.1:1", "--max-frame-mib", "8") as (address, proc):
+        yield address, proc, log
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """A server as it starts by default (shared by this module's tests)."""
+    log = tmp_path_factory.mktemp("plain") / "env.log"
+    with env_server(log) as (address, proc):
+        yield address, proc, log
+
+
 @pytest.mark.parametrize(
     "client, refused",
     [
@@ -138,37 +154,35 @@ def reply_to(sock: zmq.Socket, frames: list[bytes], timeout_s: float = 30.0) -> 
         ({"base_url": "http://127.0.0.1:1@{listener_host}/v1"}, "is not one this env server calls"),
     ],
 )
-def test_a_request_cannot_point_the_model_client_elsewhere_or_read_other_variables(tmp_path, client, refused):
+def test_a_request_cannot_point_the_model_client_elsewhere_or_read_other_variables(guarded, client, refused):
+    address, _, log = guarded
     listener = Listener()
     host = listener.url.removeprefix("http://").removesuffix("/v1")
     client = {
-        k: v.format(listener=listener.url, listener_host=host) if isinstance(v, str) else v for k, v in client.items()
-    }
+        k: v.format(listener=listener.url, listener_host=host) for k, v in client.items() if isinstance(v, str)
+    } | {k: v for k, v in client.items() if not isinstance(v, str)}
     try:
-        with env_server(tmp_path / "env.log", "--allow-urls", "http://127.0.0.1:1") as (address, _):
-            answer = reply_to(dealer(address), run_frames({"type": "eval", "api_key_var": "OPENAI_API_KEY", **client}))
+        answer = reply_to(dealer(address), run_frames({"type": "eval", "api_key_var": "OPENAI_API_KEY", **client}))
         assert answer is not None and answer["success"] is False
         assert answer["error"].startswith("RequestRefused: refused: ") and refused in answer["error"], answer
         assert listener.seen == []  # nothing called, no key sent anywhere
-        assert "Traceback" not in (tmp_path / "env.log").read_text()
+        assert "Traceback" not in log.read_text()
     finally:
         listener.close()
 
 
-def test_the_default_allows_loopback_model_endpoints_only(tmp_path):
+def test_the_default_allows_loopback_model_endpoints_only(plain):
+    address, _, log = plain
     listener = Listener()
     try:
-        with env_server(tmp_path / "env.log") as (address, _):
-            sock = dealer(address)
-            far = reply_to(sock, run_frames({"type": "eval", "base_url": "http://10.255.0.1:8000/v1"}))
-            assert (
-                "(loopback hosts only); to allow it, start the env server with --allow-urls http://10.255.0.1:8000"
-                in far["error"]
-            )
-            near = reply_to(
-                sock, run_frames({"type": "eval", "base_url": listener.url, "api_key_var": "OPENAI_API_KEY"})
-            )
+        sock = dealer(address)
+        far = reply_to(sock, run_frames({"type": "eval", "base_url": "http://10.255.0.1:8000/v1"}))
+        allow = "(loopback hosts only); to allow it, start the env server with --allow-urls http://10.255.0.1:8000"
+        assert allow in far["error"]
+        near = reply_to(sock, run_frames({"type": "eval", "base_url": listener.url, "api_key_var": "OPENAI_API_KEY"}))
         assert "RequestRefused" not in (near or {}).get("error", "")  # let through: the task data is what fails
+        wait_until(lambda: "request refused: 2 validation errors for CalcData" in log.read_text())
+        assert "Traceback" not in log.read_text()  # a client's bad task data: one line
     finally:
         listener.close()
 
@@ -180,22 +194,32 @@ def _rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def test_a_frame_above_the_cap_drops_its_connection_unread(tmp_path):
-    with env_server(tmp_path / "env.log", "--max-frame-mib", "8") as (address, proc):
-        before = _rss_mib(proc.pid)
-        sock = dealer(address)
-        sock.send_multipart([b"id", b"run", b"\x00" * (256 << 20)])
-        assert not sock.poll(3000)  # no answer: the connection was dropped
-        del sock
-        assert asyncio.run(_health(address, None, 5.0))  # still serving others
-        grown = _rss_mib(proc.pid) - before
+def test_a_frame_above_the_cap_drops_its_connection_unread(guarded):
+    address, proc, _ = guarded
+    before = _rss_mib(proc.pid)
+    sock = dealer(address)
+    sock.send_multipart([b"id", b"run", b"\x00" * (256 << 20)])
+    assert not sock.poll(3000)  # no answer: the connection was dropped
+    del sock
+    assert asyncio.run(_health(address, None, 5.0))  # still serving others
+    grown = _rss_mib(proc.pid) - before
     assert grown < 64, f"the server's memory grew {grown:.0f} MiB for a 256 MiB frame"
 
 
-def test_beyond_loopback_without_a_secret_it_warns_and_with_one_refuses_strangers(tmp_path):
-    with env_server(tmp_path / "open.log", host="0.0.0.0"):
-        pass
-    assert "no secret and bound to 0.0.0.0: anyone who reaches" in (tmp_path / "open.log").read_text()
+def test_bound_beyond_loopback_without_a_secret_it_warns(caplog_loguru):
+    from asyncrl.config.env_server import EnvServerConfig
+    from asyncrl.orchestrator.envs.server import warn_if_open
+
+    warn_if_open(EnvServerConfig(address="tcp://0.0.0.0:5000"), None)
+    assert any(m.startswith("no secret and bound to 0.0.0.0: anyone who reaches") for m in caplog_loguru)
+    caplog_loguru.clear()
+    warn_if_open(EnvServerConfig(address="tcp://0.0.0.0:5000"), "s3cret")
+    warn_if_open(EnvServerConfig(address="tcp://127.0.0.1:5000"), None)
+    warn_if_open(EnvServerConfig(address="ipc:///tmp/env.sock"), None)
+    assert caplog_loguru == []
+
+
+def test_with_a_secret_it_refuses_strangers(tmp_path):
     with env_server(tmp_path / "shut.log", host="0.0.0.0", env={"ASYNCRL_ENV_SECRET": "s3cret"}) as (address, _):
         assert asyncio.run(_health(address, "s3cret", 5.0))
         assert not asyncio.run(_health(address, None, 2.0))
@@ -222,24 +246,24 @@ def _chat_reply(i: int, body: dict) -> dict:
             "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]}  # fmt: skip
 
 
-def test_clients_gone_mid_episode_cost_a_line_each_and_no_traceback(tmp_path):
+def test_clients_gone_mid_episode_cost_a_line_each_and_no_traceback(plain):
+    address, _, log_file = plain
+    start = len(log_file.read_text())  # what this test's clients make the server say
     model = Listener(_chat_reply, held=True)
     task = _tool_calc_task()
     try:
-        with env_server(tmp_path / "env.log") as (address, _):
-            for i in range(3):  # each starts an episode and vanishes (a killed process: no cancel)
-                sock = dealer(address)
-                sock.send_multipart(
-                    run_frames({"type": "eval", "base_url": model.url, "api_key_var": "OPENAI_API_KEY"}, task)
-                )
-                assert wait_until(lambda i=i: len(model.seen) > i)  # its episode calls the model: under way
-                sock.close()
-            model.release.set()  # the model answers: each episode goes on, with no client to send to
-            wait_until(lambda: (tmp_path / "env.log").read_text().count("went away") >= 3)
-        log = (tmp_path / "env.log").read_text().partition("EnvServer down")[0]  # (its shutdown says more)
+        for i in range(3):  # each starts an episode and vanishes (a killed process: no cancel)
+            sock = dealer(address)
+            sock.send_multipart(
+                run_frames({"type": "eval", "base_url": model.url, "api_key_var": "OPENAI_API_KEY"}, task)
+            )
+            assert wait_until(lambda i=i: len(model.seen) > i)  # its episode calls the model: under way
+            sock.close()
+        model.release.set()  # the model answers: each episode goes on, with no client to send to
+        wait_until(lambda: log_file.read_text().count("went away") >= 3)
+        log = log_file.read_text()[start:]
     finally:
         model.close()
-    assert len(model.seen) >= 3, log
     assert log.count("a client went away mid-episode: its episode's frames are dropped (trace ") == 3, log
     assert "Traceback" not in log and "ZMQError" not in log and "failed to send response" not in log, log
 

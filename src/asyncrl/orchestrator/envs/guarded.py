@@ -5,8 +5,8 @@ or broker gets the frame cap and CURVE (`guard.server_socket_options`) and a cli
 set as verifiers assigns the socket, before it binds or connects. A pool's workers (spawned processes) serve
 through `GuardedEnvServer` too: `worker_setup`, the pool's per-process setup hook, installs it there.
 
-Two things verifiers logs with a traceback are one line here: a refused request, and a client that went away
-mid-episode (its ROUTER then cannot deliver the episode's next frame).
+Three things verifiers logs with a traceback are one line here: a refused request, a request whose data does
+not validate, and a client that went away mid-episode (its ROUTER then cannot deliver the episode's next frame).
 
 Invariants: every class here is registered in `core/patches.py` (it relies on how verifiers builds its sockets);
 a pool worker that lacks the guard fails on its unknown `guard` argument instead of serving unguarded.
@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 import zmq
+from pydantic import ValidationError
 from verifiers.v1.serve import pool
 from verifiers.v1.serve.client import EnvClient
 from verifiers.v1.serve.server import EnvServer
@@ -94,6 +95,10 @@ def _one_line(record: logging.LogRecord) -> bool:
     error = record.exc_info[1] if record.exc_info else None
     if isinstance(error, RequestRefused):
         record.exc_info = record.exc_text = None
+        return True
+    if isinstance(error, ValidationError):  # a request whose task data or config is not what this env takes
+        said = " ".join(str(error).split())
+        record.msg, record.args, record.exc_info, record.exc_text = f"request refused: {said}", (), None, None
         return True
     if record.args and _client_gone(record.args[0]):
         return False  # "failed to send response": the reply to a departed client, whose episode was reported
