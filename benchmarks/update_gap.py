@@ -4,7 +4,7 @@ Starts an `inference` server (`--backend`, default the embedded engine) on a ran
 `--hidden`/`--layers` built locally, streams `--tokens` completion tokens from it (`ignore_eos`), once
 undisturbed and once while another thread posts `/update_weights` every `--every` seconds (two weight dirs
 in turn, each a complete model), and prints, per phase, the gaps between successive streamed chunks: p50,
-p99 and the largest, in ms, with the updates' own time.
+p99 and the largest, in ms, with the updates' own time (tokens that arrive in one chunk: a gap of 0).
 
     .venv/bin/python benchmarks/update_gap.py [--backend embedded|vllm] [--tokens 600] [--every 1.0]
 """
@@ -27,20 +27,16 @@ from asyncrl.utils.tiny_model import build_tiny_model
 
 
 def stream_gaps(url: str, model: str, tokens: int) -> list[float]:
-    """The gaps (s) between the chunks of one streamed completion of `tokens` tokens."""
-    body = {
-        "model": model,
-        "prompt": "The",
-        "max_tokens": tokens,
-        "ignore_eos": True,
-        "stream": True,
-        "temperature": 1.0,
-    }
+    """The gaps (s) between the tokens of one streamed completion of `tokens` tokens, as they arrive (a chunk per
+    token, its text complete or not: `return_token_ids`)."""
+    body = {"model": model, "prompt": "The", "max_tokens": tokens, "ignore_eos": True, "stream": True}
+    body["return_token_ids"] = True
     arrivals = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["text"]:
-                arrivals.append(time.perf_counter())
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+                arrivals += [time.perf_counter()] * len(ids)
     return [b - a for a, b in zip(arrivals, arrivals[1:])]
 
 
