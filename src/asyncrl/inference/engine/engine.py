@@ -198,6 +198,15 @@ def _eos_ids(name: str, model, tokenizer) -> set[int]:
     return eos
 
 
+def _in_the_background() -> None:
+    """The weights thread's set-up: one torch thread (a per-thread setting under OpenMP), nice 10 (per thread)."""
+    torch.set_num_threads(1)
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except OSError:  # not permitted here: the torch setting alone
+        pass
+
+
 class EmbeddedEngine(Backend):
     def __init__(self, config: InferenceConfig):
         mcfg = config.model
@@ -207,6 +216,7 @@ class EmbeddedEngine(Backend):
         no_cudnn_attention(self.device)
         self.tokenizer, engine_tokenizer, self.model = _load(config, self.device)
         self._decoder = FastDecode(engine_tokenizer)  # the engine thread's own: fast tokenizers aren't thread-safe
+        self._weights_thread = concurrent.futures.ThreadPoolExecutor(1, "asyncrl-weights", _in_the_background)
         use_gqa_sdpa(self.model, self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.model_name = mcfg.name
@@ -318,21 +328,26 @@ class EmbeddedEngine(Backend):
 
     async def update_weights(self, weight_dir: str) -> dict[str, str]:
         """Read, check and convert the dir's tensors off the engine thread; swap them in between two decode steps."""
-        tensors = await asyncio.to_thread(load_matching_weights, weight_dir, self.model)
-        ready = await asyncio.to_thread(staged, self.model, tensors)
+        tensors = await self._aside(load_matching_weights, weight_dir, self.model)
+        ready = await self._aside(staged, self.model, tensors)
         await self._run_op(lambda: swap_in(self.model, ready))
         logger.info(f"loaded weights from {weight_dir}")
-        return await asyncio.to_thread(loaded_fingerprints, self.model, tensors)  # the weights lock is held
+        return await self._aside(loaded_fingerprints, self.model, tensors)  # the weights lock is held
 
     async def reload_weights(self) -> None:
         base = await asyncio.to_thread(_model_dir, self.model_name)
-        tensors = await asyncio.to_thread(load_matching_weights, base, self.model, False)
-        ready = await asyncio.to_thread(staged, self.model, tensors)
+        tensors = await self._aside(load_matching_weights, base, self.model, False)
+        ready = await self._aside(staged, self.model, tensors)
         await self._run_op(lambda: swap_in(self.model, ready))
         logger.info(f"reloaded base weights from {base}")
 
+    async def _aside(self, fn, *args):
+        """`fn(*args)` in the weights thread: one torch thread at a lower OS priority, so that reading, checking
+        and converting weights leaves the cores to decoding (on two cores they stalled it ~80 ms an update)."""
+        return await asyncio.get_running_loop().run_in_executor(self._weights_thread, fn, *args)
+
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:
-        adapter = await asyncio.to_thread(read_adapter, lora_name, lora_path, self.model)
+        adapter = await self._aside(read_adapter, lora_name, lora_path, self.model)
         await self._run_op(lambda: self.lora.add(adapter))
         logger.info(f"loaded LoRA adapter '{lora_name}' from {lora_path}")
         return adapter.fingerprints
