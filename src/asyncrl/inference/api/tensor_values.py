@@ -94,8 +94,10 @@ def load_tensors(data: torch.Tensor) -> dict[str, torch.Tensor]:
 def _entry(name: str, info: object, size: int) -> tuple[torch.dtype, list[int], int, int]:
     """(dtype, shape, start, stop) of a header entry, checked to lie within the `size` bytes of data."""
     try:
-        dtype, shape = DTYPES[info["dtype"]], [int(d) for d in info["shape"]]  # type: ignore[index]
-        start, stop = (int(x) for x in info["data_offsets"])  # type: ignore[index]
+        dtype, dims, offsets = DTYPES[info["dtype"]], info["shape"], info["data_offsets"]  # type: ignore[index]
+        if not isinstance(dims, list) or not isinstance(offsets, list) or any(isinstance(x, bool) for x in dims):
+            raise TypeError
+        shape, (start, stop) = [int(d) for d in dims], (int(x) for x in offsets)
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"tensor {name!r} has a malformed header entry") from None
     if min(shape, default=0) < 0 or not 0 <= start <= stop <= size or stop - start != math.prod(shape) * dtype.itemsize:
