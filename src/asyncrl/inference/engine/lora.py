@@ -63,13 +63,11 @@ def read_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
     check_values(tensors, f"adapter '{path}'", "lora_path")
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    keys: dict[tuple[str, str], str] = {}
     for key, t in tensors.items():
         m = _KEY.match(key.removeprefix(_PREFIX))
         if m is None:
             raise _fail(f"adapter tensor '{key}' is not a LoRA A/B matrix (modules_to_save/embeddings unsupported)")
         pairs.setdefault(m["module"], {})[m["ab"]] = t
-        keys[m["module"], m["ab"]] = key
     if not pairs:
         raise _fail(f"adapter '{path}' contains no LoRA weights")
 
@@ -97,9 +95,18 @@ def read_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
                 mod_alpha = float(value)
         scale = mod_alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
         adapter.weights[mod_name] = (a.to(param.device, param.dtype), b.to(param.device, param.dtype), scale)
-        for ab_name, held, read in (("A", adapter.weights[mod_name][0], a), ("B", adapter.weights[mod_name][1], b)):
-            adapter.fingerprints[keys[mod_name, ab_name]] = fingerprint.of_tensor(held, read.dtype)
+    adapter.fingerprints = _held_fingerprints(adapter, tensors)
     return adapter
+
+
+def _held_fingerprints(adapter: LoraAdapter, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The fingerprint of each of the file's tensors as the adapter holds it, in the file's dtype."""
+    out = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key.removeprefix(_PREFIX))
+        a, b, _ = adapter.weights[m["module"]]
+        out[key] = fingerprint.of_tensor(a if m["ab"] == "A" else b, t.dtype)
+    return out
 
 
 class LoraManager:
