@@ -33,11 +33,19 @@ def stream_gaps(url: str, model: str, tokens: int) -> list[float]:
     body["return_token_ids"] = True
     arrivals = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+        for line in sse_lines(r.iter_bytes()):
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
                 ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
                 arrivals += [time.perf_counter()] * len(ids)
     return [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+def sse_lines(chunks):
+    """The lines of an event stream, split at b"\\n" only (text may hold U+2028, which str.splitlines splits at)."""
+    pending = b""
+    for chunk in chunks:
+        *lines, pending = (pending + chunk).split(b"\n")
+        yield from lines
 
 
 def updating(url: str, dirs: list[Path], every: float, stop: threading.Event, took: list[float]) -> None:
