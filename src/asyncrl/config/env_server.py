@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from pydantic import Field, field_validator
 
@@ -13,10 +13,14 @@ from asyncrl.config.orchestrator import SECRET_VAR, EnvConfig, zmq_address
 DEFAULT_KEY_VARS = ("OPENAI_API_KEY",)
 
 
+def is_plain_http(parts: SplitResult) -> bool:
+    """Whether a split URL is http(s) with a host and no user info (`user@host` hides the host from a reader)."""
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and "@" not in parts.netloc
+
+
 def check_allowed_url(url: str) -> str:
     """An `--allow-urls` entry as given, or ValueError saying what one looks like."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or "@" in parts.netloc:
+    if not is_plain_http(urlsplit(url)):
         raise ValueError(f"{url!r} is not an http(s) URL like http://10.0.0.2:8000")
     return url
 

@@ -34,7 +34,7 @@ def step_items(groups: list[Group], config: OrchestratorConfig) -> list[PackItem
 
 
 def sample_item(
-    sample: TokenSample, rollout: Rollout, group: int, config: OrchestratorConfig, policy_step: int = 0
+    sample: TokenSample, rollout: Rollout, group: int, config: OrchestratorConfig, policy_step: int
 ) -> PackItem:
     rw = config.reward_weight
     advantage = rollout.advantage if rw == 1.0 else rw * rollout.advantage

@@ -20,8 +20,8 @@ import torch
 
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.api.weight_dir import one_line
+from asyncrl.transport.weights import HEADER_LIMIT
 
-HEADER_LIMIT = 100 * 2**20  # safetensors' own bound on the JSON header
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,

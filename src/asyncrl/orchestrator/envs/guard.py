@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from asyncrl.config.env_server import DEFAULT_KEY_VARS
+from asyncrl.config.env_server import DEFAULT_KEY_VARS, is_plain_http
 from asyncrl.config.orchestrator import SECRET_VAR
 
 
@@ -60,7 +60,7 @@ class Guard:
 
     def url_allowed(self, url: str) -> bool:
         parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname or "@" in parts.netloc:
+        if not is_plain_http(parts):
             return False
         if not self.allow_urls:
             return is_loopback(parts.hostname)

@@ -352,6 +352,8 @@ def check_stamps(meta: dict, step: int, max_async_level: int | None) -> dict[str
 class FakeSource:
     """Random rows shaped like real batches: samples_per_row samples of seq_len tokens packed per row."""
 
+    stamps: dict[str, float] = {}  # made-up rows have no policy: no staleness
+
     def __init__(self, cfg: FakeDataConfig, vocab_size: int, rank: int, world_size: int, seed: int) -> None:
         rows = cfg.batch_size // cfg.samples_per_row
         if rows % world_size:

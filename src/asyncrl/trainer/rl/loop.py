@@ -135,8 +135,9 @@ class RLLoop(Loop):
         loss_tokens, tokens, samples, flops = ctx.all_reduce_sum(self._counts(rows)).tolist()
         size, stack = self.config.data.micro_batch_size, self.session.lm.stackable
         mbs = rows if together else micro_batches(rows, size, stack, self._plan(rows))
-        stamps = getattr(self.source, "stamps", {})  # the step's staleness (real batches only)
-        return StepBatch(mbs, int(loss_tokens), int(tokens), int(samples), flops, stamps, {"wait_s": wait_s})
+        return StepBatch(
+            mbs, int(loss_tokens), int(tokens), int(samples), flops, self.source.stamps, {"wait_s": wait_s}
+        )
 
     def _plan(self, rows: list[PackedRow]) -> list[int]:
         """Rows per forward pass within `data.micro_batch_size` and `data.micro_batch_tokens`: padding-aware for
