@@ -152,14 +152,25 @@ class HealthPoller:
     def __init__(self, server: Server):
         self.url, self.pid, self.latencies, self._stop = server.url, server.proc.pid, [], threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._answered, self.error = threading.Event(), None
         self.loop_cpu = self.process_cpu = 0.0
 
     def _run(self) -> None:
+        try:
+            self._poll()
+        except Exception as e:  # re-raised by __exit__: a thread's exception is otherwise lost
+            self.error = e
+        finally:
+            self._answered.set()
+
+    def _poll(self) -> None:
         with httpx.Client(timeout=60) as c:
             while not self._stop.is_set():
                 t = time.monotonic()
-                assert c.get(f"{self.url}/health").status_code == 200
+                r = c.get(f"{self.url}/health")
+                assert r.status_code == 200, f"/health answered {r.status_code}"
                 self.latencies.append(time.monotonic() - t)
+                self._answered.set()
                 time.sleep(0.05)
 
     @property
@@ -175,6 +186,7 @@ class HealthPoller:
     def __enter__(self) -> HealthPoller:
         self._cpu = cpu_s(self.pid, self.pid), cpu_s(self.pid)
         self._thread.start()
+        self._answered.wait(60)  # on a loaded box the first poll can take longer than any fixed head start
         time.sleep(0.3)
         return self
 
@@ -184,6 +196,8 @@ class HealthPoller:
         self._thread.join(60)
         self.loop_cpu = cpu_s(self.pid, self.pid) - self._cpu[0]
         self.process_cpu = cpu_s(self.pid) - self._cpu[1]
+        if self.error is not None:
+            raise self.error
 
     def report(self, what: str) -> str:
         return (f"\n{what}; /health worst {self.worst * 1000:.0f} ms; "
