@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from rl_runs import rl_args, steps_in
+from rl_runs import check_run_dir, rl_args, steps_in
 
 from asyncrl.core import failpoint
-from asyncrl.transport.layout import RunLayout, is_stable
+from asyncrl.transport.layout import RunLayout
 from asyncrl.utils import runstate
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
@@ -41,7 +41,6 @@ STEPS = 8  # the lone case's run; rl_runs checkpoints every 2 steps
 # outside kill, the orchestrator racing on), so the last case's starts at most 22 in and kills 4 later: 6 to spare.
 CHAIN_STEPS = 32
 TIMEOUT = 300  # seconds an rl start may take
-TORN = ("corrupt", "torn", "partial", "Traceback")  # what a reader that met a half-written file would say
 
 
 class Case(NamedTuple):
@@ -191,18 +190,6 @@ def check_resumed(run: Run, start: int, steps: int, then: str | None) -> None:
     assert f"[rl] done: {steps - start} steps in" in run.stdout, run.stdout[-3000:]
 
 
-def check_run_dir(out: Path, steps: int, resumed: list[Run]) -> None:
-    """The finished run: each step once in both metrics files, its last weights, no torn read, no leftovers."""
-    layout = RunLayout(out)
-    assert steps_in(layout.metrics_file("trainer")) == list(range(steps))  # none lost, none twice
-    assert steps_in(layout.metrics_file("orchestrator")) == list(range(steps))
-    assert is_stable(layout.weights_dir(steps))
-    logs = "".join(r.stderr + r.said for r in resumed)
-    assert not [line for line in logs.splitlines() if any(w in line for w in TORN) and "skipping" not in line]
-    left = [p for root in (layout.rollouts, layout.broadcast, layout.weights) for p in root.glob(".tmp_*")]
-    assert not left + list(layout.checkpoints.glob("*/.tmp_*"))
-
-
 def check_alone(model: Path, out: Path, name: str) -> None:
     """The lone case: a fresh run with its fault, then its resume to the end."""
     case = CASES[name]
@@ -210,7 +197,7 @@ def check_alone(model: Path, out: Path, name: str) -> None:
     start = RunLayout(out).resumable_steps()[-1]
     assert 0 < start < STEPS
     check_resumed(resumed := rl(model, out, STEPS, start, None, case.extra), start, STEPS, None)
-    check_run_dir(out, STEPS, [resumed])
+    check_run_dir(out, STEPS, resumed.stderr + resumed.said)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -228,4 +215,5 @@ def test_kill_then_resume_loses_and_repeats_no_step(tiny_model_dir, tmp_path, ch
     check_resumed(resumed, link.resumable, CHAIN_STEPS, None if then == FINISH else then)
     if links[FINISH].run is None:
         pytest.fail(f"the run never finished: {links[FINISH].missing}")
-    check_run_dir(chain.out, CHAIN_STEPS, [lk.run for lk in links.values() if lk.start and lk.run])
+    resumes = [lk.run for lk in links.values() if lk.start and lk.run]
+    check_run_dir(chain.out, CHAIN_STEPS, "".join(r.stderr + r.said for r in resumes))

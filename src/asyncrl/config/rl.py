@@ -116,6 +116,17 @@ class RLConfig(BaseConfig):
     stall_timeout: float = Field(
         1800.0, ge=0, description="seconds without a step before rl stops the run, naming what looks hung (0: never)"
     )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="a run that checkpoints ([ckpt]): when a process dies, restart the run from its latest complete "
+        "checkpoint, at most this many times (0: stop it, as a run without [ckpt] always does)",
+    )
+    restart_backoff: float = Field(
+        10.0,
+        ge=0,
+        description="seconds before a restart; doubled for each restart in a row that saved no new checkpoint",
+    )
     runs: list[RunSpec] | None = Field(
         None,
         description="multi-run: [[runs]] tables, one LoRA run each (own orchestrator, adapter, optimizer) on one "

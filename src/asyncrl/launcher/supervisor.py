@@ -43,6 +43,7 @@ from asyncrl.config.rl import RLConfig
 from asyncrl.core import failpoint
 from asyncrl.core.errors import FULL_HINT, LOW_SPACE_BYTES, UserError
 from asyncrl.launcher.placement import Placement
+from asyncrl.launcher.restart import ComponentDied, Restarts
 from asyncrl.launcher.tailer import StepTailer
 from asyncrl.launcher.watch import CollapseWatch
 from asyncrl.transport.files import write_text_atomic
@@ -54,7 +55,9 @@ from asyncrl.utils.process import (
     ChildExited,
     answers,
     copy_lines,
+    exit_words,
     free_port,
+    last_error_line,
     process_tree,
     reap_orphans,
     resume_stopped,
@@ -108,6 +111,7 @@ class Launcher:
         self.bar = Bar("rl", total or None)
         self.last_news = self.last_step = time.monotonic()
         self.up: set[str] = set()  # servers that answered their /health
+        self.start_step = 0  # the step this attempt starts at (a single run)
 
     def _tailer(self, run: str | None, start: int) -> StepTailer:
         """Follows a run's training steps (a line each) and watches them for the signs of collapse."""
@@ -321,7 +325,7 @@ class Launcher:
         if self.runs:
             run_paths = self._prepare_runs(requested)
         else:
-            start = self._start_step()
+            start = self.start_step = self._start_step()
             self._clean(self.layout, start)
             self.tailers[None] = self._tailer(None, start)
             self.bar.done = start
@@ -355,12 +359,23 @@ class Launcher:
     # ------------------------------------------------------------ supervise
 
     def _died(self, child: Child) -> None:
+        child = self._first_death(child)
         code = child.proc.returncode
         self.stop()
-        raise UserError(
-            f"{child.name} died (exit code {code}){self._disk_note()}; last lines of "
-            + ("\n".join(child.logged()) or "its logs: (none in this attempt)")
+        error = last_error_line(child.log_path, (child.since or {}).get(child.log_path, 0))
+        raise ComponentDied(
+            f"{child.name} died ({exit_words(code)}){self._disk_note()}; last lines of "
+            + ("\n".join(child.logged()) or "its logs: (none in this attempt)"),
+            child.name,
+            code,
+            exit_words(code) + (f"; its log's last error: {error}" if error else ""),
         )
+
+    def _first_death(self, child: Child) -> Child:
+        """Of the run's children that are dead, one a signal killed (the others may have died of its loss), else
+        `child`."""
+        signalled = [c for c in self.children if c.run is None and (c.proc.poll() or 0) < 0]
+        return signalled[0] if signalled else child
 
     def _disk_note(self) -> str:
         """A process that died on a full disk often cannot even log why: say it here."""
@@ -483,20 +498,22 @@ class Launcher:
 
 
 def launch(config: RLConfig, layout: RunLayout) -> None:
-    """Run one RL experiment to completion (`layout`: its trainer's run); raises UserError naming a child that died."""
-    launcher = Launcher(config, layout)
-    start = time.monotonic()
+    """Run one RL experiment to completion (`layout`: its trainer's run), restarting it from its latest checkpoint
+    when a process dies (`restart`); raises UserError naming a child that died and was not restarted."""
+    start, restarts = time.monotonic(), Restarts(config, layout)
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     reap_orphans()
+    launcher = Launcher(config.model_copy(deep=True), layout)
     try:
-        with launcher.bar:
-            launcher.start()
-            launcher.supervise()
+        while (died := _attempt(launcher)) is not None:
+            launcher = Launcher(restarts.next_config(died, launcher.start_step), layout)
         print(launcher.summary(time.monotonic() - start), flush=True)
+        if said := restarts.summary():
+            print(said, flush=True)
         if bad := {n: o for n, o in launcher.run_outcomes().items() if o["state"] != "done"}:
             said = "; ".join(
                 f"{n} {o['state']} at step {o['step']}" + (f" ({o['error']})" if o.get("error") else "")
@@ -507,6 +524,18 @@ def launch(config: RLConfig, layout: RunLayout) -> None:
         launcher.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _attempt(launcher: Launcher) -> ComponentDied | None:
+    """Start and supervise one attempt of the run: None when it ended, else the death that ended it (the
+    attempt's processes are stopped by then)."""
+    try:
+        with launcher.bar:
+            launcher.start()
+            launcher.supervise()
+    except ComponentDied as died:
+        return died
+    return None
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts

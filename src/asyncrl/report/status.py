@@ -3,7 +3,8 @@
 Reads only what the processes write (`logs/<component>.pid` records, `metrics/*.jsonl`, `configs/*.toml`,
 `logs/*.log`), so it works on a run still going, a finished one, a crashed one, or one on a shared disk.
 Per process: alive / finished / failed (with its error) / killed; the last step, reward or loss and
-throughput; the orchestrator's off-policy lag; the last error lines of the logs. A multi-run dir adds one
+throughput; the orchestrator's off-policy lag; the restarts `rl` made (what died, why, from which step);
+the last error lines of the logs. A multi-run dir adds one
 line per run (`run_NAME/`): done / stopped / failed (its error under errors) / training, its last step.
 """
 
@@ -30,8 +31,10 @@ def status_lines(run_dir: Path) -> list[str]:
     max_steps, header = _config(layout)
     names = sorted({p.stem for p in layout.logs.glob("*.pid")} | {p.stem for p in layout.metrics.glob("*.jsonl")})
     lines = [f"run {run_dir}{header}"]
-    attempt = runstate.read(layout.pid_file("rl")).get("started", 0.0)  # when `rl` last (re)started the run
+    rl = runstate.read(layout.pid_file("rl"))
+    attempt = rl.get("attempt", rl.get("started", 0.0))  # when `rl` last (re)started the run
     lines += [_component_line(layout, name, max_steps, attempt) for name in names]
+    lines += _restarts_lines(rl)
     runs = {name: _ended(layout, name) for name in layout.run_names()}  # multi-run: each run's own line
     lines += [_run_line(layout, name, ended) for name, ended in runs.items()]
     errors = _errors(layout, names) + [f"run {n}: {e['error']}" for n, e in runs.items() if e.get("state") == "failed"]
@@ -53,7 +56,7 @@ def _config(layout: RunLayout) -> tuple[int | None, str]:
 def _component_line(layout: RunLayout, name: str, max_steps: int | None, attempt: float) -> str:
     record = runstate.read(layout.pid_file(name))
     state = runstate.state(record) if record else "-"
-    if record and record["started"] < attempt:
+    if record and record["started"] < attempt and name != "rl":  # rl itself made the attempts
         state = f"{state}, earlier attempt"
     row = last_row(layout.metrics_file(name), kind="train")
     parts = [f"  {name:<13} {state:<22}"]
@@ -63,6 +66,15 @@ def _component_line(layout: RunLayout, name: str, max_steps: int | None, attempt
         parts += [f"{label} {fmt.format(row[key])}" for key, label, fmt in SHOWN if row.get(key) is not None]
         parts.append(f"({_ago(row.get('time'))})")
     return "  ".join(parts).rstrip()
+
+
+def _restarts_lines(rl: dict) -> list[str]:
+    """`  restarts      2: trainer (exit code -9: SIGKILL) from step 10, 3 min ago; ...`: rl's own restarts."""
+    done = rl.get("restarts") or []
+    if not done:
+        return []
+    said = [f"{d['component']} ({d['why']}) from step {d['from_step']}, {_ago(d.get('time'))}" for d in done[-3:]]
+    return [f"  {'restarts':<13} {len(done)}" + (" (the last 3)" if len(done) > 3 else "") + ": " + "; ".join(said)]
 
 
 def _ended(layout: RunLayout, name: str) -> dict:

@@ -308,13 +308,38 @@ def telling_tail(path: Path, lines: int = 12, prefix: str = "", start: int = 0) 
     this attempt wrote to a log that earlier ones appended to; all of it if the file is shorter now)."""
     if not path.exists():
         return tail(path, lines, prefix)
-    with open(path, "rb") as f:
-        f.seek(start if start <= path.stat().st_size else 0)
-        text = f.read().decode(errors="replace").rstrip().splitlines()
+    text = _lines_since(path, start)
     last = text[-lines:]
     telling = [line for line in text[:-lines] if any(t in line for t in TELLING)][-5:]
     shown = [*telling, "..."] if telling else []
     return "\n".join(prefix + line for line in shown + last) or f"{prefix}(empty)"
+
+
+def last_error_line(path: Path, start: int = 0) -> str | None:
+    """The last error line (ERROR, CRITICAL, `...Error:`) a log got after byte `start`, stripped; None: none."""
+    if not path.exists():
+        return None
+    errors = [line.strip() for line in _lines_since(path, start) if any(t in line for t in ERRORS)]
+    return errors[-1] if errors else None
+
+
+ERRORS = (" ERROR ", " CRITICAL ", "Error:", "error:")
+
+
+def _lines_since(path: Path, start: int) -> list[str]:
+    with open(path, "rb") as f:
+        f.seek(start if start <= path.stat().st_size else 0)
+        return f.read().decode(errors="replace").rstrip().splitlines()
+
+
+def exit_words(code: int) -> str:
+    """`exit code 1`, or for a signal `exit code -9: SIGKILL` (Popen's returncode of a process a signal ended)."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"exit code {code}: {signal.Signals(-code).name}"
+    except ValueError:
+        return f"exit code {code}"
 
 
 def _exits_by(proc: subprocess.Popen, deadline: float) -> bool:

@@ -35,6 +35,13 @@ def finish(code: int, error: str | None = None) -> None:
         close(_record, code, error)
 
 
+def update(**fields) -> None:
+    """Add `fields` to this process's record (no-op if it never registered), e.g. rl's restarts."""
+    info = read(_record) if _record is not None else {}
+    if info:
+        write_text_atomic(_record, json.dumps({**info, **fields}))
+
+
 def close(path: Path, code: int, error: str | None = None) -> None:
     """Write the end into a record that has none yet (a launcher closes those of the children it stopped)."""
     info = read(path)
