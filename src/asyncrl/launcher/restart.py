@@ -2,7 +2,8 @@
 
 A restart is the documented resume, done by rl: the next attempt is the same run with `ckpt.resume_step = -1`
 (the latest step both trainer and orchestrator saved; step 0 while none is complete), started by the same
-code as the first. Env servers are not this module's: the orchestrator restarts those in place.
+code as the first. A run that stalled (no step for `stall_timeout`: a hung process) is restarted the same
+way. Env servers are not this module's: the orchestrator restarts those in place.
 
 Invariants: only a single run that checkpoints is restarted (a multi-run's lost orchestrator ends that run
 alone; anything else stops it all, as a run without [ckpt] always stops); a process that exited 2 is never
@@ -28,12 +29,17 @@ MAX_WAIT_S = 600.0  # the doubled wait's ceiling
 
 
 class ComponentDied(UserError):
-    """A process `rl` started died: its `name`, Popen's `code` for it, and `why` in one line (exit code or
-    signal, and the last error line of its log)."""
+    """A process `rl` started died (`name`, Popen's `code` for it), or the run stalled (`name` "stall", `code`
+    None: no step for `stall_timeout`); `why` in one line (exit code or signal and its log's last error line,
+    or how long and what looks hung)."""
 
-    def __init__(self, message: str, name: str, code: int, why: str):
+    def __init__(self, message: str, name: str, code: int | None, why: str):
         super().__init__(message)
         self.name, self.code, self.why = name, code, why
+
+    @property
+    def line(self) -> str:
+        return f"the run stalled ({self.why})" if self.code is None else f"{self.name} died ({self.why})"
 
 
 @dataclass
@@ -55,8 +61,8 @@ class Restarts:
             raise UserError(f"{died}\n{refusal}" if refusal else str(died))
         wait = min(self.config.restart_backoff * 2 ** (self.in_a_row - 1), MAX_WAIT_S)
         logger.warning(
-            f"{died.name} died ({died.why}); restart {self.in_a_row} of {self.config.max_restarts} in a row: the "
-            f"run starts again from step {step} in {wait:.0f}s"
+            f"{died.line}; restart {self.in_a_row} of {self.config.max_restarts} in a row: the run starts again "
+            f"from step {step} in {wait:.0f}s"
         )
         self._record(died, step)
         time.sleep(wait)

@@ -417,9 +417,12 @@ class Launcher:
     def _stalled(self, quiet: float) -> None:
         suspects = self._suspects().rstrip(", ") or "no process is stopped; see the logs"
         self.stop()
-        raise UserError(
+        raise ComponentDied(
             f"no step for {quiet:.0f}s (stall_timeout {self.config.stall_timeout:.0f}s): {suspects}; stopped the run "
-            "(it resumes from its last checkpoint; raise --stall-timeout if steps are this slow)"
+            "(it resumes from its last checkpoint; raise --stall-timeout if steps are this slow)",
+            "stall",
+            None,
+            f"no step for {quiet:.0f}s: {suspects}",
         )
 
     def supervise(self) -> None:

@@ -111,3 +111,12 @@ def test_status_shows_the_restarts(layout, waits, tmp_path):
     assert any(line.split()[:2] == ["restarts", "1:"] and "trainer (exit code -9: SIGKILL) from step 2" in line
                for line in lines), lines  # fmt: skip
     assert json.loads(layout.pid_file("rl").read_text())["restarts"][0]["from_step"] == 2
+
+
+def test_a_stalled_run_is_restarted_like_a_death(layout, waits, caplog_loguru):
+    stall = ComponentDied("no step for 40s ...", "stall", None, "no step for 40s: trainer is stopped (SIGSTOP)")
+    checkpoint(layout, 2)
+    nxt = Restarts(config(layout.root), layout).next_config(stall, started_at=0)
+    assert nxt.trainer.ckpt.resume_step == 2 and waits == [0.5]
+    said = "the run stalled (no step for 40s: trainer is stopped (SIGSTOP)); restart 1 of 3 in a row: the run starts"
+    assert any(said in m for m in caplog_loguru), caplog_loguru
