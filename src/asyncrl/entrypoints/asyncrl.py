@@ -8,14 +8,20 @@ from pathlib import Path
 from asyncrl.config.cli import fail
 from asyncrl.core.errors import UserError
 
-USAGE = """usage: asyncrl status RUN_DIR
-       asyncrl report RUN_DIR [RUN_DIR ...] [--out FILE]
-
-  status RUN_DIR   where a running or finished run is: each process alive / finished / failed, its last
-                   step, reward or loss and throughput, the off-policy lag and the last errors
-  report RUN_DIR   RUN_DIR/report.html: every curve of the run (PNGs in RUN_DIR/report/), its status and
+STATUS = (
+    "asyncrl status RUN_DIR",
+    """  status RUN_DIR   where a running or finished run is: each process alive / finished / failed, its last
+                   step, reward or loss and throughput, the restarts rl made, the off-policy lag and the
+                   last errors""",
+)
+REPORT = (
+    "asyncrl report RUN_DIR [RUN_DIR ...] [--out FILE]",
+    """  report RUN_DIR   RUN_DIR/report.html: every curve of the run (PNGs in RUN_DIR/report/), its status and
                    config, in one file that opens offline; several runs: their curves overlaid, in
-                   ./report.html (or --out FILE)"""
+                   ./report.html (or --out FILE)""",
+)
+USAGE = f"usage: {STATUS[0]}\n       {REPORT[0]}\n\n{STATUS[1]}\n{REPORT[1]}"
+HELP = {name: f"usage: {line}\n\n{said}" for name, (line, said) in {"status": STATUS, "report": REPORT}.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,6 +30,9 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         raise SystemExit(0 if argv else 2)
     command, *rest = argv
+    if command in HELP and any(a in ("-h", "--help") for a in rest):
+        print(HELP[command])
+        raise SystemExit(0)
     try:
         if command == "status":
             status(rest)

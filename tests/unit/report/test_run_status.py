@@ -120,3 +120,13 @@ def test_a_multi_run_dir_has_a_line_per_run(tmp_path):
     assert said["a"].split()[2] == "done" and "step 9" in said["a"] and "reward 0.750" in said["a"]
     assert said["b"].split()[2] == "failed" and "waiting for a slot" in said["c"]
     assert "  run b: loss is nan at step 4" in lines
+
+
+@pytest.mark.parametrize("command", ["status", "report"])
+def test_each_command_answers_help(command, capsys):
+    from asyncrl.entrypoints.asyncrl import main
+
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"usage: asyncrl {command} RUN_DIR") and "error:" not in out
