@@ -63,7 +63,7 @@ class Storm:
     def __init__(self, proc: subprocess.Popen, out: Path, seed: int):
         self.proc, self.layout, self.rng = proc, RunLayout(out), random.Random(seed)
         self.kills: Counter = Counter()
-        self.redone, self.orphans = 0, 0
+        self.redone, self.orphans, self.last_kill = 0, 0, 0.0
         self.threads = [threading.Thread(target=f, daemon=True) for f in (self._kill_loop, self._census)]
 
     def __enter__(self) -> Storm:
@@ -93,6 +93,7 @@ class Storm:
             before, last = self._restarts(), self._last_step()
             os.kill(live[role], signal.SIGKILL)
             self.kills[role] += 1
+            self.last_kill = time.time()
             log(f"killed {role} (pid {live[role]}) after step {last}")
             if role != "env-server":
                 self._count_redone(before, last)
@@ -105,11 +106,11 @@ class Storm:
             self.redone += max(0, last + 1 - self._rl()["restarts"][-1]["from_step"])
 
     def _wait_for_training(self) -> bool:
-        """Until the current attempt (rl's latest start) has trained a step; False: rl ended."""
+        """Until the run has trained a step since the last kill and since rl's latest (re)start; False: rl ended."""
         while self.proc.poll() is None:
             row = last_row(self.layout.metrics_file("trainer"), kind="train")
             attempt = self._rl().get("attempt", self._rl().get("started", 0.0))
-            if row is not None and row.get("time", 0.0) > attempt:
+            if row is not None and row.get("time", 0.0) > max(attempt, self.last_kill):
                 return True
             time.sleep(0.2)
         return False

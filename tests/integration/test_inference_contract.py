@@ -601,14 +601,12 @@ def test_lora_adapter(server, http, model_dir, tmp_path):
     assert_error(http.post("/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path / "nope")}))
     r = http.post("/load_lora_adapter", json={"lora_name": "tuned", "lora_path": str(tmp_path / "adapter")})
     assert r.status_code == 200, r.text
-    if server.backend == "embedded":  # what it holds; vLLM loads an adapter lazily, at its first request
-        from safetensors.torch import load_file
+    from safetensors.torch import load_file
 
-        from asyncrl.transport import fingerprint
+    from asyncrl.transport import fingerprint  # what it holds (vLLM: each worker's copy, packed qkv included)
 
-        assert r.json()["fingerprint"] == fingerprint.of_tensors(
-            load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-        )
+    held = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert r.json()["fingerprint"] == fingerprint.of_tensors(held)
     assert "tuned" in [m["id"] for m in http.get("/v1/models").json()["data"]]
     tuned = chat(http, server, model="tuned", temperature=0.9, seed=3, max_tokens=10, logprobs=True,
                  return_token_ids=True)  # fmt: skip
@@ -636,6 +634,29 @@ def test_lora_adapter(server, http, model_dir, tmp_path):
     assert_error(http.post("/v1/chat/completions", json={"model": "tuned", "messages": MESSAGES, "max_tokens": 2}), 404)
     assert_error(http.post("/unload_lora_adapter", json={"lora_name": "tuned"}), 404)
     assert greedy(http, server) == before
+
+
+def test_an_adapter_changed_on_its_way_is_named(server, http, model_dir, tmp_path):
+    """Issue 47: one element of one adapter tensor changed after the trainer fingerprinted it: the fingerprints
+    the server answers (what it holds) name that tensor (vLLM: a B of a packed module, its scaling merged)."""
+    from safetensors.torch import load_file, save_file
+
+    from asyncrl.transport import fingerprint
+
+    _write_lora(model_dir, tmp_path / "adapter")
+    path = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(path)
+    fingerprint.write(tmp_path / "adapter", fingerprint.of_tensors(tensors))
+    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    tensors[name][0, 0] += 1.0
+    save_file(tensors, str(path))
+    r = http.post("/load_lora_adapter", json={"lora_name": "changed", "lora_path": str(tmp_path / "adapter")})
+    try:
+        assert r.status_code == 200, r.text
+        said = fingerprint.mismatch(tmp_path / "adapter", r.json()["fingerprint"])
+        assert said is not None and said.startswith(f"tensor {name} ("), said
+    finally:
+        assert http.post("/unload_lora_adapter", json={"lora_name": "changed"}).status_code == 200
 
 
 def test_update_weights_while_generating(server, http, model_dir, tmp_path):

@@ -242,6 +242,25 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM's chat endpoint takes prompt token ids",
     ),
     Patch(
+        symbol="vllm.lora.worker_manager.WorkerLoRAManager._adapter_manager",
+        how="private (read: the LoRA models a worker holds, their packed modules and scaling)",
+        dist="vllm",
+        verified={"==0.32.0": "db5b48ad751b21ee"},
+        checks=(
+            "vllm.lora.worker_manager:WorkerLoRAManager._load_adapter",
+            "vllm.lora.model_manager:LoRAModelManager._create_merged_loras_inplace",
+            "vllm.lora.model_manager:LoRAModelManager.get_adapter",
+            "vllm.lora.lora_weights:LoRALayerWeights.optimize",
+            "vllm.lora.lora_weights:PackedLoRALayerWeights.pack",
+            "vllm.lora.lora_model:LoRAModel.from_lora_tensors",
+            "vllm.lora.peft_helper:PEFTHelper.get_rank_and_scaling",
+        ),
+        where=("inference.vllm.worker:_adapter_fingerprints", "inference.vllm.worker:_held_pairs"),
+        why="verified adapter loads: each worker's copy of an adapter read back (q/k/v packed into qkv_proj, the "
+        "scaling merged into B) and compared with the adapter's files",
+        remove_when="vLLM answers an adapter load with what its workers hold (or a digest of it)",
+    ),
+    Patch(
         symbol="starlette.applications.Starlette.middleware_stack",
         how="reset to None on vLLM's app",
         dist="starlette",

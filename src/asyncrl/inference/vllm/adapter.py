@@ -5,7 +5,8 @@
   `reload_weights` plus the tied-weights fix of worker.py, via `collective_rpc`);
 - `reload_weights()`: the same from the base model (`model.name`);
 - `load_lora_adapter(name, path)`: vLLM's adapter loading (needs `--enable-lora`); a name already
-  loaded is replaced in place (a new RL step); `unload_lora_adapter(name)`: vLLM's unloading.
+  loaded is replaced in place (a new RL step); answers the fingerprints of what each worker then holds
+  (worker.py reads its LoRA manager's copy back); `unload_lora_adapter(name)`: vLLM's unloading.
 
 Every change drops the prefix cache (running requests are recomputed), so no KV computed with the
 old weights survives. The API's weights lock serializes calls. Imports vllm: vLLM env only.
@@ -55,7 +56,7 @@ class VLLMEngine:
             return "LoRA is off: start the server with the vLLM flag --enable-lora"
         return None
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str] | None:
         replacing = lora_name in self.models.lora_requests  # a new step of the same adapter
         request = LoadLoRAAdapterRequest(lora_name=lora_name, lora_path=lora_path, load_inplace=replacing)
         result = await self.models.load_lora_adapter(request)
@@ -63,6 +64,14 @@ class VLLMEngine:
             raise InvalidRequest(result.error.message, param=result.error.param, status=result.error.code)
         if replacing:  # cached KV blocks of this adapter were computed with its old weights
             await self.engine.reset_prefix_cache(reset_running_requests=True)
+        return await self._adapter_fingerprints(lora_name, lora_path)
+
+    async def _adapter_fingerprints(self, lora_name: str, lora_path: str) -> dict[str, str]:
+        """What the workers hold of the adapter, per tensor of its files (worker.py); a worker that differs wins."""
+        kwargs = {"lora_id": self.models.lora_requests[lora_name].lora_int_id, "lora_path": lora_path}
+        per_worker = await self.engine.collective_rpc("asyncrl_adapter_fingerprints", kwargs=kwargs)
+        first = per_worker[0]
+        return next((w for w in per_worker if w != first), first)
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         result = await self.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=lora_name))
