@@ -107,7 +107,8 @@ def test_a_kill_storm_ends_in_a_finished_run_with_no_step_lost_or_repeated(tiny_
                 proc.kill()
     assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
     restarts = runstate.read(layout.pid_file("rl"))["restarts"]
-    assert [(r["component"], r["why"]) for r in restarts] == [(v, "exit code -9: SIGKILL") for v in VICTIMS]
+    assert [r["component"] for r in restarts] == list(VICTIMS), restarts
+    assert all(r["why"].startswith("exit code -9: SIGKILL") for r in restarts), restarts
     assert "[rl] restarted 3 times: trainer 1, inference 1, orchestrator 1" in stdout, stdout[-2000:]
     assert sum(f"{v} died (exit code -9: SIGKILL); restart " in stderr for v in VICTIMS) == 3, stderr[-3000:]
     logs = "".join(p.read_text(errors="replace") for p in layout.logs.glob("*.log"))

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli_w
@@ -86,6 +86,15 @@ class Child:
     layout: RunLayout  # the run dir its files are under
     run: str | None = None  # multi-run: the run this orchestrator serves
     since: dict[Path, int] | None = None  # where this attempt's lines start in its logs (by byte)
+    started: float = field(default_factory=time.time)
+
+    def error(self) -> str | None:
+        """The error this attempt's process recorded on its way out (its run record's first line; a streamed
+        trainer logs it nowhere else), else the last error line of its log in this attempt."""
+        record = runstate.read(self.layout.pid_file("orchestrator" if self.run else self.name))
+        if record.get("error") and record.get("started", 0.0) >= self.started:
+            return record["error"].splitlines()[0]
+        return last_error_line(self.log_path, (self.since or {}).get(self.log_path, 0))
 
     def logged(self) -> list[str]:
         """`path:\n    lines` of each log this child wrote to in this attempt: its errors and its last lines."""
@@ -362,20 +371,20 @@ class Launcher:
         child = self._first_death(child)
         code = child.proc.returncode
         self.stop()
-        error = last_error_line(child.log_path, (child.since or {}).get(child.log_path, 0))
+        error = child.error()
         raise ComponentDied(
             f"{child.name} died ({exit_words(code)}){self._disk_note()}; last lines of "
             + ("\n".join(child.logged()) or "its logs: (none in this attempt)"),
             child.name,
             code,
-            exit_words(code) + (f"; its log's last error: {error}" if error else ""),
+            exit_words(code) + (f": {error}" if error else ""),
         )
 
     def _first_death(self, child: Child) -> Child:
-        """Of the run's children that are dead, one a signal killed (the others may have died of its loss), else
-        `child`."""
-        signalled = [c for c in self.children if c.run is None and (c.proc.poll() or 0) < 0]
-        return signalled[0] if signalled else child
+        """The run's dead child most likely the cause (the others may have died of its loss): one a signal
+        killed, else one that crashed (any exit but 2), else `child` (exit 2: an error it reported)."""
+        dead = [c for c in self.children if c.run is None and c.proc.poll() not in (None, 0)]
+        return min(dead, key=lambda c: (c.proc.returncode >= 0, c.proc.returncode == 2), default=child)
 
     def _disk_note(self) -> str:
         """A process that died on a full disk often cannot even log why: say it here."""
