@@ -44,17 +44,23 @@ ROLES = {"inference": "entrypoints.inference", "orchestrator": "entrypoints.orch
 
 
 def processes(out: Path) -> dict[str, list[int]]:
-    """This run's live processes by role (from /proc: a command line naming the run dir and an entrypoint)."""
-    found: dict[str, list[int]] = {r: [] for r in ROLES}
+    """This run's live processes by role (from /proc: a command line naming the run dir and an entrypoint),
+    less those whose parent has the same role (a fork between `fork` and `exec` shows its parent's command)."""
+    found: dict[int, tuple[str, int]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        for role, module in ROLES.items():
-            if str(out) in argv and module in argv:
-                found[role].append(int(pid))
-    return found
+        roles = [role for role, module in ROLES.items() if str(out) in argv and module in argv]
+        if roles:
+            found[int(pid)] = (roles[0], parent)
+    by_role: dict[str, list[int]] = {r: [] for r in ROLES}
+    for pid, (role, parent) in found.items():
+        if found.get(parent, ("",))[0] != role:
+            by_role[role].append(pid)
+    return by_role
 
 
 class Storm:

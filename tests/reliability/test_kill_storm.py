@@ -35,22 +35,34 @@ ROLES = ("inference", "orchestrator", "trainer", "env_server")  # `asyncrl.entry
 
 
 class Census:
-    """Counts this run's live processes by role every 0.2 s (from /proc), keeping the most seen at once."""
+    """Counts this run's live processes by role every 0.2 s (from /proc), keeping the most seen at once. A
+    process whose parent has its role is not counted: a fork between `fork` and `exec` (a subprocess being
+    started) shows its parent's command line; an attempt's process that outlived it has rl for a parent."""
 
     def __init__(self, out: Path):
-        self.out, self.most, self._stop = str(out), Counter(), threading.Event()
+        self.out, self.most, self.seen, self._stop = str(out), Counter(), {}, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def now(self) -> Counter:
-        seen = Counter()
+    def processes(self) -> dict[int, tuple[str, int]]:
+        """{pid: (role, parent pid)} of this run's live processes."""
+        found = {}
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-            except OSError:  # gone meanwhile
+                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):  # gone meanwhile
                 continue
-            if any(self.out in a for a in argv):
-                seen.update(r for r in ROLES if f"asyncrl.entrypoints.{r}" in argv)
-        return seen
+            roles = [r for r in ROLES if f"asyncrl.entrypoints.{r}" in argv]
+            if roles and any(self.out in a for a in argv):
+                found[int(pid)] = (roles[0], parent)
+        return found
+
+    def now(self) -> Counter:
+        found = self.processes()
+        counted = Counter(role for role, parent in found.values() if found.get(parent, ("",))[0] != role)
+        if any(counted[r] > self.most[r] for r in counted):
+            self.seen = found  # the sample that set a new most: what the assertion shows
+        return counted
 
     def _run(self) -> None:
         while not self._stop.wait(0.2):
@@ -113,7 +125,7 @@ def test_a_kill_storm_ends_in_a_finished_run_with_no_step_lost_or_repeated(tiny_
     assert sum(f"{v} died (exit code -9: SIGKILL); restart " in stderr for v in VICTIMS) == 3, stderr[-3000:]
     logs = "".join(p.read_text(errors="replace") for p in layout.logs.glob("*.log"))
     check_run_dir(out, STEPS, stderr + logs)
-    assert max(census.most.values()) == 1, census.most  # never two of a role: no attempt's process outlived it
+    assert max(census.most.values()) == 1, (census.most, census.seen)  # no attempt's process outlived it
     assert census.most["trainer"] == census.most["inference"] == census.most["orchestrator"] == 1
     time.sleep(1)
     assert not census.now(), census.now()  # nothing outlives rl

@@ -15,6 +15,7 @@ old weights survives. The API's weights lock serializes calls. Imports vllm: vLL
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from loguru import logger
@@ -69,7 +70,10 @@ class VLLMEngine:
     async def _adapter_fingerprints(self, lora_name: str, lora_path: str) -> dict[str, str]:
         """What the workers hold of the adapter, per tensor of its files (worker.py); a worker that differs wins."""
         kwargs = {"lora_id": self.models.lora_requests[lora_name].lora_int_id, "lora_path": lora_path}
+        start = time.perf_counter()
         per_worker = await self.engine.collective_rpc("asyncrl_adapter_fingerprints", kwargs=kwargs)
+        took_ms = (time.perf_counter() - start) * 1e3
+        logger.info(f"adapter {lora_name}: the workers' copies read back in {took_ms:.0f} ms")
         first = per_worker[0]
         return next((w for w in per_worker if w != first), first)
 
