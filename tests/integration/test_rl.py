@@ -83,6 +83,27 @@ def run_rl(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess
     return subprocess.run(RL + args, capture_output=True, text=True, timeout=timeout)
 
 
+def test_rl_trains_a_mixture_of_experts_and_reports_its_router_load(tmp_path):
+    """A tiny Qwen3-MoE (8 experts, top-2) through `rl` on the embedded engine: the trainer logs the router load
+    each step and the report plots it."""
+    from asyncrl.utils.tiny_model import build_tiny_model
+
+    model, out = build_tiny_model(tmp_path / "moe", hidden_size=64, num_layers=2, experts=8), tmp_path / "run"
+    args = rl_args(model, out, 3, free_port()) + [
+        "--orchestrator.batch-size",
+        "32",
+        "--orchestrator.rollouts-per-example",
+        "4",
+    ]
+    done = run_rl(args, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics" / "trainer.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["moe/load_max_over_mean"] >= 1.0 and 0 <= r["moe/experts_idle_frac"] < 1 for r in rows), rows
+    assert "moe load max/mean" in (out / "logs" / "trainer.log").read_text()
+    assert "MoE router load" in (out / "report.html").read_text()
+
+
 def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     out = tmp_path / "run"
     steps = 40  # the demo's settings; fewer steps leave the rise inside the step-to-step noise (~0.03)

@@ -85,12 +85,14 @@ PLOTS = [
     Plot("forward-KL distillation: KL(teacher's top-k ‖ student)", "trainer", named("teacher_kl")),
     Plot("importance ratio π/μ (quantiles, max)", "trainer", prefixed("importance_ratio/")),
     Plot("masked / clipped / truncated fraction, by side", "trainer", masked_fractions),
+    Plot("MoE router load (tokens per expert / mean, layers averaged; idle experts)", "trainer", prefixed("moe/")),
     Plot("trainer step time (s)", "trainer", named("step_time_s", "wait_s", "publish_s")),
     Plot("trainer tokens/s", "trainer", named("tokens_per_s")),
     Plot("eval reward by weights step (eval)", "eval", prefixed("eval/", "/reward_mean")),
     Plot("SFT loss", "sft", named("loss")),
     Plot("SFT grad norm", "sft", named("grad_norm")),
     Plot("SFT tokens/s", "sft", named("tokens_per_s")),
+    Plot("SFT MoE router load (tokens per expert / mean, layers averaged; idle experts)", "sft", prefixed("moe/")),
 ]
 
 

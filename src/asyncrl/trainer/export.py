@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from asyncrl.core import failpoint
 from asyncrl.trainer.lora import merge_lora_state_dict, peft_adapter, peft_config
-from asyncrl.transport import fingerprint
+from asyncrl.transport import experts, fingerprint
 from asyncrl.transport.files import STABLE, publish_dir
 from asyncrl.transport.layout import ADAPTER, step_of
 
@@ -38,12 +38,13 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def to_hf_state_dict(
     state: dict[str, torch.Tensor], hf_config, dtype: torch.dtype, lora_scale: float | None = None
 ) -> dict[str, torch.Tensor]:
-    """Trainer state dict -> the key names and dtype a plain HF checkpoint of this model has."""
+    """Trainer state dict -> the key names and dtype a plain HF checkpoint of this model has (an MoE's experts
+    one tensor each, `transport.experts`)."""
     if lora_scale is not None:
         state = merge_lora_state_dict(state, lora_scale)
     tied = getattr(hf_config, "tie_word_embeddings", False)
     out = {}
-    for key, value in state.items():
+    for key, value in experts.split(state).items():
         if tied and key == "lm_head.weight":
             continue
         out[key] = value.detach().to(dtype).contiguous()

@@ -43,6 +43,7 @@ from asyncrl.trainer.ckpt import CheckpointManager
 from asyncrl.trainer.dist import DistContext, init_distributed, peer_lost
 from asyncrl.trainer.export import export_adapter, export_weights
 from asyncrl.trainer.model import LoadedModel, load_model
+from asyncrl.trainer.moe import RouterLoad
 from asyncrl.trainer.optim import apply_gradients, build_optimizer, build_scheduler
 from asyncrl.trainer.perf import FlopModel, mfu, peak_flops, peak_memory_gib, reset_peak_memory, throughput_summary
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
@@ -220,6 +221,7 @@ class TrainSession:
 
     def _use_model(self, lm: LoadedModel, params: list[torch.nn.Parameter]) -> None:
         self.lm, self.model, self.params = lm, lm.model, params
+        self.router_load = RouterLoad(lm.model)  # MoE: tokens per expert (no hooks on a dense model)
         self.flops = FlopModel.from_hf_config(self.lm.hf_config, self.lm.matmul_params)
         self.peak = peak_flops(self.ctx.device)
 
@@ -318,6 +320,7 @@ class TrainSession:
             "tokens_per_s": batch.tokens / seconds,
             "mfu": mfu(batch.flops, seconds, self.peak, self.ctx.world_size),
             "peak_mem_gib": peak_memory_gib(self.ctx.device),
+            **self.router_load.take(self.ctx.all_reduce_sum),
         }
 
     # ---- outputs -----------------------------------------------------------------------------------

@@ -103,17 +103,24 @@ def build_tiny_model(
     seed: int = 0,
     head_dim: int | None = None,
     vocab_size: int | None = None,
+    experts: int = 0,
+    experts_per_token: int = 2,
 ) -> Path:
     """Write a random-init Qwen3 causal LM + tokenizer to `out_dir` (HF format, safetensors); `vocab_size`
-    above the byte tokenizer's gives a real model's embedding shape (the extra rows are never looked up)."""
+    above the byte tokenizer's gives a real model's embedding shape (the extra rows are never looked up).
+    `experts` > 0: a Qwen3-MoE instead, every layer's MLP `experts` experts of `intermediate_size` (fused, as
+    transformers holds them), `experts_per_token` routed per token."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
+    if experts and not 1 <= experts_per_token <= experts:
+        raise ValueError(f"experts_per_token ({experts_per_token}) must be between 1 and experts ({experts})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out)
     tool_rows = len(TOOL_TOKENS)  # appended after the init below, so they leave every other weight as it was
-    config = Qwen3Config(
+    config = (Qwen3MoeConfig if experts else Qwen3Config)(
+        **_moe_fields(experts, experts_per_token, intermediate_size or hidden_size),
         vocab_size=max(vocab_size or 0, len(tokenizer) - tool_rows),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or hidden_size * 3,
@@ -135,8 +142,18 @@ def build_tiny_model(
     model.generation_config.eos_token_id = [config.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
-    (out / "asyncrl_tiny.json").write_text(json.dumps({"seed": seed, "hidden_size": hidden_size, "layers": num_layers}))
+    spec = {"seed": seed, "hidden_size": hidden_size, "layers": num_layers}
+    moe = {"experts": experts, "experts_per_token": experts_per_token} if experts else {}
+    (out / "asyncrl_tiny.json").write_text(json.dumps(spec | moe))
     return out
+
+
+def _moe_fields(experts: int, per_token: int, width: int) -> dict:
+    """Qwen3-MoE's config fields for `experts` experts of MLP width `width` in every layer ({}: dense)."""
+    if not experts:
+        return {}
+    return {"num_experts": experts, "num_experts_per_tok": per_token, "moe_intermediate_size": width,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}  # fmt: skip
 
 
 def _append_token_rows(model, vocab: int, seed: int) -> None:
@@ -161,7 +178,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-kv-heads", type=int, default=2)
     parser.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: 3 x hidden)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--experts", type=int, default=0, help="a mixture of experts: experts per layer (0: dense)")
+    parser.add_argument("--experts-per-token", type=int, default=2, help="MoE: experts routed per token")
     args = parser.parse_args(argv)
+    if args.experts < 0 or (args.experts and not 1 <= args.experts_per_token <= args.experts):
+        parser.error(f"--experts-per-token ({args.experts_per_token}) must be between 1 and --experts ({args.experts})")
     out = build_tiny_model(
         args.out_dir,
         args.hidden_size,
@@ -170,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         args.num_kv_heads,
         args.intermediate_size,
         seed=args.seed,
+        experts=args.experts,
+        experts_per_token=args.experts_per_token,
     )
     size_mb = sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e6
     print(f"wrote tiny model to {out} ({size_mb:.1f} MB of weights)")

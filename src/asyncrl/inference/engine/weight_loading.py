@@ -20,7 +20,7 @@ import torch
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.api.tensor_values import check_values, read_file
 from asyncrl.inference.api.weight_dir import safetensors_files
-from asyncrl.transport import fingerprint
+from asyncrl.transport import experts, fingerprint
 
 
 def read_state_dict(files: list[Path], param: str = "weight_dir") -> dict[str, torch.Tensor]:
@@ -37,7 +37,7 @@ def load_matching_weights(path: str | Path, model: torch.nn.Module, confine: boo
 
     Tied parameters (e.g. lm_head sharing the embedding) count as present when any alias is.
     """
-    tensors = read_state_dict(safetensors_files(path, confine=confine))
+    tensors = experts.fuse(read_state_dict(safetensors_files(path, confine=confine)))  # an MoE's: as held
     state = model.state_dict()
     unknown = sorted(set(tensors) - set(state))
     if unknown:
@@ -68,9 +68,13 @@ def load_matching_weights(path: str | Path, model: torch.nn.Module, confine: boo
 
 
 def loaded_fingerprints(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """The fingerprint of each of `tensors`' names as the model now holds it, in the dtype it was read in."""
-    state = model.state_dict()
-    return {name: fingerprint.of_tensor(state[name], t.dtype) for name, t in tensors.items()}
+    """The fingerprint of each of `tensors`' names as the model now holds it, in the dtype it was read in; a
+    fused MoE parameter's under the checkpoint's names, one per expert and projection (`transport.experts`)."""
+    state, out = model.state_dict(), {}
+    for name, t in tensors.items():
+        held = experts.split({name: state[name]})
+        out.update({key: fingerprint.of_tensor(value, t.dtype) for key, value in held.items()})
+    return out
 
 
 def staged(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

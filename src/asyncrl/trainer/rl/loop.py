@@ -41,6 +41,7 @@ from asyncrl.trainer.head import ENTROPY, LOGPROB, TEACHER_CE, TEACHER_KL, HeadR
 from asyncrl.trainer.lora import adapters_off
 from asyncrl.trainer.loss import get_loss_fn, mismatch_kl_sum
 from asyncrl.trainer.model import DTYPES, load_model
+from asyncrl.trainer.moe import log_part
 from asyncrl.trainer.perf import format_mfu
 from asyncrl.trainer.rl.data import (
     FakeSource,
@@ -379,6 +380,7 @@ class RLLoop(Loop):
             f"{m['step_time_s']:.2f}s {m['tokens_per_s']:,.0f} tok/s | mfu {format_mfu(m['mfu'])} | "
             f"mem {m['peak_mem_gib']:.2f} GiB | wait {m['wait_s']:.2f}s"
             + (f" | teacher_kl {m['teacher_kl']:.4f}" if "teacher_kl" in m else "")
+            + log_part(m)
         )
 
     def throughput_header(self) -> str:

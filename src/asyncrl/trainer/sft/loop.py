@@ -23,6 +23,7 @@ from asyncrl.config.sft import SFTConfig
 from asyncrl.core.errors import UserError
 from asyncrl.trainer.head import LOGPROB, HeadRequest, head_setting, model_stats
 from asyncrl.trainer.model import load_tokenizer
+from asyncrl.trainer.moe import log_part
 from asyncrl.trainer.perf import format_mfu
 from asyncrl.trainer.session import Loop, StepBatch, TrainSession, run_training
 from asyncrl.trainer.sft.data import ConversationTokenizer, SFTSample, fake_sample, load_sft_dataset
@@ -190,6 +191,7 @@ class SFTLoop(Loop):
             f"step {step} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
             f"{m['samples']} samples in {m['rows']} rows | epoch {m['epoch']} | "
             f"{m['tokens_per_s']:,.0f} tok/s | mfu {format_mfu(m['mfu'])} | mem {m['peak_mem_gib']:.2f} GiB"
+            + log_part(m)
         )
 
     def throughput_header(self) -> str:
