@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from rl_runs import check_run_dir, rl_args
+from waiting import wait_until
 
 from asyncrl.report.status import last_row, status_lines
 from asyncrl.transport.layout import RunLayout
@@ -80,15 +81,15 @@ class Census:
 def kill_when_training(proc: subprocess.Popen, layout: RunLayout, victim: str, after: float) -> float:
     """SIGKILL `victim` once the attempt rl started after time `after` trained 3 steps past its start (so a new
     checkpoint exists: deaths with progress between them are not "in a row"); returns the kill's time."""
-    deadline = time.monotonic() + TIMEOUT
-    while True:
+
+    def ready() -> bool:
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"no attempt trained 3 steps after {after} to kill {victim} in"
         record = runstate.read(layout.pid_file(victim))
-        if record.get("started", 0) > after and trained(layout, record["started"]) >= started_at(layout) + 3:
-            os.kill(record["pid"], signal.SIGKILL)
-            return time.time()
-        time.sleep(0.1)
+        return record.get("started", 0) > after and trained(layout, record["started"]) >= started_at(layout) + 3
+
+    assert wait_until(ready, TIMEOUT, every_s=0.1), f"no attempt trained 3 steps after {after} to kill {victim} in"
+    os.kill(runstate.read(layout.pid_file(victim))["pid"], signal.SIGKILL)
+    return time.time()
 
 
 def trained(layout: RunLayout, since: float) -> int:
@@ -127,6 +128,5 @@ def test_a_kill_storm_ends_in_a_finished_run_with_no_step_lost_or_repeated(tiny_
     check_run_dir(out, STEPS, stderr + logs)
     assert max(census.most.values()) == 1, (census.most, census.seen)  # no attempt's process outlived it
     assert census.most["trainer"] == census.most["inference"] == census.most["orchestrator"] == 1
-    time.sleep(1)
-    assert not census.now(), census.now()  # nothing outlives rl
+    assert wait_until(lambda: not census.now(), 15), census.now()  # nothing outlives rl
     assert any(line.split()[:2] == ["restarts", "3:"] for line in status_lines(out))
