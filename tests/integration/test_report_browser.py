@@ -54,6 +54,7 @@ def make_run(run: Path) -> Path:
     for s in range(STEPS):
         t, r = t0 + 10.0 * s, 0.2 + 0.6 * s / STEPS
         env_rewards = {f"reward/{e}/mean": r + d for e, d in zip(ENVS, (0.05, -0.05))}
+        moe = {"moe/load_max_over_mean": 1.6 - 0.01 * s, "moe/load_min_over_mean": 0.4, "moe/experts_idle_frac": 0.0}
         orch.append(
             {
                 "step": s,
@@ -97,9 +98,12 @@ def make_run(run: Path) -> Path:
                 "off_policy/mean": 0.6 + 0.1 * (s % 3),
                 "off_policy/max": 1.0 + (s % 2),
                 "tokens_per_s": 5200.0 + 20 * s,
+                **moe,  # a mixture of experts: its router load
             }
         )
-        sft.append({"step": s, "time": t, "loss": 2.5 / (s + 1), "grad_norm": 1.0 - 0.02 * s, "tokens_per_s": 8e3})
+        sft.append(
+            {"step": s, "time": t, "loss": 2.5 / (s + 1), "grad_norm": 1.0 - 0.02 * s, "tokens_per_s": 8e3, **moe}
+        )
     evals = [
         {"step": w, "time": t0 + 10.0 * w + 3, "label": f"step_{w}"}
         | {f"eval/{e}/reward_mean": 0.2 + w / 40 + d for e, d in zip(ENVS, (0, 0.1))}
