@@ -37,29 +37,17 @@ from learning import BIN, TASKS, log, rl_config, summarize_run, warm
 from asyncrl.report.status import last_row
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils import runstate
-from asyncrl.utils.process import free_port
+from asyncrl.utils.process import free_port, processes_by_role
 
-ROLES = {"inference": "entrypoints.inference", "orchestrator": "entrypoints.orchestrator",
-         "trainer": "entrypoints.trainer", "env-server": "entrypoints.env_server"}  # fmt: skip
+ROLES = {"inference": "asyncrl.entrypoints.inference", "orchestrator": "asyncrl.entrypoints.orchestrator",
+         "trainer": "asyncrl.entrypoints.trainer", "env-server": "asyncrl.entrypoints.env_server"}  # fmt: skip
 
 
 def processes(out: Path) -> dict[str, list[int]]:
-    """This run's live processes by role (from /proc: a command line naming the run dir and an entrypoint),
-    less those whose parent has the same role (a fork between `fork` and `exec` shows its parent's command)."""
-    found: dict[int, tuple[str, int]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        roles = [role for role, module in ROLES.items() if str(out) in argv and module in argv]
-        if roles:
-            found[int(pid)] = (roles[0], parent)
+    """This run's live processes by role (`processes_by_role`: a fork before its `exec` is left out)."""
     by_role: dict[str, list[int]] = {r: [] for r in ROLES}
-    for pid, (role, parent) in found.items():
-        if found.get(parent, ("",))[0] != role:
-            by_role[role].append(pid)
+    for pid, (role, _) in processes_by_role(str(out), ROLES).items():
+        by_role[role].append(pid)
     return by_role
 
 

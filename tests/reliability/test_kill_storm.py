@@ -26,41 +26,27 @@ from waiting import wait_until
 from asyncrl.report.status import last_row, status_lines
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils import runstate
+from asyncrl.utils.process import processes_by_role
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 STEPS = 16
 VICTIMS = ("trainer", "inference", "orchestrator")
 TIMEOUT = 300  # seconds for the whole run
-ROLES = ("inference", "orchestrator", "trainer", "env_server")  # `asyncrl.entrypoints.<role>`
+ROLES = {r: f"asyncrl.entrypoints.{r}" for r in ("inference", "orchestrator", "trainer", "env_server")}
 
 
 class Census:
-    """Counts this run's live processes by role every 0.2 s (from /proc), keeping the most seen at once. A
-    process whose parent has its role is not counted: a fork between `fork` and `exec` (a subprocess being
-    started) shows its parent's command line; an attempt's process that outlived it has rl for a parent."""
+    """Counts this run's live processes by role every 0.2 s (`processes_by_role`: a fork before its `exec` is
+    not counted; an attempt's process that outlived it has rl for a parent and is), keeping the most at once."""
 
     def __init__(self, out: Path):
         self.out, self.most, self.seen, self._stop = str(out), Counter(), {}, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def processes(self) -> dict[int, tuple[str, int]]:
-        """{pid: (role, parent pid)} of this run's live processes."""
-        found = {}
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):  # gone meanwhile
-                continue
-            roles = [r for r in ROLES if f"asyncrl.entrypoints.{r}" in argv]
-            if roles and any(self.out in a for a in argv):
-                found[int(pid)] = (roles[0], parent)
-        return found
-
     def now(self) -> Counter:
-        found = self.processes()
-        counted = Counter(role for role, parent in found.values() if found.get(parent, ("",))[0] != role)
+        found = processes_by_role(self.out, ROLES)
+        counted = Counter(role for role, _ in found.values())
         if any(counted[r] > self.most[r] for r in counted):
             self.seen = found  # the sample that set a new most: what the assertion shows
         return counted

@@ -1,8 +1,8 @@
 """Auto-restart: whether `rl` restarts a run one of whose processes died, from which step, after how long.
 
-A restart is the documented resume, done by rl: the next attempt is the same run with `ckpt.resume_step = -1`
-(the latest step both trainer and orchestrator saved; step 0 while none is complete), started by the same
-code as the first. A run that stalled (no step for `stall_timeout`: a hung process) is restarted the same
+A restart is the documented resume, done by rl: the next attempt is the same run with `ckpt.resume_step` set
+to the latest step both trainer and orchestrator saved below `max_steps` (none: from step 0), started by the
+same code as the first. A run that stalled (no step for `stall_timeout`: a hung process) is restarted the same
 way. Env servers are not this module's: the orchestrator restarts those in place.
 
 Invariants: only a single run that checkpoints is restarted (a multi-run's lost orchestrator ends that run

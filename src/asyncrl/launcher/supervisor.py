@@ -88,10 +88,15 @@ class Child:
     since: dict[Path, int] | None = None  # where this attempt's lines start in its logs (by byte)
     started: float = field(default_factory=time.time)
 
+    @property
+    def record(self) -> Path:
+        """Its run record (`utils.runstate`): a run's orchestrator's is `orchestrator.pid` in the run's own dir."""
+        return self.layout.pid_file("orchestrator" if self.run else self.name)
+
     def error(self) -> str | None:
         """The error this attempt's process recorded on its way out (its run record's first line; a streamed
         trainer logs it nowhere else), else the last error line of its log in this attempt."""
-        record = runstate.read(self.layout.pid_file("orchestrator" if self.run else self.name))
+        record = runstate.read(self.record)
         if record.get("error") and record.get("started", 0.0) >= self.started:
             return record["error"].splitlines()[0]
         return last_error_line(self.log_path, (self.since or {}).get(self.log_path, 0))
@@ -371,13 +376,13 @@ class Launcher:
         child = self._first_death(child)
         code = child.proc.returncode
         self.stop()
-        error = child.error()
+        error, said = child.error(), exit_words(code)
         raise ComponentDied(
-            f"{child.name} died ({exit_words(code)}){self._disk_note()}; last lines of "
+            f"{child.name} died ({said}){self._disk_note()}; last lines of "
             + ("\n".join(child.logged()) or "its logs: (none in this attempt)"),
             child.name,
             code,
-            exit_words(code) + (f": {error}" if error else ""),
+            said + (f": {error}" if error else ""),
         )
 
     def _first_death(self, child: Child) -> Child:
@@ -459,7 +464,7 @@ class Launcher:
 
     def _run_lost(self, child: Child, code: int) -> None:
         """Multi-run: a run's orchestrator died; the trainer ends that run (STOP) and the others go on."""
-        error = runstate.read(child.layout.pid_file("orchestrator")).get("error")
+        error = runstate.read(child.record).get("error")
         why = f"its orchestrator died (exit code {code})" + (f": {error}" if error else "")
         write_text_atomic(child.layout.run_stop, why + "\n")
         logger.warning(
@@ -474,7 +479,7 @@ class Launcher:
                 continue
             if json.loads(child.layout.run_status.read_text()).get("state") != "done":
                 stop_groups([child.proc], STOP_GRACE_S)
-                runstate.close(child.layout.pid_file("orchestrator"), runstate.STOPPED)
+                runstate.close(child.record, runstate.STOPPED)
                 finished.add(child.name)
 
     def run_outcomes(self) -> dict[str, dict]:
@@ -492,7 +497,7 @@ class Launcher:
         for proc in stop_groups([c.proc for c in self.children], STOP_GRACE_S):
             logger.warning(f"{next(c.name for c in self.children if c.proc is proc)} ignored SIGTERM; killed it")
         for child in running:  # their run records say rl stopped them (one that died keeps no exit: killed)
-            runstate.close(child.layout.pid_file("orchestrator" if child.run else child.name), runstate.STOPPED)
+            runstate.close(child.record, runstate.STOPPED)
         if orphans := stop_descendants(STOP_GRACE_S):  # what the children left (adopted: reap_orphans)
             logger.info(f"stopped {len(orphans)} process(es) the children left behind: pids {orphans}")
 

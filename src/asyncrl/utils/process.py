@@ -260,6 +260,23 @@ def process_tree(pid: int) -> list[tuple[int, str]]:
     return tree
 
 
+def processes_by_role(marker: str, roles: dict[str, str]) -> dict[int, tuple[str, int]]:
+    """{pid: (role, parent pid)} of the live processes whose command line has `marker` in an argument (e.g. a
+    run's output dir) and a role's module as one (`{"trainer": "asyncrl.entrypoints.trainer"}`). A process whose
+    parent has its role is left out: between `fork` and `exec` a child shows its parent's command line."""
+    found: dict[int, tuple[str, int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            argv = (stat.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        named = [role for role, module in roles.items() if module in argv]
+        if named and any(marker in a for a in argv):
+            found[int(stat.parent.name)] = (named[0], parent)
+    return {pid: (role, parent) for pid, (role, parent) in found.items() if found.get(parent, ("",))[0] != role}
+
+
 def stop_descendants(grace: float = 10.0) -> list[int]:
     """SIGTERM every process below this one (orphans reparented to it by `reap_orphans` included), SIGKILL
     those left after `grace` s, and reap those that are its children now. Returns the ones that were running."""

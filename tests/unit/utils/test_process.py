@@ -9,7 +9,18 @@ import time
 import pytest
 from waiting import wait_until
 
-from asyncrl.utils.process import ChildExited, free_port, serve, spawn, stop_group, stop_groups, tail, wait_for_http
+from asyncrl.utils.process import (
+    ChildExited,
+    free_port,
+    process_tree,
+    processes_by_role,
+    serve,
+    spawn,
+    stop_group,
+    stop_groups,
+    tail,
+    wait_for_http,
+)
 
 
 def test_wait_for_a_server_that_comes_up(tmp_path):
@@ -159,3 +170,19 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_free():
     assert all(PORTS_FROM <= p < _ephemeral_low() for p in ports) and len(ports) > 1
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports.pop()))
+
+
+def test_processes_by_role_leaves_out_a_fork_of_a_process_of_its_role(tmp_path):
+    """A forked child shows its parent's command line until it execs: it is not a second process of the role."""
+    marker = str(tmp_path / "run")
+    code = "import os, sys, time; os.fork(); sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code, marker, "asyncrl.entrypoints.trainer"], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() and proc.stdout.readline()  # both the parent and its fork are running
+        found = processes_by_role(marker, {"trainer": "asyncrl.entrypoints.trainer", "inference": "inference"})
+        assert list(found.values()) == [("trainer", os.getpid())], found
+        assert processes_by_role(str(tmp_path / "other"), {"trainer": "asyncrl.entrypoints.trainer"}) == {}
+    finally:
+        for pid, _ in process_tree(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()

@@ -3,6 +3,8 @@
 Runs inside each vLLM worker process; the API server calls it through `collective_rpc`.
 """
 
+from collections.abc import Iterator
+
 import torch
 
 
@@ -45,17 +47,9 @@ class WeightReloadExtension:
 
 
 def _read_fingerprints(weights_path: str) -> dict[str, str]:
-    from pathlib import Path
-
-    from safetensors import safe_open
-
     from asyncrl.transport import fingerprint
 
-    out: dict[str, str] = {}
-    for file in sorted(Path(weights_path).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({key: fingerprint.of_tensor(f.get_tensor(key)) for key in f.keys()})
-    return out
+    return {key: fingerprint.of_tensor(tensor) for key, tensor in _file_tensors(weights_path)}
 
 
 def _adapter_fingerprints(manager, lora_id: int, lora_path: str) -> dict[str, str]:
@@ -70,7 +64,7 @@ def _adapter_fingerprints(manager, lora_id: int, lora_path: str) -> dict[str, st
     mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
     mapper = mapper.get_rename_mapper() if mapper is not None else None  # renames only, as vLLM loads adapters
     out = {}
-    for key, tensor in _file_tensors(lora_path).items():
+    for key, tensor in _file_tensors(lora_path):
         module, is_a = parse_fine_tuned_lora_name(key, mapper)
         live = held.get(module, (None, None))[0 if is_a else 1]
         if live is None:
@@ -100,12 +94,13 @@ def _held_pairs(adapters, lora_id: int) -> dict[str, tuple]:
     return out
 
 
-def _file_tensors(path: str) -> dict:
+def _file_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in dir `path`'s safetensors files, read one at a time."""
     from pathlib import Path
 
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
-    out: dict = {}
     for file in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(str(file)))
-    return out
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
