@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", type=int, default=0, help="a mixture of experts: experts per layer (0: dense)")
     parser.add_argument("--experts-per-token", type=int, default=2, help="MoE: experts routed per token")
     args = parser.parse_args(argv)
-    if args.experts < 0 or (args.experts and not 1 <= args.experts_per_token <= args.experts):
+    if args.experts < 0:
+        parser.error(f"--experts ({args.experts}) must be 0 (a dense model) or more")
+    if args.experts and not 1 <= args.experts_per_token <= args.experts:
         parser.error(f"--experts-per-token ({args.experts_per_token}) must be between 1 and --experts ({args.experts})")
     out = build_tiny_model(
         args.out_dir,

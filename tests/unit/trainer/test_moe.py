@@ -73,3 +73,10 @@ def test_expert_tensors_convert_exactly_as_transformers_saves_and_loads_them(moe
     assert "model.layers.1.mlp.experts.0.gate_proj.weight" in experts.fuse(partial)  # incomplete: left unfused
     dense = {"model.layers.0.mlp.down_proj.weight": torch.zeros(2, 2)}
     assert experts.fuse(dense) == dense and experts.split(dense) == dense
+
+
+def test_a_negative_expert_count_is_a_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "m"), "--experts", "-1"])
+    assert e.value.code == 2 and "--experts (-1) must be 0 (a dense model) or more" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
