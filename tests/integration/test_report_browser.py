@@ -1,9 +1,12 @@
-"""The run report renders in a real browser: headless Chromium opens `report.html` and every plot shows.
+"""The run report works in a real browser: headless Chromium opens `report.html`, every plot draws, and in a
+comparison each run has one colour in every plot.
 
-One job: a run dir with metrics for every plot goes through `write_report`; Chromium (driven over the
-Chrome DevTools Protocol) loads the page, and each `img.plot` must be decoded with its caption, the sample
-completions present, no script error or console error logged; a full-page screenshot is saved. A page with
-a broken image shows the check can fail. Needs `chromium` (scripts/install_browser.sh).
+A run dir with metrics for every plot goes through `write_report`; Chromium (driven over the Chrome
+DevTools Protocol) loads the page, every chart must be drawn by plotly.js under its plot's caption, the
+sample completions present, no script error or console error logged; a full-page screenshot is saved. A
+comparison of 3 runs is checked on the screenshot's pixels: each run's colour appears in every chart, and
+none of a run switched off (the check can fail); smoothing and the wall-time axis change what is drawn. A
+10-run comparison loads whole. Needs `chromium` (scripts/install_browser.sh).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import pytest
 
 from asyncrl.orchestrator.metrics import log_samples
 from asyncrl.orchestrator.samples import Rollout
-from asyncrl.report.report import PLOTS, render_png, write_report
+from asyncrl.report.curves import PLOTS, RunCurves, ema, rows_by_step
+from asyncrl.report.report import write_report
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.process import free_port
 
@@ -33,9 +37,6 @@ connect = pytest.importorskip("websockets.sync.client", reason="no websockets: r
 
 ENVS = ("reverse_text", "gsm8k")
 STEPS = 24
-IMAGES = """Array.from(document.querySelectorAll('img.plot'), i => ({
-  alt: i.alt, ok: i.complete && i.naturalWidth > 0,
-  caption: i.closest('figure')?.querySelector('figcaption')?.textContent ?? null}))"""
 
 
 # --- a run dir with metrics for every plot ---------------------------------------------------------------
@@ -45,14 +46,14 @@ def _jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def make_run(run: Path) -> Path:
+def make_run(run: Path, reward0: float = 0.2) -> Path:
     layout = RunLayout(run)
     for d in (layout.metrics, layout.logs, layout.configs):
         d.mkdir(parents=True)
     t0 = time.time() - STEPS * 10.0
     orch, trainer, sft = [], [], []
     for s in range(STEPS):
-        t, r = t0 + 10.0 * s, 0.2 + 0.6 * s / STEPS
+        t, r = t0 + 10.0 * s, reward0 + 0.6 * s / STEPS + 0.05 * ((s * 7) % 5 - 2)  # noisy
         env_rewards = {f"reward/{e}/mean": r + d for e, d in zip(ENVS, (0.05, -0.05))}
         moe = {"moe/load_max_over_mean": 1.6 - 0.01 * s, "moe/load_min_over_mean": 0.4, "moe/experts_idle_frac": 0.0}
         orch.append(
@@ -223,20 +224,57 @@ def screenshot(cdp: Cdp, path: Path) -> Path:
     return path
 
 
-# --- the test ---------------------------------------------------------------------------------------------
+# --- the tests ----------------------------------------------------------------------------------------------
+
+DRAWN = """window.asyncrlReport.drawAll().then(() => Array.from(document.querySelectorAll('div.chart'), d => ({
+  plot: d.closest('figure').querySelector('figcaption').textContent, drawn: !!d.querySelector('svg.main-svg'),
+  box: (r => [r.left + scrollX, r.top + scrollY, r.width, r.height])(d.getBoundingClientRect())})))"""
+
+
+def comparison(root: Path, n: int) -> list[Path]:
+    """`n` runs of one recipe at two async levels and several seeds: their configs differ in k and seed."""
+    runs = []
+    for i in range(n):
+        run = make_run(root / f"k{i % 2}-s{i // 2}" / "run", reward0=0.1 + 0.04 * i)
+        (RunLayout(run).configs / "orchestrator.toml").write_text(f"max_async_level = {i % 2}\nseed = {i // 2}\n")
+        for path in RunLayout(run).metrics.glob("*.jsonl"):  # every curve of a run apart from the others'
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            scaled = [{k: _apart(k, v, i) for k, v in r.items()} for r in rows]
+            path.write_text("".join(json.dumps(r) + "\n" for r in scaled))
+        runs.append(run)
+    return runs
+
+
+def _apart(key: str, value, i: int):
+    number = isinstance(value, float | int) and not isinstance(value, bool)
+    return value * (1 + 0.15 * i) + 0.01 * i if number and key not in ("step", "time") else value
+
+
+def colour_counts(shot: Path, charts: list[dict], colours: list[str]) -> list[list[int]]:
+    """Per chart, how many pixels are exactly each run's colour (a smoothed curve's own, drawn opaque)."""
+    from PIL import Image
+
+    image = Image.open(shot).convert("RGB")
+    rgb = [tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for c in colours]
+    out = []
+    for chart in charts:
+        x, y, w, h = (round(v) for v in chart["box"])
+        counts = {colour: n for n, colour in image.crop((x, y, x + w, y + h)).getcolors(maxcolors=1 << 20)}
+        out.append([counts.get(c, 0) for c in rgb])
+    return out
 
 
 def test_every_plot_of_the_report_renders_in_chromium(tmp_path, browser):
     run = make_run(tmp_path / "run")
-    expected = [p.title for p in PLOTS if render_png(p, [run]) is not None]
+    curves = RunCurves(run)
+    expected = [p.title for p in PLOTS if curves.curves(p)]
     assert len(expected) == len(PLOTS), "the run's metrics should cover every plot"
     report = write_report([run])
 
     browser.open(report)
-    images = browser.evaluate(IMAGES)
-    assert [i["alt"] for i in images] == expected
-    assert [i["alt"] for i in images if not i["ok"]] == [], "plots that did not render"
-    assert all(i["caption"] == i["alt"] for i in images), images
+    charts = browser.evaluate(DRAWN)
+    assert list(dict.fromkeys(c["plot"] for c in charts)) == expected
+    assert [c["plot"] for c in charts if not c["drawn"]] == [], "plots that did not render"
     assert browser.evaluate("document.querySelectorAll('div.sample').length") == 4  # first and last step
     completions = browser.evaluate("Array.from(document.querySelectorAll('pre.completion'), p => p.textContent)")
     assert any(c.startswith("<think>step 0") for c in completions)  # escaped, shown as text
@@ -248,17 +286,52 @@ def test_every_plot_of_the_report_renders_in_chromium(tmp_path, browser):
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 20_000, len(data)
     print(f"\nreport screenshot: {shot} ({len(data) // 1024} KiB)")
 
-    # The negative control: a plot whose data does not decode is reported, a good one beside it is not.
-    good = report.read_text().split("src='data:image/png;base64,")[1].split("'")[0]
-    broken = tmp_path / "broken.html"
-    figures = [
-        (alt, f"<img class='plot' alt='{alt}' src='data:image/png;base64,{b64}'>")
-        for alt, b64 in (("good", good), ("bad", base64.b64encode(b"not a png").decode()))
-    ]
-    broken.write_text(
-        "<!doctype html><html><body>"
-        + "".join(f"<figure>{img}<figcaption>{alt}</figcaption></figure>" for alt, img in figures)
-        + "</body></html>"
-    )
-    browser.open(broken)
-    assert [(i["alt"], i["ok"]) for i in browser.evaluate(IMAGES)] == [("good", True), ("bad", False)]
+
+def test_a_run_has_one_colour_in_every_plot_and_the_controls_work(tmp_path, browser):
+    runs = comparison(tmp_path, 3)
+    report = write_report(runs, tmp_path / "compare.html")
+    browser.send("Emulation.setScrollbarsHidden", hidden=True)  # the width the screenshots have
+    browser.open(report)
+    labels = browser.evaluate("window.asyncrlReport.data.runs.map(r => r.label)")
+    assert labels == ["k=0 seed=0", "k=1 seed=0", "k=0 seed=1"]
+    colours = browser.evaluate("window.asyncrlReport.data.runs.map(r => r.colour)")
+    charts = browser.evaluate(DRAWN)
+    counts = colour_counts(screenshot(browser, tmp_path / "compare.png"), charts, colours)
+    for chart, seen in zip(charts, counts):  # the screenshot: each run's colour in each chart
+        assert all(n >= 20 for n in seen), (chart["plot"], seen)
+
+    # the negative control: a run switched off leaves no pixel of its colour anywhere, the others stay
+    browser.evaluate("document.querySelector('input[data-run=\"0\"]').click(); window.asyncrlReport.redraw()")
+    counts = colour_counts(screenshot(browser, tmp_path / "compare-off.png"), browser.evaluate(DRAWN), colours)
+    assert all(seen[0] == 0 and seen[1] >= 20 and seen[2] >= 20 for seen in counts), counts
+    browser.evaluate("document.querySelector('input[data-run=\"0\"]').click(); window.asyncrlReport.redraw()")
+
+    ys = "document.querySelector('div.chart').data.filter(t => t.hoverinfo !== 'skip')[0].y"
+    raw = [r["reward/mean"] for r in rows_by_step(RunLayout(runs[0]).metrics_file("orchestrator"), "train")]
+    assert browser.evaluate(ys) == pytest.approx(ema(raw, 0.8))  # the default smoothing, as curves.ema
+    control = "(e => (e.value = '%s', e.dispatchEvent(new Event('%s'))))(document.getElementById('%s'))"
+    browser.evaluate(control % ("0", "input", "smoothing") + " && window.asyncrlReport.redraw()")
+    assert browser.evaluate(ys) == pytest.approx(raw)
+    assert browser.evaluate("document.getElementById('smoothing-value').textContent") == "0"
+
+    browser.evaluate(control % ("wall", "change", "axis") + " && window.asyncrlReport.redraw()")
+    chart = "document.querySelector('div.chart')"
+    assert browser.evaluate(f"{chart}.layout.xaxis.title.text") == "wall time (min)"
+    xs = browser.evaluate(f"{chart}.data[0].x")
+    assert xs[0] >= 0 and xs == sorted(xs) and 0 < xs[-1] < STEPS * 10 / 60 + 1  # minutes since the run started
+    assert browser.errors() == []
+
+
+def test_a_ten_run_comparison_loads_with_ten_colours(tmp_path, browser):
+    runs = comparison(tmp_path, 10)
+    report = write_report(runs, tmp_path / "ten.html")
+    browser.send("Emulation.setScrollbarsHidden", hidden=True)
+    browser.open(report)
+    charts = browser.evaluate(DRAWN)
+    assert charts and all(c["drawn"] for c in charts)
+    colours = browser.evaluate("window.asyncrlReport.data.runs.map(r => r.colour)")
+    assert len(set(colours)) == 10
+    counts = colour_counts(screenshot(browser, tmp_path / "ten.png"), charts[:1], colours)  # the reward plot
+    assert all(n > 0 for n in counts[0]), counts
+    assert browser.errors() == []
+    assert browser.evaluate("document.querySelectorAll('table.tta tr').length") == 11  # a header and 10 runs

@@ -1,4 +1,6 @@
-"""`asyncrl status RUN_DIR` and `asyncrl report RUN_DIR [RUN_DIR ...] [--out FILE]`: look at runs without W&B."""
+"""`asyncrl status RUN_DIR` and `asyncrl report RUN_DIR [RUN_DIR ...] [options]`: look at runs without W&B.
+
+Bad arguments: one line naming what was wrong and how to fix it, exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -15,10 +17,19 @@ STATUS = (
                    last errors""",
 )
 REPORT = (
-    "asyncrl report RUN_DIR [RUN_DIR ...] [--out FILE]",
-    """  report RUN_DIR   RUN_DIR/report.html: every curve of the run (PNGs in RUN_DIR/report/), its status and
-                   config, in one file that opens offline; several runs: their curves overlaid, in
-                   ./report.html (or --out FILE)""",
+    "asyncrl report RUN_DIR [RUN_DIR ...] [--out FILE] [--label L ...] [--metric KEY] [--threshold X]\n"
+    "                      [--smoothing W]",
+    """  report RUN_DIR   RUN_DIR/report.html: every curve of the run, its status, samples and config, in one
+                   file that opens offline (zoom, hover, smoothing, step or wall-time axis; PNGs in
+                   RUN_DIR/report/); several runs: one colour per run in every plot, labelled by what
+                   differs between their configs, and a time-to-accuracy table (also printed), in
+                   ./report.html (or --out FILE)
+    --out FILE       where the page goes (its PNGs: beside it, in FILE without .html)
+    --label L        a run's label instead of its config differences; once per run, in the runs' order
+    --metric KEY     the time-to-accuracy metric, a metrics.jsonl key (default: eval/reward/mean when
+                     every run evaluated 3+ times, else the EMA-smoothed reward/mean); higher is better
+    --threshold X    the value to reach (default: the worst run's final value)
+    --smoothing W    the EMA weight, 0 (none) to 0.99 (default 0.8): the page opens with it; PNGs, table""",
 )
 USAGE = f"usage: {STATUS[0]}\n       {REPORT[0]}\n\n{STATUS[1]}\n{REPORT[1]}"
 HELP = {name: f"usage: {line}\n\n{said}" for name, (line, said) in {"status": STATUS, "report": REPORT}.items()}
@@ -52,18 +63,59 @@ def status(rest: list[str]) -> None:
     print("\n".join(status_lines(Path(rest[0]))))
 
 
-def report(rest: list[str]) -> None:
-    from asyncrl.report.report import check_runs, write_report
+VALUED = ("--out", "--label", "--metric", "--threshold", "--smoothing")
 
-    out = None
-    if "--out" in rest:
-        at = rest.index("--out")
-        if at + 1 >= len(rest):
-            fail("--out needs a file path, e.g. --out ablation.html")
-        out, rest = Path(rest[at + 1]), rest[:at] + rest[at + 2 :]
-    if unknown := [a for a in rest if a.startswith("-")]:
-        fail(f"unknown option {unknown[0]} (asyncrl report RUN_DIR [RUN_DIR ...] [--out FILE])")
-    path = write_report(check_runs(rest), out)
+
+def report_options(rest: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """The run dirs and each option's values (every option takes one value; only --label repeats)."""
+    runs, given = [], {}
+    it = iter(rest)
+    for arg in it:
+        name, eq, value = arg.partition("=")
+        if name not in VALUED:
+            if arg.startswith("-"):
+                fail(f"unknown option {arg} (see asyncrl report --help)")
+            runs.append(arg)
+            continue
+        value = value if eq else next(it, None)
+        if value is None:
+            fail(f"{name} needs a value (see asyncrl report --help)")
+        given.setdefault(name, []).append(value)
+    if twice := [n for n, v in given.items() if len(v) > 1 and n != "--label"]:
+        fail(f"{twice[0]} given twice; give it once")
+    return runs, given
+
+
+def number(given: dict[str, list[str]], name: str, low: float, high: float) -> float | None:
+    if name not in given:
+        return None
+    try:
+        value = float(given[name][0])
+    except ValueError:
+        value = float("nan")
+    if not low <= value <= high:
+        fail(f"{name} {given[name][0]!r} is not a number from {low:g} to {high:g}")
+    return value
+
+
+def report(rest: list[str]) -> None:
+    from asyncrl.report.curves import SMOOTHING
+    from asyncrl.report.report import Options, check_runs, write
+    from asyncrl.report.tta import text
+
+    paths, given = report_options(rest)
+    runs = check_runs(paths)
+    smoothing = number(given, "--smoothing", 0.0, 0.99)
+    options = Options(
+        labels=given.get("--label"),
+        metric=given.get("--metric", [None])[0],
+        threshold=number(given, "--threshold", -float("inf"), float("inf")),
+        smoothing=SMOOTHING if smoothing is None else smoothing,
+    )
+    out = Path(given["--out"][0]) if "--out" in given else None
+    path, table = write(runs, out, options)
+    if table is not None:
+        print(text(table))
     print(f"wrote {path}")
 
 

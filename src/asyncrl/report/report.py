@@ -1,210 +1,146 @@
-"""`asyncrl report RUN_DIR [RUN_DIR ...]`: a run's curves as one self-contained HTML page, plus PNGs.
+"""`asyncrl report RUN_DIR [RUN_DIR ...]`: runs' curves as one self-contained, interactive HTML page, plus PNGs.
 
-Reads only the run's files: `metrics/{orchestrator,trainer,sft,eval}.jsonl`, the sample completions
+Reads only the runs' files: `metrics/{orchestrator,trainer,sft,eval}.jsonl`, the sample completions
 (`samples.jsonl` of `rl`, `eval/rollouts.jsonl` of `eval`), `configs/*.toml` and what `asyncrl status`
-reads. Writes `report.html` (plots embedded as PNG data, viewable offline) and `report/<plot>.png` beside it.
-Several runs: their curves overlaid in one page (an ablation).
+reads. Writes `report.html` (plotly.js and the data inlined: zoom, hover, smoothing, step or wall-time
+axis, run toggles; opens offline) and `report/<plot>.png` beside it (the same curves, smoothed, for a
+README or a slide). Several runs: one colour per run in every plot, labelled by what differs between
+their configs (labels.py), and a time-to-accuracy table (tta.py).
 
 Invariants: a step logged twice (a crashed attempt, then a resumed one) counts once, the last row wins;
 a run still going or one that crashed gives what it has (and its errors); a plot whose metrics no run has
-is left out, never drawn empty.
+is left out, never drawn empty; report.html is written whole (temp + rename) or not at all.
 """
 
 from __future__ import annotations
 
-import base64
 import html
 import io
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.core.errors import UserError
+from asyncrl.report import interactive, tta
+from asyncrl.report.curves import PLOTS, SMOOTHING, Curve, Plot, RunCurves, ema, rows_by_step
+from asyncrl.report.labels import Identity, identities
 from asyncrl.report.status import status_lines
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout
 
+__all__ = ["PLOTS", "Options", "render_png", "report_at_end", "rows_by_step", "write_report"]
+
 
 @dataclass(frozen=True)
-class Plot:
-    title: str
-    source: str  # metrics file (orchestrator / trainer / sft), `kind` rows after ':' (orchestrator:eval)
-    keys: Callable[[set[str]], list[str]]  # the metric keys to draw, from the keys the rows have
+class Options:
+    labels: list[str] | None = None  # one per run; default: what differs between their configs
+    metric: str | None = None  # the time-to-accuracy metric (tta.py says the default)
+    threshold: float | None = None  # default: the worst run's final value
+    smoothing: float = SMOOTHING  # the EMA weight the page opens with (and the PNGs and table use)
 
 
-def named(*keys: str) -> Callable[[set[str]], list[str]]:
-    return lambda have: [k for k in keys if k in have]
+MARGINS = {"left": 0.09, "right": 0.7, "bottom": 0.14, "top": 0.9}  # of the figure: the legend goes right of 0.7
+STYLES = ["-", "--", ":", "-."]
 
 
-def prefixed(prefix: str, suffix: str = "") -> Callable[[set[str]], list[str]]:
-    return lambda have: sorted(k for k in have if k.startswith(prefix) and k.endswith(suffix))
-
-
-def per_env(have: set[str]) -> list[str]:
-    """Each environment's mean reward, when there are several (one is the same curve as reward/mean)."""
-    envs = [k for k in prefixed("reward/", "/mean")(have) if k != "reward/mean"]
-    return envs if len(envs) > 1 else []
-
-
-def masked_fractions(have: set[str]) -> list[str]:
-    """Every `*_frac` the loss logged: masked_frac first, then each side of each mask, clip and truncation."""
-    fracs = sorted(k for k in have if k.endswith("_frac") and "/" not in k and k != "masked_frac")
-    return named("masked_frac")(have) + fracs
-
-
-PLOTS = [
-    Plot("reward", "orchestrator:train", lambda have: named("reward/mean")(have) + per_env(have)),
-    Plot("rubric metrics", "orchestrator:train", prefixed("metrics/")),
-    Plot("eval reward by step", "orchestrator:eval", prefixed("eval/reward/")),
-    Plot("off-policy level (steps behind)", "orchestrator:train", named("off_policy/level")),
-    Plot(
-        "distillation: KL to the teacher (sampler_lp - teacher_lp)", "orchestrator:train", named("distill/teacher_kl")
-    ),
-    Plot(
-        "orchestrator step time (s)",
-        "orchestrator:train",
-        named(
-            "time/step",
-            "time/rollouts",
-            "time/teacher_s",
-            "time/wait_weights",
-            "time/update_weights",
-            "time/pack_write",
-        ),
-    ),
-    Plot("generation tokens/s", "orchestrator:train", named("perf/gen_tokens_per_s")),
-    Plot("completion length", "orchestrator:train", named("completion_len/mean", "completion_len/max")),
-    Plot("staleness of trained samples (steps behind)", "trainer", named("off_policy/mean", "off_policy/max")),
-    Plot("trainer loss", "trainer", named("loss")),
-    Plot("entropy", "trainer", named("entropy")),
-    Plot("grad norm", "trainer", named("grad_norm")),
-    Plot(
-        "KL to the sampler (mismatch_kl) and to the start weights (ref_kl)", "trainer", named("mismatch_kl", "ref_kl")
-    ),
-    Plot("forward-KL distillation: KL(teacher's top-k ‖ student)", "trainer", named("teacher_kl")),
-    Plot("importance ratio π/μ (quantiles, max)", "trainer", prefixed("importance_ratio/")),
-    Plot("masked / clipped / truncated fraction, by side", "trainer", masked_fractions),
-    Plot("MoE router load (tokens per expert / mean, layers averaged; idle experts)", "trainer", prefixed("moe/")),
-    Plot("trainer step time (s)", "trainer", named("step_time_s", "wait_s", "publish_s")),
-    Plot("trainer tokens/s", "trainer", named("tokens_per_s")),
-    Plot("eval reward by weights step (eval)", "eval", prefixed("eval/", "/reward_mean")),
-    Plot("SFT loss", "sft", named("loss")),
-    Plot("SFT grad norm", "sft", named("grad_norm")),
-    Plot("SFT tokens/s", "sft", named("tokens_per_s")),
-    Plot("SFT MoE router load (tokens per expert / mean, layers averaged; idle experts)", "sft", prefixed("moe/")),
-]
-
-
-def rows_by_step(path: Path, kind: str | None) -> list[dict]:
-    """A metrics file's rows (of `kind`), one per step (the last one logged), by step; unreadable lines skipped."""
-    if not path.exists():
-        return []
-    by_step: dict[int, dict] = {}
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # a line being written
-            continue
-        if kind is None or row.get("kind", kind) == kind:
-            by_step[row["step"]] = row
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def _series(run: Path, plot: Plot) -> dict[str, tuple[list[int], list[float]]]:
-    name, _, kind = plot.source.partition(":")
-    rows = rows_by_step(RunLayout(run).metrics_file(name), kind or None)
-    have = {k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    out = {}
-    for key in plot.keys(have):
-        points = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
-        out[key] = ([s for s, _ in points], [v for _, v in points])
-    return out
-
-
-MARGINS = {"left": 0.09, "right": 0.98, "bottom": 0.14, "top": 0.9}  # of the figure: room for the tick labels
-
-
-def render_png(plot: Plot, runs: list[Path]) -> bytes | None:
-    """The plot as PNG bytes, every run's every key a line; None when no run has its metrics."""
+def render_png(plot: Plot, per_run: list[list[Curve]], ids: list[Identity], smoothing: float = SMOOTHING):
+    """The plot as PNG bytes (a run's colour, a metric's line style; smoothed over the raw curve drawn faint);
+    None when no run has its metrics."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines = [(run, key, xy) for run in runs for key, xy in _series(run, plot).items() if xy[0]]
-    if not lines:
+    keys = list(dict.fromkeys(c.key for curves in per_run for c in curves))
+    if not keys:
         return None
-    # fixed margins, not tight_layout (which draws the figure once more to measure it), and light compression:
-    # 1.66 -> 1.05 s of CPU for a run's 14 plots; every `rl` pays it as it ends
-    fig, ax = plt.subplots(figsize=(7, 3.4), dpi=100, gridspec_kw=MARGINS)
-    for run, key, (x, y) in lines:
-        label = " ".join(p for p in (run.name if len(runs) > 1 else "", key) if p)
-        ax.plot(x, y, marker="o" if len(x) < 30 else None, markersize=3, linewidth=1.4, label=label)
-    ax.set_title(plot.title)
+    # fixed margins, not tight_layout (which draws the figure once more to measure it), and light compression
+    fig, ax = plt.subplots(figsize=(9, 3.4), dpi=100, gridspec_kw=MARGINS)
+    for ident, curves in zip(ids, per_run):
+        for c in curves:
+            style = STYLES[keys.index(c.key) % len(STYLES)]
+            ax.plot(c.steps, c.values, color=ident.colour, linewidth=0.8, alpha=0.25)
+            label = " · ".join(p for p in (ident.label if len(ids) > 1 else "", c.key if len(keys) > 1 else "") if p)
+            line = ema(c.values, smoothing)
+            ax.plot(c.steps, line, style, color=ident.colour, linewidth=1.6, label=label or c.key)
+    ax.set_title(plot.title, fontsize=10)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-    if len(lines) > 1:
-        ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", pil_kwargs={"compress_level": 1})
     plt.close(fig)
     return buf.getvalue()
 
 
-def write_report(runs: list[Path], out: Path | None = None) -> Path:
+def write_report(runs: list[Path], out: Path | None = None, options: Options | None = None) -> Path:
     """Write the report of `runs` (default: RUN/report.html for one run, ./report.html for several)."""
+    return write(runs, out, options or Options())[0]
+
+
+def write(runs: list[Path], out: Path | None, options: Options) -> tuple[Path, tta.Table | None]:
+    """The report written, and its time-to-accuracy table (several runs only)."""
     for run in runs:
         status_lines(run)  # a dir that is no run: one clear error before anything is written
+    ids = identities(runs, options.labels)
+    curves = [RunCurves(run) for run in runs]
+    table = tta.table(curves, ids, options.metric, options.threshold) if len(runs) > 1 else None
     out = out or (runs[0] / "report.html" if len(runs) == 1 else Path("report.html"))
-    pngs = out.parent / out.stem
-    pngs.mkdir(parents=True, exist_ok=True)
-    figures = []
+    plots = []
     for plot in PLOTS:
-        png = render_png(plot, runs)
-        if png is None:
-            continue
+        per_run = [rc.curves(plot) for rc in curves]
+        if any(per_run):
+            plots.append((plot, per_run))
+    page = _page(runs, ids, plots, table, options)
+    _write_pngs(out.parent / out.stem, plots, ids, options.smoothing)
+    write_text_atomic(out, page)
+    return out, table
+
+
+def _write_pngs(where: Path, plots: list[tuple[Plot, list[list[Curve]]]], ids: list[Identity], smoothing: float):
+    where.mkdir(parents=True, exist_ok=True)
+    for plot, per_run in plots:
         slug = "".join(c if c.isalnum() else "_" for c in plot.title.lower()).strip("_")
-        (pngs / f"{slug}.png").write_bytes(png)
-        figures.append((plot.title, base64.b64encode(png).decode()))
-    write_text_atomic(out, _page(runs, figures))
-    return out
+        (where / f"{slug}.png").write_bytes(render_png(plot, per_run, ids, smoothing))
 
 
-def _page(runs: list[Path], figures: list[tuple[str, str]]) -> str:
+def _page(runs, ids, plots, table, options: Options) -> str:
     esc = html.escape
+    names = esc(", ".join(i.label for i in ids))
+    charted = [(p, interactive.charts(p.title, per_run)) for p, per_run in plots]
     parts = [
-        "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<title>asyncrl report: {esc(', '.join(r.name for r in runs))}</title>",
-        "<style>body{font-family:sans-serif;margin:2em;max-width:1500px}"
-        ".plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(520px,1fr));gap:1em}"
-        "figure{margin:0}img.plot{width:100%;height:auto}"
-        "figcaption{position:absolute;left:-9999px}"  # the title is in the image; the caption is for screen readers
+        f"<!doctype html><html><head><meta charset='utf-8'><title>asyncrl report: {names}</title>",
+        f"<style>body{{font-family:sans-serif;margin:0 2em 2em;max-width:1600px}}{interactive.STYLE}"
         "pre{background:#f5f5f5;padding:.8em;overflow:auto;white-space:pre-wrap;max-height:20em}"
         ".sample{border-left:4px solid #bbb;padding-left:.8em;margin:1em 0}.sample h3{font-size:1em;margin:.2em 0}"
         ".sample h4{font-size:.8em;color:#777;margin:.4em 0 0}pre.prompt{color:#555}</style></head><body>",
-        f"<h1>asyncrl report: {esc(', '.join(r.name for r in runs))}</h1>",
+        f"<h1>asyncrl report: {names}</h1>",
+        interactive.controls(ids, options.smoothing) if plots else "",
+        tta.to_html(table) if table else "",
     ]
+    parts.append("<h2>Curves</h2>" if plots else "<p>No metrics yet: the run has not finished a step.</p>")
+    parts += ["<div class='plots'>", *(interactive.figure(n, p, cs) for n, (p, cs) in enumerate(charted)), "</div>"]
     for run in runs:
         parts.append(f"<h2>{esc(str(run))}</h2><pre class='status'>{esc(chr(10).join(status_lines(run)))}</pre>")
-    parts.append("<h2>Curves</h2>" if figures else "<p>No metrics yet: the run has not finished a step.</p>")
-    parts.append("<div class='plots'>")
-    parts += [
-        f"<figure><img class='plot' alt='{esc(t)}' src='data:image/png;base64,{b64}'><figcaption>{esc(t)}"
-        "</figcaption></figure>"
-        for t, b64 in figures
-    ]
-    parts.append("</div>")
     for run in runs:
         parts += _samples(run, len(runs) > 1)
+    parts += _configs(runs)
+    if plots:
+        blob = interactive.blob(ids, charted, options.smoothing)
+        parts.append(f"<script type='application/json' id='report-data'>{blob}</script>")
+        parts.append(f"<script>{interactive.plotly_js()}</script><script>{interactive.report_js()}</script>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _configs(runs: list[Path]) -> list[str]:
+    esc = html.escape
     configs = [(run, c) for run in runs for c in sorted(RunLayout(run).configs.glob("*.toml"))]
-    parts.append("<h2>Resolved configs</h2>" if configs else "")
-    parts += [
+    parts = ["<h2>Resolved configs</h2>"] if configs else []
+    return parts + [
         f"<details><summary>{esc(str(c.relative_to(run.parent)))}</summary><pre>{esc(c.read_text())}</pre></details>"
         for run, c in configs
     ]
-    parts.append("</body></html>")
-    return "\n".join(parts)
 
 
 def _samples(run: Path, named_run: bool) -> list[str]:
