@@ -18,18 +18,20 @@ STATUS = (
 )
 REPORT = (
     "asyncrl report RUN_DIR [RUN_DIR ...] [--out FILE] [--label L ...] [--metric KEY] [--threshold X]\n"
-    "                      [--smoothing W]",
+    "                      [--smoothing W] [--png]",
     """  report RUN_DIR   RUN_DIR/report.html: every curve of the run, its status, samples and config, in one
                    file that opens offline (zoom, hover, smoothing, step or wall-time axis; PNGs in
-                   RUN_DIR/report/); several runs: one colour per run in every plot, labelled by what
+                   RUN_DIR/report/*.png); several runs: one colour per run in every plot, labelled by what
                    differs between their configs, and a time-to-accuracy table (also printed), in
                    ./report.html (or --out FILE)
-    --out FILE       where the page goes (its PNGs: beside it, in FILE without .html)
+    --out FILE       where the page goes
     --label L        a run's label instead of its config differences; once per run, in the runs' order
     --metric KEY     the time-to-accuracy metric, a metrics.jsonl key (default: eval/reward/mean when
                      every run evaluated 3+ times, else the EMA-smoothed reward/mean); higher is better
     --threshold X    the value to reach (default: the worst run's final value)
-    --smoothing W    the EMA weight, 0 (none) to 0.99 (default 0.8): the page opens with it; PNGs, table""",
+    --smoothing W    the EMA weight the page opens with and the PNGs and table use: 0 (none) to 0.99,
+                     default 0.8
+    --png            a comparison's PNGs too (one run: always), beside FILE in FILE without .html""",
 )
 USAGE = f"usage: {STATUS[0]}\n       {REPORT[0]}\n\n{STATUS[1]}\n{REPORT[1]}"
 HELP = {name: f"usage: {line}\n\n{said}" for name, (line, said) in {"status": STATUS, "report": REPORT}.items()}
@@ -103,7 +105,8 @@ def report(rest: list[str]) -> None:
     from asyncrl.report.report import Options, check_runs, write
     from asyncrl.report.tta import text
 
-    paths, given = report_options(rest)
+    pngs = "--png" in rest
+    paths, given = report_options([a for a in rest if a != "--png"])
     runs = check_runs(paths)
     smoothing = number(given, "--smoothing", 0.0, 0.99)
     options = Options(
@@ -111,6 +114,7 @@ def report(rest: list[str]) -> None:
         metric=given.get("--metric", [None])[0],
         threshold=number(given, "--threshold", -float("inf"), float("inf")),
         smoothing=SMOOTHING if smoothing is None else smoothing,
+        pngs=pngs or None,
     )
     out = Path(given["--out"][0]) if "--out" in given else None
     path, table = write(runs, out, options)

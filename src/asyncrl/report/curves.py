@@ -109,14 +109,19 @@ def rows_by_step(path: Path, kind: str | None) -> list[dict]:
 
 
 def is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """An int or a finite float (not a bool, not NaN or inf): what a curve can draw."""
+    kind = type(v)
+    return kind is int or (kind is float and math.isfinite(v))
 
 
 class RunCurves:
     """One run dir's rows, read once per metrics source; its curves per plot."""
 
     def __init__(self, run: Path):
-        self.run, self.layout, self._rows = run, RunLayout(run), {}
+        self.run, self.layout = run, RunLayout(run)
+        self._rows: dict[str, list[dict]] = {}  # each source read once
+        self._have: dict[str, set[str]] = {}
+        self._timed: dict[str, bool] = {}
         self.start = self._start()
 
     def rows(self, source: str) -> list[dict]:
@@ -124,6 +129,13 @@ class RunCurves:
             name, _, kind = source.partition(":")
             self._rows[source] = rows_by_step(self.layout.metrics_file(name), kind or None)
         return self._rows[source]
+
+    def have(self, source: str) -> set[str]:
+        """The metric keys of a source's rows (numbers only; step and time are axes)."""
+        if source not in self._have:
+            keys = {k for r in self.rows(source) for k, v in r.items() if type(v) in (int, float)}
+            self._have[source] = keys - {"step", "time"}
+        return self._have[source]
 
     def _start(self) -> float | None:
         started = [r.get("started") for r in map(_json, self.layout.logs.glob("*.pid")) if r]
@@ -134,16 +146,21 @@ class RunCurves:
         return min((t for t in firsts if t is not None), default=None)
 
     def curves(self, plot: Plot) -> list[Curve]:
-        rows = self.rows(plot.source)
-        have = {k for r in rows for k, v in r.items() if is_number(v)}
-        out = [self.curve(rows, key) for key in plot.keys(have - {"step", "time"})]
+        out = [self.curve(plot.source, key) for key in plot.keys(self.have(plot.source))]
         return [c for c in out if c.steps]
 
-    def curve(self, rows: list[dict], key: str) -> Curve:
-        points = [r for r in rows if is_number(r.get(key))]
-        timed = self.start is not None and all(is_number(r.get("time")) for r in points)
-        wall = [r["time"] - self.start for r in points] if timed else None
+    def curve(self, source: str, key: str) -> Curve:
+        points = [r for r in self.rows(source) if is_number(r.get(key))]
+        wall = None
+        if self.start is not None and self.timed(source):
+            wall = [r["time"] - self.start for r in points]
         return Curve(key, [r["step"] for r in points], wall, [float(r[key]) for r in points])
+
+    def timed(self, source: str) -> bool:
+        """Every row of the source has its wall-clock `time`."""
+        if source not in self._timed:
+            self._timed[source] = all(is_number(r.get("time")) for r in self.rows(source))
+        return self._timed[source]
 
 
 def _json(path: Path) -> dict | None:

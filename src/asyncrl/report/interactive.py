@@ -4,7 +4,8 @@ plotly.js (the `plotly` package's own `package_data/plotly.min.js`, found on dis
 report.js (ours: smoothing, step / wall-time axis, run toggles, lazy drawing) are inlined, so the page
 opens offline with no server. Invariants: a run is one colour everywhere (labels.Identity); a plot of
 more than `MAX_STYLES` metrics becomes small multiples (one chart per metric), fewer share a chart and
-differ by line style; values are rounded to 6 significant digits; no `<` reaches a script element raw.
+differ by line style; a series is rounded to 5 significant digits of its largest value (wall times:
+6); steps and wall times are stored once per run and source (`axes`); no `<` reaches a script raw.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import html
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 from asyncrl.core.errors import UserError
@@ -35,13 +37,31 @@ def report_js() -> str:
     return (Path(__file__).parent / "report.js").read_text(encoding="utf-8")
 
 
-def _round(values: list[float], digits: int = 6) -> list[float]:
-    return [float(f"{v:.{digits}g}") for v in values]
+def _round(values: list[float], digits: int = 5) -> list[float]:
+    """To `digits` significant digits of the series' largest magnitude (what a plot of it can show)."""
+    import numpy as np
+
+    array = np.asarray(values, dtype=float)
+    top = float(np.abs(array).max()) if len(array) else 0.0
+    places = digits - 1 - math.floor(math.log10(top)) if top > 0 else 0
+    return array.round(places).tolist()
 
 
 def _series(run: int, dash: int, c: Curve) -> dict:
-    wall = _round(c.wall, 5) if c.wall is not None else None
+    wall = _round(c.wall, 6) if c.wall is not None else None
     return {"run": run, "key": c.key, "dash": dash, "x": c.steps, "t": wall, "y": _round(c.values)}
+
+
+def _shared_axes(plots: list[tuple[Plot, list[dict]]]) -> list[dict]:
+    """Move each series' steps and wall times into a shared list (a run's metrics share them): `axis` is the
+    index there. Most of the page's size is then the values alone."""
+    axes: dict[tuple, int] = {}
+    for _, chart_list in plots:
+        for chart in chart_list:
+            for s in chart["series"]:
+                x, t = s.pop("x"), s.pop("t")
+                s["axis"] = axes.setdefault((tuple(x), tuple(t) if t is not None else None), len(axes))
+    return [{"x": list(x), "t": list(t) if t is not None else None} for x, t in axes]
 
 
 def charts(title: str, per_run: list[list[Curve]]) -> list[dict]:
@@ -59,6 +79,7 @@ def blob(ids: list[Identity], plots: list[tuple[Plot, list[dict]]], smoothing: f
     data = {
         "runs": [{"label": i.label, "colour": i.colour, "group": i.group} for i in ids],
         "smoothing": smoothing,
+        "axes": _shared_axes(plots),
         "plots": [{"title": p.title, "charts": cs} for p, cs in plots],
     }
     return json.dumps(data, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")

@@ -2,7 +2,8 @@
 
 A label names what differs between the runs' resolved configs (`k=1 seed=3`), never what is the same;
 fields that differ by construction (output dirs, ports, hosts, paths under the run dir) are not a
-difference. Runs whose configs are the same but for seeds share a group (their spread is over seeds).
+difference, nor are fields only some configs have (written by another version of asyncrl). Runs whose
+configs are the same but for seeds share a group (their spread is over seeds).
 Labels may be given instead (`--label`), one per run. Invariants: labels are unique (a dir name is added
 to any that collide); a run's colour is the same in every plot, by its position in the command line.
 """
@@ -64,11 +65,11 @@ def differences(runs: list[Path]) -> list[list[tuple[str, str]]]:
     """Per run, the (short name, value) of each field whose values differ across runs; one name per field
     (trainer.seed and orchestrator.seed with the same values are one `seed`)."""
     configs = [flat_config(r) for r in runs]
-    keys = sorted({k for c in configs for k in c})
-    varying = [k for k in keys if len({c.get(k, "-") for c in configs}) > 1]
+    keys = sorted(set.intersection(*(set(c) for c in configs)))  # a field some lack: another version's config
+    varying = [k for k in keys if len({c[k] for c in configs}) > 1]
     seen: dict[tuple[str, tuple], None] = {}
     for k in varying:
-        seen.setdefault((_short(k, varying), tuple(c.get(k, "-") for c in configs)), None)
+        seen.setdefault((_short(k, varying), tuple(c[k] for c in configs)), None)
     return [[(name, vals[i]) for name, vals in seen] for i in range(len(runs))]
 
 

@@ -23,12 +23,13 @@
   }
 
   function x(s) {
-    return state.axis === "wall" ? s.t.map((t) => t / 60) : s.x;
+    const axis = data.axes[s.axis];
+    return state.axis === "wall" ? axis.t.map((t) => t / 60) : axis.x;
   }
 
   function traces(chart) {
     const out = [];
-    const series = chart.series.filter((s) => state.axis === "step" || s.t);
+    const series = chart.series.filter((s) => state.axis === "step" || data.axes[s.axis].t);
     for (const s of series) {
       const run = data.runs[s.run];
       const common = { x: x(s), mode: "lines", legendgroup: String(s.run), visible: !state.hidden.has(s.run) };

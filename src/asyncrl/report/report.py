@@ -3,9 +3,10 @@
 Reads only the runs' files: `metrics/{orchestrator,trainer,sft,eval}.jsonl`, the sample completions
 (`samples.jsonl` of `rl`, `eval/rollouts.jsonl` of `eval`), `configs/*.toml` and what `asyncrl status`
 reads. Writes `report.html` (plotly.js and the data inlined: zoom, hover, smoothing, step or wall-time
-axis, run toggles; opens offline) and `report/<plot>.png` beside it (the same curves, smoothed, for a
-README or a slide). Several runs: one colour per run in every plot, labelled by what differs between
-their configs (labels.py), and a time-to-accuracy table (tta.py).
+axis, run toggles; opens offline) and, for one run (or with `--png`), `report/<plot>.png` beside it (the
+same curves, smoothed, for a README or a slide; a comparison's chart is saved from the page's camera
+button instead: matplotlib takes seconds per plot there). Several runs: one colour per run in every plot,
+labelled by what differs between their configs (labels.py), and a time-to-accuracy table (tta.py).
 
 Invariants: a step logged twice (a crashed attempt, then a resumed one) counts once, the last row wins;
 a run still going or one that crashed gives what it has (and its errors); a plot whose metrics no run has
@@ -23,7 +24,7 @@ from pathlib import Path
 from asyncrl.core.errors import UserError
 from asyncrl.report import interactive, tta
 from asyncrl.report.curves import PLOTS, SMOOTHING, Curve, Plot, RunCurves, ema, rows_by_step
-from asyncrl.report.labels import Identity, identities
+from asyncrl.report.labels import PALETTE, Identity, identities
 from asyncrl.report.status import status_lines
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout
@@ -37,6 +38,7 @@ class Options:
     metric: str | None = None  # the time-to-accuracy metric (tta.py says the default)
     threshold: float | None = None  # default: the worst run's final value
     smoothing: float = SMOOTHING  # the EMA weight the page opens with (and the PNGs and table use)
+    pngs: bool | None = None  # report/<plot>.png too; default: for one run (a comparison's cost seconds)
 
 
 MARGINS = {"left": 0.09, "right": 0.7, "bottom": 0.14, "top": 0.9}  # of the figure: the legend goes right of 0.7
@@ -44,8 +46,8 @@ STYLES = ["-", "--", ":", "-."]
 
 
 def render_png(plot: Plot, per_run: list[list[Curve]], ids: list[Identity], smoothing: float = SMOOTHING):
-    """The plot as PNG bytes (a run's colour, a metric's line style; smoothed over the raw curve drawn faint);
-    None when no run has its metrics."""
+    """The plot as PNG bytes: smoothed curves over the raw ones drawn faint; one run: a colour per metric;
+    several: a colour per run, a line style per metric. None when no run has its metrics."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,21 +58,32 @@ def render_png(plot: Plot, per_run: list[list[Curve]], ids: list[Identity], smoo
         return None
     # fixed margins, not tight_layout (which draws the figure once more to measure it), and light compression
     fig, ax = plt.subplots(figsize=(9, 3.4), dpi=100, gridspec_kw=MARGINS)
+    several = len(ids) > 1
     for ident, curves in zip(ids, per_run):
         for c in curves:
-            style = STYLES[keys.index(c.key) % len(STYLES)]
-            ax.plot(c.steps, c.values, color=ident.colour, linewidth=0.8, alpha=0.25)
-            label = " · ".join(p for p in (ident.label if len(ids) > 1 else "", c.key if len(keys) > 1 else "") if p)
-            line = ema(c.values, smoothing)
-            ax.plot(c.steps, line, style, color=ident.colour, linewidth=1.6, label=label or c.key)
+            n = keys.index(c.key)
+            colour, style = (ident.colour, STYLES[n % len(STYLES)]) if several else (PALETTE[n % len(PALETTE)], "-")
+            ax.plot(c.steps, c.values, color=colour, linewidth=0.8, alpha=0.25)
+            ax.plot(c.steps, ema(c.values, smoothing), style, color=colour, linewidth=1.6)
     ax.set_title(plot.title, fontsize=10)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
+    ax.legend(handles=_legend(keys, ids), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", pil_kwargs={"compress_level": 1})
     plt.close(fig)
     return buf.getvalue()
+
+
+def _legend(keys: list[str], ids: list[Identity]) -> list:
+    """One entry per run (its colour) and per metric (its line style), not one per pair."""
+    from matplotlib.lines import Line2D
+
+    if len(ids) == 1:
+        return [Line2D([], [], color=PALETTE[n % len(PALETTE)], label=k) for n, k in enumerate(keys)]
+    runs = [Line2D([], [], color=i.colour, label=i.label) for i in ids]
+    styles = [Line2D([], [], color="#333", linestyle=STYLES[n % len(STYLES)], label=k) for n, k in enumerate(keys)]
+    return runs + (styles if len(keys) > 1 else [])
 
 
 def write_report(runs: list[Path], out: Path | None = None, options: Options | None = None) -> Path:
@@ -92,7 +105,8 @@ def write(runs: list[Path], out: Path | None, options: Options) -> tuple[Path, t
         if any(per_run):
             plots.append((plot, per_run))
     page = _page(runs, ids, plots, table, options)
-    _write_pngs(out.parent / out.stem, plots, ids, options.smoothing)
+    if options.pngs or (options.pngs is None and len(runs) == 1):
+        _write_pngs(out.parent / out.stem, plots, ids, options.smoothing)
     write_text_atomic(out, page)
     return out, table
 

@@ -59,7 +59,7 @@ def choose_metric(runs: list[RunCurves], metric: str | None) -> tuple[str, str]:
 def table(runs: list[RunCurves], ids: list[Identity], metric: str | None, threshold: float | None) -> Table:
     source, key = choose_metric(runs, metric)
     smoothed = not source.endswith(":eval") and source != "eval"
-    curves = [run.curve(run.rows(source), key) for run in runs]
+    curves = [run.curve(source, key) for run in runs]
     curves = [Curve(c.key, c.steps, c.wall, ema(c.values)) if smoothed else c for c in curves]
     finals = [c.values[-1] for c in curves if c.values]
     if threshold is None and finals:

@@ -54,6 +54,9 @@ def test_labels_name_what_differs_and_groups_ignore_seeds(tmp_path):
     assert [i.label for i in identities(runs, ["a", "b", "c", "d"])] == ["a", "b", "c", "d"]
     with pytest.raises(UserError, match="one --label per run"):
         identities(runs, ["a"])
+    with open(runs[3] / "configs" / "trainer.toml", "a") as f:  # a field older configs lack is no difference
+        f.write("\n[moe]\nreplay = false\n")
+    assert [i.label for i in identities(runs)][3] == "k=1 seed=2"
     same = [make_run(tmp_path / d / "run", 1, 1, [0.5]) for d in ("x", "y")]  # no difference: the dir names
     assert [i.label for i in identities(same)] == ["run (x/run)", "run (y/run)"]
 
@@ -129,6 +132,8 @@ def test_the_page_gives_each_run_one_colour_in_every_plot_and_small_multiples_pa
         for chart in plot["charts"]:
             assert sorted({s["run"] for s in chart["series"]}) == [0, 1, 2], chart["title"]
     assert "<table class='tta'>" in page and t is not None and len(t.reaches) == 3
+    assert not (tmp_path / "cmp").exists()  # a comparison's PNGs only when asked for
+    write(runs, tmp_path / "cmp.html", Options(pngs=True))
     assert len(list((tmp_path / "cmp").glob("*.png"))) == len(data["plots"])
 
 
