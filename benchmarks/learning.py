@@ -19,6 +19,10 @@ env's own `--sft-out` data):
     PYTHONPATH=src .venv/bin/python benchmarks/learning.py --tasks reverse,sort,echo --k 0,1,2 --seeds 8 \\
         --recipes default [--lr-scales 1,3] [--jobs 2] [--out outputs/learning]
 
+Each run's dir is `{out}/runs/TASK/RECIPE/lrS-kK-sSEED/run`: `asyncrl report` over a task's run dirs draws
+their curves (one colour per run, labelled k=... seed=...) and prints the time-to-accuracy table (the first
+step and wall time each run reached the worst run's final reward; the final value's mean ± sd per cell).
+
 Runs already finished under `{out}/runs/` are reused (delete the dir to rerun): an interrupted benchmark
 continues where it stopped. Recipes are lists of `rl` flags (RECIPES); `default` is the shipped one.
 """
@@ -416,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "learning.json").write_text(json.dumps(out, indent=1))
     print(table(summary))
     print(f"numbers in {args.out / 'learning.json'}")
+    for task in tasks:  # the curves, and the time-to-accuracy table of each run
+        for recipe in recipes:
+            print(f"curves: asyncrl report {args.out / 'runs' / task / recipe}/*/run")
     return 0
 
 

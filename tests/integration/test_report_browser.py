@@ -164,8 +164,9 @@ class Cdp:
         self.send("Page.navigate", url=path.resolve().as_uri())
         self.wait_event("Page.loadEventFired")
 
-    def evaluate(self, expression: str):
-        result = self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+    def evaluate(self, expression: str, timeout: float = 60.0):
+        params = {"expression": expression, "returnByValue": True, "awaitPromise": True}
+        result = self.send("Runtime.evaluate", timeout, **params)
         assert "exceptionDetails" not in result, result["exceptionDetails"]
         return result["result"]["value"]
 

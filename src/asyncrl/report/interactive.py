@@ -128,7 +128,7 @@ STYLE = (
     "display:flex;flex-wrap:wrap;gap:1.2em;align-items:center}.runs{display:flex;flex-wrap:wrap;gap:.3em 1em}"
     ".run{cursor:pointer;white-space:nowrap}.swatch{display:inline-block;width:.9em;height:.9em;margin:0 .3em;"
     "vertical-align:-.1em;border-radius:2px}"
-    ".plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(520px,1fr));gap:1em}"
+    ".plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(520px,1fr));grid-auto-flow:row dense;gap:1em}"
     "figure.plot{margin:0}figure.plot figcaption{font-weight:bold;margin:.3em 0}"
     "figure.multiples{grid-column:1/-1}"  # small multiples: a whole row, a grid of their own
     "figure.multiples .charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(340px,1fr));gap:.5em}"

@@ -1,8 +1,9 @@
 // asyncrl report: draws the curves in #report-data with plotly.js (inlined before this script).
 // One colour per run (data.runs[i].colour) in every chart; the smoothed curve (debiased EMA, as
 // asyncrl/report/curves.py computes it) over the raw one drawn faint; x is the step or the wall time;
-// a run's checkbox shows or hides it in every chart. Charts are drawn as they scroll into view;
-// window.asyncrlReport.drawAll() draws them all (tests, printing) and resolves when they are drawn.
+// a run's checkbox shows or hides it in every chart. The first screen's charts are drawn at once, the
+// others as they scroll into view; window.asyncrlReport.firstScreen resolves when the first screen is
+// drawn, drawAll() draws them all (tests, printing) and resolves when they are drawn.
 (function () {
   "use strict";
   const data = JSON.parse(document.getElementById("report-data").textContent);
@@ -71,6 +72,8 @@
   }
 
   const charts = Array.from(document.querySelectorAll("div.chart"));
+  const seen = (div) => div.getBoundingClientRect().top < window.innerHeight;
+  const firstScreen = Promise.all(charts.filter(seen).map(draw)).then(() => true); // not waiting to be observed
   const observer = new IntersectionObserver(
     (entries) => {
       for (const e of entries) {
@@ -103,6 +106,7 @@
   window.asyncrlReport = {
     data,
     state,
+    firstScreen,
     drawAll: () => Promise.all(charts.map((div) => drawn.get(div) || draw(div))).then(() => true),
     redraw,
   };
