@@ -132,7 +132,7 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
         status["rl"] == status["trainer"] == status["orchestrator"] == "finished" and status["inference"] == "stopped"
     )
     page = (out / "report.html").read_text()  # rl writes the report at the end
-    assert page.count("<img class='plot'") >= 10 and (out / "report" / "reward.png").is_file()
+    assert page.count("<figure class='plot") >= 10 and (out / "report" / "reward.png").is_file()
     assert f"step {steps - 1}, worst: reward" in page and "step 0, best: reward" in page  # sample completions
 
     resumed = run_rl(rl_args(warm_model, out, steps + 2, free_port()) + ["--ckpt.resume-step", str(steps)])
@@ -188,7 +188,7 @@ def test_rl_stops_everything_when_the_trainer_dies(tiny_model_dir, tmp_path):
     assert status["trainer"] == "killed (no exit recorded)" and status["rl"] == "failed (exit 2)"
     assert status["orchestrator"] == status["inference"] == "stopped"
     page = (out / "report.html").read_text()  # a crashed run's report: what it has, and the error
-    assert "killed (no exit recorded)" in page and "rl: trainer died" in page and "<img class='plot'" in page
+    assert "killed (no exit recorded)" in page and "rl: trainer died" in page and "<figure class='plot" in page
 
 
 def test_a_hung_trainer_is_named_and_the_run_stopped(tiny_model_dir, tmp_path):

@@ -3,8 +3,8 @@
 Reads only `metrics/*.jsonl` and `logs/*.pid` of a run dir. Invariants: a step logged twice (a crashed
 attempt, then a resumed one) counts once, the last row wins; unreadable lines (one being written) are
 skipped. Wall time is honest: each metrics row carries `time` (unix seconds, written as its step was
-logged), and a point's wall time is that minus the run's start (the earliest `started` in `logs/*.pid`,
-else its first metrics row); a run whose rows have no `time` has no wall-time axis, never a guessed one.
+logged), and a point's wall time is that minus the run's start (the earliest `started` in `logs/*.pid` or
+first metrics row); a run whose rows have no `time` has no wall-time axis, never a guessed one.
 Smoothing is a debiased EMA, the same here (PNGs, the time-to-accuracy table) and in report.js (the page).
 """
 
@@ -138,12 +138,11 @@ class RunCurves:
         return self._have[source]
 
     def _start(self) -> float | None:
+        """The earliest `started` of its pid records or first `time` of its metrics files (a run resumed by a
+        new `rl` has a newer rl.pid than its first rows)."""
         started = [r.get("started") for r in map(_json, self.layout.logs.glob("*.pid")) if r]
-        started = [s for s in started if is_number(s)]
-        if started:
-            return min(started)
-        firsts = [_first_time(p) for p in self.layout.metrics.glob("*.jsonl")]
-        return min((t for t in firsts if t is not None), default=None)
+        started += [_first_time(p) for p in self.layout.metrics.glob("*.jsonl")]
+        return min((t for t in started if is_number(t)), default=None)
 
     def curves(self, plot: Plot) -> list[Curve]:
         out = [self.curve(plot.source, key) for key in plot.keys(self.have(plot.source))]

@@ -69,6 +69,9 @@ def test_wall_time_is_the_rows_time_since_the_run_started_and_absent_without_it(
     run = make_run(tmp_path / "run", 0, 1, [0.1, 0.2, 0.3])
     (curve,) = RunCurves(run).curves(PLOTS[0])
     assert curve.steps == [0, 1, 2] and curve.wall == [10.0, 12.0, 14.0]  # rl.pid started at T0
+    record = {"pid": 2, "host": "h", "started": T0 + 100, "exit": 0}  # resumed by a new rl: a newer rl.pid
+    RunLayout(run).pid_file("rl").write_text(json.dumps(record))
+    assert RunCurves(run).curves(PLOTS[0])[0].wall == [0.0, 2.0, 4.0]  # from its first row, never negative
     path = RunLayout(run).metrics_file("orchestrator")
     path.write_text(
         "".join(json.dumps({k: v for k, v in json.loads(x).items() if k != "time"}) + "\n" for x in open(path))
