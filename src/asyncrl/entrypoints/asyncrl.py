@@ -28,7 +28,8 @@ REPORT = (
     --label L        a run's label instead of its config differences; once per run, in the runs' order
     --metric KEY     the time-to-accuracy metric, a metrics.jsonl key (default: eval/reward/mean when
                      every run evaluated 3+ times, else the EMA-smoothed reward/mean); higher is better
-    --threshold X    the value to reach (default: the worst run's final value)
+    --threshold X    the value to reach (default: the worst run's final value); one run has the table
+                     only when --metric or --threshold is given
     --smoothing W    the EMA weight the page opens with and the PNGs and table use: 0 (none) to 0.99,
                      default 0.8
     --png            a comparison's PNGs too (one run: always), beside FILE in FILE without .html""",

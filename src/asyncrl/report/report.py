@@ -97,7 +97,8 @@ def write(runs: list[Path], out: Path | None, options: Options) -> tuple[Path, t
         status_lines(run)  # a dir that is no run: one clear error before anything is written
     ids = identities(runs, options.labels)
     curves = [RunCurves(run) for run in runs]
-    table = tta.table(curves, ids, options.metric, options.threshold) if len(runs) > 1 else None
+    asked = len(runs) > 1 or options.metric is not None or options.threshold is not None  # one run: if asked
+    table = tta.table(curves, ids, options.metric, options.threshold) if asked else None
     out = out or (runs[0] / "report.html" if len(runs) == 1 else Path("report.html"))
     plots = []
     for plot in PLOTS:

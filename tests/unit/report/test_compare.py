@@ -150,6 +150,8 @@ def test_report_prints_its_table_and_bad_arguments_are_one_line_errors_writing_n
     done = _cli("report", *runs, "--out", tmp_path / "ok.html", "--smoothing", "0.5")
     assert done.returncode == 0, done.stderr
     assert "time to EMA-smoothed reward/mean" in done.stdout and "k=1 seed=1" in done.stdout
+    done = _cli("report", runs[0], "--threshold", "0.5")  # one run: its table when asked for
+    assert done.returncode == 0 and "time to EMA-smoothed reward/mean ≥ 0.500" in done.stdout, done.stderr
     for args, said in [
         (["--smoothing", "2"], "--smoothing '2' is not a number from 0 to 0.99"),
         (["--threshold", "high"], "--threshold 'high' is not a number"),
