@@ -104,6 +104,23 @@ def test_rl_trains_a_mixture_of_experts_and_reports_its_router_load(tmp_path):
     assert "MoE router load" in (out / "report.html").read_text()
 
 
+def test_rl_replays_the_engines_routing_on_a_mixture_of_experts(tmp_path):
+    """`--trainer.model.router-replay`: the engine's routing record goes through /inference/v1/generate, verifiers'
+    traces and the packed rows to the trainer, whose forward then routes every token the loss reads as the engine
+    did (fp32 on CPU: the trainer's own routing agrees too, so the sampler-trainer mismatch stays at rounding)."""
+    from asyncrl.utils.tiny_model import build_tiny_model
+
+    model, out = build_tiny_model(tmp_path / "moe", hidden_size=64, num_layers=2, experts=8), tmp_path / "run"
+    args = rl_args(model, out, 2, free_port()) + ["--orchestrator.batch-size", "32"]
+    args[args.index("--max-async-level") + 1] = "0"  # the sampler's weights are the trainer's: mismatch is numerics
+    done = run_rl(args + ["--orchestrator.rollouts-per-example", "4", "--trainer.model.router-replay"], timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics" / "trainer.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["moe/replay_agreement"] >= 0.99 and r["mismatch_kl"] < 1e-6 for r in rows), rows
+    assert "recording MoE routes: 2 layers x top-2 of 8 experts" in (out / "logs" / "inference.log").read_text()
+
+
 def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     out = tmp_path / "run"
     steps = 40  # the demo's settings; fewer steps leave the rise inside the step-to-step noise (~0.03)

@@ -93,6 +93,11 @@ class InferenceConfig(BaseConfig):
     prefix_cache_gb: float = Field(
         1.0, ge=0, description="embedded engine: KV of finished sequences kept for prompts that extend them (0: off)"
     )
+    enable_return_routed_experts: bool = Field(
+        False,
+        description="an MoE: record the experts every token was routed to and return them with each sample of "
+        "/inference/v1/generate, for the trainer's router_replay (rl sets it; embedded engine only)",
+    )
     seed: int | None = Field(
         None, description="seed the engine's random generator once at start (per-request seeds win)"
     )
@@ -167,6 +172,16 @@ class InferenceConfig(BaseConfig):
             raise ValueError(
                 f"the embedded engine parses {', '.join(EMBEDDED_TOOL_PARSERS)} tool calls only, not '{parser}'; "
                 "serve with --backend vllm for vLLM's parsers"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _routes_need_embedded(self) -> InferenceConfig:
+        if self.enable_return_routed_experts and self.backend != "embedded":
+            raise ValueError(
+                "enable_return_routed_experts (router_replay): asyncrl records MoE routes in the embedded engine "
+                f"only, not yet from vLLM (engine here: {self.backend}, {self._backend_why}); serve with --backend "
+                "embedded, or train without router_replay"
             )
         return self
 

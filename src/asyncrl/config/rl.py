@@ -17,6 +17,7 @@ host and port point at it unless `orchestrator.teacher.base_url` names another s
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -166,8 +167,22 @@ class RLConfig(BaseConfig):
                 )
         if self.teacher is not None:
             self._check_teacher()
+        if self.trainer.model.router_replay:
+            self._check_replay()
         self.orchestrator_keys()
         return self
+
+    def _check_replay(self) -> None:
+        if _dense(self.trainer.model.name):
+            raise ValueError(
+                f"trainer.model.router_replay: {self.trainer.model.name} is not a mixture of experts (its config.json "
+                "names no experts); set router_replay = false"
+            )
+        if self.inference is not None and not self.inference.enable_return_routed_experts:
+            raise ValueError(
+                "trainer.model.router_replay needs the routes the server records: drop "
+                "inference.enable_return_routed_experts = false"
+            )
 
     def orchestrator_keys(self) -> dict[str, str]:
         """{variable: key}: the `api_key` of each server rl starts with one that the orchestrator reaches at rl's
@@ -363,6 +378,7 @@ def propagate(raw: dict, cli: dict | None = None) -> dict:
     _run_checkpoints(raw, cli)
     _propagate_sections(raw, cli, components)
     _point_at_inference(raw)
+    _record_routes_for_replay(raw)
     return raw
 
 
@@ -434,6 +450,24 @@ def _point_at_inference(raw: dict) -> None:
         and loader.get_path(raw["inference"], ("model", "max_model_len")) is None
     ):
         loader.set_path(raw["inference"], ("model", "max_model_len"), raw["seq_len"])
+
+
+def _record_routes_for_replay(raw: dict) -> None:
+    """router_replay replays the routes the server records: rl's server records them unless told otherwise."""
+    inference = raw.get("inference")
+    replay = loader.get_path(raw["trainer"], ("model", "router_replay"))
+    if isinstance(inference, dict) and replay and "enable_return_routed_experts" not in inference:
+        inference["enable_return_routed_experts"] = True
+
+
+def _dense(model: str) -> bool:
+    """Whether `model` is a local checkpoint whose config.json names no experts (False when it cannot tell)."""
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and not (config.get("num_experts") or config.get("num_local_experts"))
 
 
 def _student_port(raw: dict) -> int:

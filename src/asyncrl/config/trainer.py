@@ -46,6 +46,11 @@ class TrainerModelConfig(ModelConfig):
     ac: ACConfig | None = Field(None, description="activation checkpointing (off unless set)")
     lora: LoRAConfig | None = Field(None, description="train LoRA adapters only (off unless set)")
     fsdp_cpu_offload: bool = Field(False, description="offload sharded params/grads/optimizer to CPU")
+    router_replay: bool = Field(
+        False,
+        description="an MoE: the loss routes each token to the experts the inference engine chose for it (R3; "
+        "needs the embedded engine's routing records, which rl turns on); the router still learns",
+    )
     attn_implementation: str = Field("sdpa", description="HF attention implementation")
     trust_remote_code: bool = Field(False, description="allow custom modelling code from the model dir")
     fused_lm_head_chunk_size: Annotated[int, Field(ge=1)] | Literal["disabled"] | None = Field(

@@ -293,6 +293,25 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="transformers' causal LMs hand the loss their hidden states and head (a fused linear loss)",
     ),
     Patch(
+        symbol="transformers Qwen3MoeTopKRouter.forward: returns (router_logits, top_k_weights, top_k_index)",
+        how="relied on; its output read by forward hooks, and replaced by one (routing replay)",
+        dist="transformers",
+        verified={"==5.19.0": "8f1024563761aa2a"},
+        checks=(
+            "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeTopKRouter.forward",
+            "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeSparseMoeBlock.forward",
+        ),
+        where=(
+            "trainer.replay:RouterReplay",
+            "trainer.replay:recorded_routes",
+            "trainer.moe:RouterLoad",
+            "inference.engine.engine:EmbeddedEngine._record_routes",
+        ),
+        why="the engine records the experts each token went to, the trainer counts them (router load) and, with "
+        "router_replay, routes each token to the engine's experts with gate weights recomputed from its own logits",
+        remove_when="transformers' MoE blocks take the experts to route to (a routing-replay input)",
+    ),
+    Patch(
         symbol="transformers TokenizersBackend._tokenizer",
         how="private (read)",
         dist="transformers",

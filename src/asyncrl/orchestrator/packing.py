@@ -24,6 +24,10 @@ in full, then each other one from position P on (positions P, P+1, ...), which t
 With forward-KL distillation (items carrying `teacher_targets`), every row of the step also gets `teacher_ids` and
 `teacher_targets` of shape (L, K), K the most tokens any position lists: each token's listed ids and target
 mass, zero-padded (mass 0 contributes nothing).
+
+With an MoE's routing records (every sample carrying `routes`), every row also gets `routed_experts` (L, layers,
+top_k) uint8: each token's row of its own sample's record (a continuation's shared prefix is the first sample's).
+A row with a sample lacking its record gets none (the trainer with router_replay then refuses the batch).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.orchestrator.samples import TokenSample
+from asyncrl.transport.routes import as_tensor
 from asyncrl.transport.row import Row
 
 
@@ -86,7 +91,8 @@ def truncate(item: PackItem, seq_len: int) -> tuple[PackItem, bool]:
     s = item.sample
     if len(s) <= seq_len:
         return item, False
-    cut = TokenSample(s.input_ids[:seq_len], s.loss_mask[:seq_len], s.logprobs[:seq_len])
+    routes = s.routes[:seq_len] if s.routes is not None else None
+    cut = TokenSample(s.input_ids[:seq_len], s.loss_mask[:seq_len], s.logprobs[:seq_len], routes=routes)
     per_token = item.token_advantages[:seq_len] if item.token_advantages is not None else None
     targets = item.teacher_targets[:seq_len] if item.teacher_targets is not None else None
     return PackItem(cut, item.advantage, item.temperature, item.group, per_token, targets), True
@@ -189,7 +195,15 @@ def pieces_row(pieces: list[tuple[PackItem, int]], width: int = 0) -> Row:
         inference_logprobs=torch.tensor(lps, dtype=torch.float32),
         temperatures=torch.tensor(temps, dtype=torch.float32),
         **(targets_fields(pieces, width) if width else {}),
+        **routes_field(pieces),
     )
+
+
+def routes_field(pieces: list[tuple[PackItem, int]]) -> dict[str, torch.Tensor]:
+    """`routed_experts` of a row's pieces (each from its first position on), or {} unless every piece has one."""
+    if any(it.sample.routes is None for it, _ in pieces):
+        return {}
+    return {"routed_experts": torch.cat([as_tensor(it.sample.routes[start:]) for it, start in pieces])}
 
 
 def targets_fields(pieces: list[tuple[PackItem, int]], width: int) -> dict[str, torch.Tensor]:

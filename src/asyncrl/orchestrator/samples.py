@@ -2,7 +2,8 @@
 
 A verifiers rollout made with the token client carries `trajectory`: one step per model turn, each
 with `tokens = {prompt_ids, completion_ids, completion_mask, completion_logprobs, ...}` exactly as
-the server saw and produced them.
+the server saw and produced them; from an MoE whose server records its routing, also `routed_experts` (uint8
+[prompt + completion, layers, top_k]: `transport.routes`), carried to the sample unchanged.
 
 - interleaved: one sample per rollout = turn 1's prompt + every completion and the env tokens in
   between; the loss mask is on model-generated tokens only. This is only correct when each turn's
@@ -44,6 +45,7 @@ class TokenSample:
     loss_mask: list[bool]
     logprobs: list[float]
     teacher: TeacherScores | None = None
+    routes: Any = None  # MoE routing record: uint8 [len(input_ids), layers, top_k] (`transport.routes`), or None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -141,6 +143,7 @@ def branch_sample(step: Mapping[str, Any]) -> TokenSample:
         input_ids=list(prompt) + list(completion),
         loss_mask=[False] * len(prompt) + [bool(m) for m in step["completion_mask"]],
         logprobs=[0.0] * len(prompt) + [float(x) for x in step["completion_logprobs"]],
+        routes=step.get("routed_experts"),
     )
 
 
@@ -156,6 +159,7 @@ def interleave(steps: list[Mapping[str, Any]]) -> TokenSample | None:
         sample.input_ids += env_tokens + list(step["completion_ids"])
         sample.loss_mask += [False] * len(env_tokens) + [bool(m) for m in step["completion_mask"]]
         sample.logprobs += [0.0] * len(env_tokens) + [float(x) for x in step["completion_logprobs"]]
+        sample.routes = step.get("routed_experts")  # a turn's record covers its whole prompt: the last one all
     return sample
 
 
@@ -178,7 +182,15 @@ def _step_tokens(step: Mapping[str, Any]) -> dict:
             f"{len(out['completion_mask'])} mask entries"
         )
     out["is_truncated"] = bool(tokens.get("is_truncated") or step.get("is_truncated"))
+    out["routed_experts"] = _routes(tokens.get("routed_experts"), len(out["prompt_ids"]) + n)
     return out
+
+
+def _routes(routes: Any, tokens: int) -> Any:
+    """A turn's routing record, checked to cover its `tokens` tokens (None stays None)."""
+    if routes is not None and len(routes) != tokens:
+        raise TrajectoryError(f"turn has {tokens} tokens but a routing record of {len(routes)} (routed_experts)")
+    return routes
 
 
 def _output_error(output: Mapping[str, Any]) -> str | None:

@@ -5,7 +5,8 @@ attempt, then a resumed one) counts once, the last row wins; unreadable lines (o
 skipped. Wall time is honest: each metrics row carries `time` (unix seconds, written as its step was
 logged), and a point's wall time is that minus the run's start (the earliest `started` in `logs/*.pid` or
 first metrics row); a run whose rows have no `time` has no wall-time axis, never a guessed one.
-Smoothing is a debiased EMA, the same here (PNGs, the time-to-accuracy table) and in report.js (the page).
+Smoothing is a debiased EMA, the same here (PNGs, the time-to-accuracy table) and in report.js (the page),
+of train curves only (`smoothed`).
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ PLOTS = [
     Plot("SFT tokens/s", "sft", named("tokens_per_s")),
     Plot("SFT MoE router load (tokens per expert / mean, layers averaged; idle experts)", "sft", prefixed("moe/")),
 ]
+
+
+def smoothed(plot: Plot) -> bool:
+    """Train curves are smoothed; eval ones are not (each point is already a mean over a held-out set)."""
+    return not (plot.source == "eval" or plot.source.endswith(":eval"))
 
 
 def rows_by_step(path: Path, kind: str | None) -> list[dict]:

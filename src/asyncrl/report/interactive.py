@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 from asyncrl.core.errors import UserError
-from asyncrl.report.curves import SMOOTHING, Curve, Plot
+from asyncrl.report.curves import SMOOTHING, Curve, Plot, smoothed
 from asyncrl.report.labels import Identity
 
 MAX_STYLES = 4  # solid, dash, dot, dash-dot
@@ -64,14 +64,15 @@ def _shared_axes(plots: list[tuple[Plot, list[dict]]]) -> list[dict]:
     return [{"x": list(x), "t": list(t) if t is not None else None} for x, t in axes]
 
 
-def charts(title: str, per_run: list[list[Curve]]) -> list[dict]:
+def charts(plot: Plot, per_run: list[list[Curve]]) -> list[dict]:
     """One chart, or one per metric key (small multiples) when the plot has more than MAX_STYLES keys."""
     keys = list(dict.fromkeys(c.key for curves in per_run for c in curves))
     groups = [keys] if len(keys) <= MAX_STYLES else [[k] for k in keys]
     out = []
     for group in groups:
         series = [_series(i, group.index(c.key), c) for i, cs in enumerate(per_run) for c in cs if c.key in group]
-        out.append({"title": group[0] if len(groups) > 1 else "", "keys": group, "series": series})
+        title = group[0] if len(groups) > 1 else ""
+        out.append({"title": title, "keys": group, "smooth": smoothed(plot), "series": series})
     return out
 
 

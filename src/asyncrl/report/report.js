@@ -31,16 +31,17 @@
   function traces(chart) {
     const out = [];
     const series = chart.series.filter((s) => state.axis === "step" || data.axes[s.axis].t);
+    const weight = chart.smooth ? state.smoothing : 0; // eval points are means already: never smoothed
     for (const s of series) {
       const run = data.runs[s.run];
       const common = { x: x(s), mode: "lines", legendgroup: String(s.run), visible: !state.hidden.has(s.run) };
       const name = chart.keys.length > 1 ? run.label + " · " + s.key : run.label;
-      if (state.smoothing > 0) {
+      if (weight > 0) {
         out.push({ ...common, y: s.y, line: { color: run.colour, width: 1 }, opacity: 0.25, hoverinfo: "skip", name: name + " (raw)" });
       }
       const dash = DASH[s.dash % DASH.length];
       const markers = s.y.length < 30 ? "lines+markers" : "lines";
-      out.push({ ...common, y: ema(s.y, state.smoothing), mode: markers, name, line: { color: run.colour, width: 2, dash }, marker: { size: 4 } });
+      out.push({ ...common, y: ema(s.y, weight), mode: markers, name, line: { color: run.colour, width: 2, dash }, marker: { size: 4 } });
     }
     return out;
   }

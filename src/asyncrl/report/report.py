@@ -23,7 +23,7 @@ from pathlib import Path
 
 from asyncrl.core.errors import UserError
 from asyncrl.report import interactive, tta
-from asyncrl.report.curves import PLOTS, SMOOTHING, Curve, Plot, RunCurves, ema, rows_by_step
+from asyncrl.report.curves import PLOTS, SMOOTHING, Curve, Plot, RunCurves, ema, rows_by_step, smoothed
 from asyncrl.report.labels import PALETTE, Identity, identities
 from asyncrl.report.status import status_lines
 from asyncrl.transport.files import write_text_atomic
@@ -116,13 +116,13 @@ def _write_pngs(where: Path, plots: list[tuple[Plot, list[list[Curve]]]], ids: l
     where.mkdir(parents=True, exist_ok=True)
     for plot, per_run in plots:
         slug = "".join(c if c.isalnum() else "_" for c in plot.title.lower()).strip("_")
-        (where / f"{slug}.png").write_bytes(render_png(plot, per_run, ids, smoothing))
+        (where / f"{slug}.png").write_bytes(render_png(plot, per_run, ids, smoothing if smoothed(plot) else 0.0))
 
 
 def _page(runs, ids, plots, table, options: Options) -> str:
     esc = html.escape
     names = esc(", ".join(i.label for i in ids))
-    charted = [(p, interactive.charts(p.title, per_run)) for p, per_run in plots]
+    charted = [(p, interactive.charts(p, per_run)) for p, per_run in plots]
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>asyncrl report: {names}</title>",
         f"<style>body{{font-family:sans-serif;margin:0 2em 2em;max-width:1600px}}{interactive.STYLE}"

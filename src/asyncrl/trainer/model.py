@@ -21,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from asyncrl.config.trainer import TrainerModelConfig
 from asyncrl.core.errors import UserError, model_hint
 from asyncrl.trainer.lora import SlotSelector, apply_lora, apply_multi_lora
+from asyncrl.trainer.replay import RouterReplay, recorded_routes
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -98,17 +99,25 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def _packing_error(model: nn.Module, rows: list[list[torch.Tensor]]) -> float:
     """Largest logit difference between samples packed in `rows` (stacked, shorter rows padded by a
-    pseudo-sample) and each sample run alone."""
+    pseudo-sample) and each sample run alone. An MoE's samples run alone with the packed forward's routing (a
+    near-tie between experts may go either way in a differently shaped forward: routing, not attention)."""
     length = max(sum(len(s) for s in row) for row in rows)
     spans = [row + [torch.zeros(length - sum(len(s) for s in row), dtype=torch.long)] for row in rows]
     ids = torch.stack([torch.cat(row) for row in spans])
     pos = torch.stack([torch.cat([torch.arange(len(s)) for s in row]) for row in spans])
-    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    with recorded_routes(model) as chosen:
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    replay = RouterReplay(model) if chosen else None
+    routes = torch.stack(chosen, 1).view(len(rows), length, len(chosen), -1).to(torch.uint8) if chosen else None
     err, starts = 0.0, [torch.tensor([0] + [len(s) for s in row]).cumsum(0).tolist() for row in rows]
     for r, row in enumerate(rows):
         for s, at in zip(row, starts[r]):
+            if replay is not None:
+                replay.set(routes[r, at : at + len(s)][None], torch.zeros(1, len(s), dtype=torch.bool))
             alone = model(input_ids=s[None], use_cache=False).logits[0]
             err = max(err, (logits[r, at : at + len(s)] - alone).abs().max().item())
+    if replay is not None:
+        replay.close()
     return err
 
 

@@ -19,10 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-
-def routers(model: nn.Module) -> list[nn.Module]:
-    """The model's MoE routers, in layer order ([] for a dense model)."""
-    return [m for m in model.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts") and hasattr(m, "weight")]
+from asyncrl.transport.routes import routers
 
 
 class RouterLoad:

@@ -30,6 +30,7 @@ from asyncrl.core import failpoint
 from asyncrl.core.errors import UserError
 from asyncrl.transport.files import publish_dir, wait_for
 from asyncrl.transport.layout import RunLayout
+from asyncrl.transport.routes import RoutingShape
 from asyncrl.transport.row import Row
 
 
@@ -66,9 +67,12 @@ def wait_for_batch(
     return path
 
 
-def read_batch(layout: RunLayout, step: int, rank: int, vocab_size: int | None = None) -> list[Row]:
+def read_batch(
+    layout: RunLayout, step: int, rank: int, vocab_size: int | None = None, routing: RoutingShape | None = None
+) -> list[Row]:
     """Rank `rank`'s rows of step `step` (the batch must exist: see `wait_for_batch`), checked (`rows_of`;
-    token ids against `vocab_size` when given): a UserError naming the file otherwise."""
+    token ids against `vocab_size`, routing records against `routing` when given): a UserError naming the file
+    otherwise."""
     path = layout.batch_dir(step) / f"rank_{rank}.pt"
     try:
         data = torch.load(path, weights_only=True)
@@ -78,7 +82,7 @@ def read_batch(layout: RunLayout, step: int, rank: int, vocab_size: int | None =
             "the orchestrator from its last checkpoint so it writes the step again"
         ) from None
     try:
-        return rows_of(data, step, vocab_size)
+        return rows_of(data, step, vocab_size, routing)
     except ValueError as e:
         raise UserError(f"rollout batch {path} is malformed: {e}; {_rewrite_hint(path.parent)}") from None
 
@@ -109,7 +113,7 @@ def read_meta(layout: RunLayout, step: int) -> dict:
     return meta
 
 
-def rows_of(data: object, step: int, vocab_size: int | None = None) -> list[Row]:
+def rows_of(data: object, step: int, vocab_size: int | None = None, routing: RoutingShape | None = None) -> list[Row]:
     """The rows of a loaded `rank_{r}.pt` of step `step`: a dict of this step with a non-empty list of
     micro-batches, each one `Row.from_wire` takes; a ValueError saying the first thing wrong otherwise."""
     if not isinstance(data, dict):
@@ -121,11 +125,11 @@ def rows_of(data: object, step: int, vocab_size: int | None = None) -> list[Row]
         raise ValueError(f"micro_batches is a {type(wire).__name__}, not a list")
     if not wire:
         raise ValueError("it holds no micro-batches (every rank needs at least one, all-masked if need be)")
-    return [_row_of(mb, i, vocab_size) for i, mb in enumerate(wire)]
+    return [_row_of(mb, i, vocab_size, routing) for i, mb in enumerate(wire)]
 
 
-def _row_of(wire: object, index: int, vocab_size: int | None) -> Row:
+def _row_of(wire: object, index: int, vocab_size: int | None, routing: RoutingShape | None) -> Row:
     try:
-        return Row.from_wire(wire, vocab_size)
+        return Row.from_wire(wire, vocab_size, routing)
     except ValueError as e:
         raise ValueError(f"micro-batch {index}: {e}") from None

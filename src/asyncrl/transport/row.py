@@ -11,12 +11,15 @@ A `Row` is one packed row of up to seq_len tokens, six 1-D tensors of one length
 and, with forward-KL distillation only, two (L, K) fields: teacher_ids (int64; the teacher's listed tokens at
 each position, zero-padded) and teacher_targets (float32 >= 0; their target mass, the distillation weight times
 the teacher's renormalized probability; 0 on padding and on tokens without a teacher signal). Both or neither.
+With routing replay, one (L, layers, top_k) uint8 field: routed_experts (the experts the sampler chose for each
+token in each MoE layer: `transport.routes`; padding and fillers: expert 0).
 
 The wire form (`to_wire`, `from_wire`; `transport.batch` saves lists of them per rank) is a plain dict of those
 tensors under those names (PRIME-RL's), the absent teacher fields left out: the format of batches already on disk.
 `from_wire` is the read boundary: it refuses anything that is not that format (missing fields, wrong types,
 shapes or dtypes, token ids outside the vocabulary, non-finite sampler logprobs, temperatures that are not
-positive, an invalid shared prefix) with a ValueError saying the first thing wrong, and ignores other keys.
+positive, an invalid shared prefix, a routing record that does not fit the model) with a ValueError saying the
+first thing wrong, and ignores other keys.
 A row built in the process (packing, fake data) is checked for shape only (`check`); reads check everything,
 a few reductions per field: cheap next to one forward pass.
 """
@@ -30,12 +33,15 @@ from typing import Self
 import torch
 
 from asyncrl.transport.prefix import check_shared, unshare
+from asyncrl.transport.routes import RoutingShape
 
 TOKEN_FIELDS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")
 TEACHER_FIELDS = ("teacher_ids", "teacher_targets")  # optional, both or neither: (L, K)
+ROUTES = "routed_experts"  # optional: (L, layers, top_k) uint8
 INTEGER_FIELDS = ("input_ids", "position_ids", "teacher_ids")
 FLOAT_FIELDS = ("advantages", "inference_logprobs", "temperatures", "teacher_targets")
 DTYPES = {f: torch.long for f in INTEGER_FIELDS} | {f: torch.float32 for f in FLOAT_FIELDS} | {"loss_mask": torch.bool}
+DTYPES[ROUTES] = torch.uint8
 KEPT_BY_FILLERS = ("input_ids", "position_ids", "temperatures", "teacher_ids")  # `masked` zeroes the rest
 
 
@@ -51,16 +57,18 @@ class Row:
     temperatures: torch.Tensor
     teacher_ids: torch.Tensor | None = None
     teacher_targets: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
-    def from_wire(cls, data: object, vocab_size: int | None = None) -> Row:
-        """The row a wire dict holds, checked (token ids against `vocab_size` when given); ValueError otherwise."""
+    def from_wire(cls, data: object, vocab_size: int | None = None, routing: RoutingShape | None = None) -> Row:
+        """The row a wire dict holds, checked (token ids against `vocab_size` when given; with `routing`, a
+        routing record for that model is required); ValueError otherwise."""
         if not isinstance(data, dict):
             raise ValueError(f"a {type(data).__name__}, not a dict of tensors")
         if missing := [k for k in TOKEN_FIELDS if k not in data]:
             raise ValueError(f"lacks the fields {missing}")
-        row = cls(**{k: data[k] for k in (*TOKEN_FIELDS, *TEACHER_FIELDS) if k in data})
-        if (problem := row.problem(vocab_size)) is not None:
+        row = cls(**{k: data[k] for k in (*TOKEN_FIELDS, *TEACHER_FIELDS, ROUTES) if k in data})
+        if (problem := row.problem(vocab_size) or row.routing_problem(routing)) is not None:
             raise ValueError(problem)
         return row
 
@@ -102,7 +110,29 @@ class Row:
         shapes = {k: tuple(getattr(self, k).shape) for k in TOKEN_FIELDS}
         if len(set(shapes.values())) != 1 or self.input_ids.dim() != 1 or self.input_ids.numel() == 0:
             return f"the fields must be non-empty 1-D tensors of one length, got shapes {shapes}"
-        return self._teacher_shape_problem()
+        return self._teacher_shape_problem() or self._routes_shape_problem()
+
+    def _routes_shape_problem(self) -> str | None:
+        """The routing record, when present: a uint8 tensor (L, layers, top_k), L the row's length."""
+        routes = self.routed_experts
+        if routes is None:
+            return None
+        if not isinstance(routes, torch.Tensor) or routes.dtype != torch.uint8 or routes.dim() != 3:
+            return "routed_experts must be a uint8 tensor (tokens, MoE layers, top_k)"
+        if routes.shape[0] != self.input_ids.shape[0]:
+            return f"routed_experts holds {routes.shape[0]} tokens' routes, the row {self.input_ids.shape[0]} tokens"
+        return None
+
+    def routing_problem(self, routing: RoutingShape | None) -> str | None:
+        """With `routing` (replay on): what is wrong with the row's record for that model, or None."""
+        if routing is None:
+            return None
+        if self.routed_experts is None:
+            return (
+                "it carries no routing record (routed_experts), which router_replay needs: the inference server must "
+                "record the experts it routes to (the embedded engine's enable_return_routed_experts, set by rl)"
+            )
+        return routing.problem(self.routed_experts, self.input_ids.shape[0])
 
     def problem(self, vocab_size: int | None = None) -> str | None:
         """What is wrong with the row (the format in the module's docstring), or None."""

@@ -120,7 +120,7 @@ def test_time_to_accuracy_uses_the_held_out_eval_when_every_run_has_a_curve_of_i
 
 
 def test_the_page_gives_each_run_one_colour_in_every_plot_and_small_multiples_past_four_metrics(tmp_path):
-    runs = _three(tmp_path)
+    runs = _three(tmp_path, [{0: 0.1, 9: 0.5}] * 3)
     for run in runs:  # six rubric metrics: one chart each
         path = RunLayout(run).metrics_file("orchestrator")
         rows_ = [json.loads(x) | {f"metrics/m{i}": i for i in range(6)} for x in open(path)]
@@ -131,6 +131,8 @@ def test_the_page_gives_each_run_one_colour_in_every_plot_and_small_multiples_pa
     assert [r["colour"] for r in data["runs"]] == PALETTE[:3] and [r["label"] for r in data["runs"]] == ["x", "y", "z"]
     rubric = next(p for p in data["plots"] if p["title"] == "rubric metrics")
     assert [c["title"] for c in rubric["charts"]] == [f"metrics/m{i}" for i in range(6)]
+    smooth = {p["title"]: {c["smooth"] for c in p["charts"]} for p in data["plots"]}
+    assert smooth["eval reward by step"] == {False} and smooth["reward"] == smooth["rubric metrics"] == {True}
     for plot in data["plots"]:
         for chart in plot["charts"]:
             assert sorted({s["run"] for s in chart["series"]}) == [0, 1, 2], chart["title"]

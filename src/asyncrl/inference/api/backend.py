@@ -75,6 +75,9 @@ class SeqDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     prompt_logprobs: PromptLogprobs | None = None  # on a sequence's first delta, when params.prompt_logprobs is set
+    # on a finished sequence's last delta, from an engine recording MoE routes: uint8 numpy array
+    # [prompt + completion - 1, MoE layers, top_k] (`transport.routes`; the last token was never forwarded)
+    routed_experts: Any = None
 
 
 class TrainingEngine(Protocol):

@@ -50,10 +50,13 @@ class ChoiceResult:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    routed_experts: Any = None  # an MoE's routing record, from the last delta (`SeqDelta.routed_experts`)
 
     def add(self, d: SeqDelta) -> None:
         if d.prompt_logprobs is not None:
             self.prompt_logprobs = d.prompt_logprobs
+        if d.routed_experts is not None:
+            self.routed_experts = d.routed_experts
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs
         if d.top_logprobs:

@@ -2,7 +2,9 @@
 
 - POST /tokenize, /detokenize                  (vLLM-compatible)
 - POST /v1/chat/completions/tokens             (chat request + the exact prompt ids in `tokens`)
-- POST /inference/v1/generate                  (token ids in, token ids + logprobs `token_id:<id>` out)
+- POST /inference/v1/generate                  (token ids in, token ids + logprobs `token_id:<id>` out; from an
+                                                engine recording MoE routes, each choice's `routed_experts`:
+                                                `transport.routes`' wire dict)
 
 On vLLM's app, vLLM serves /tokenize and /detokenize itself and vllm/routes.py the other two.
 """
@@ -36,6 +38,7 @@ from asyncrl.inference.api.schemas import (
     check_token_ids,
     resolve_max_tokens,
 )
+from asyncrl.transport import routes
 
 router = APIRouter()
 
@@ -129,4 +132,5 @@ def _generate_choice(backend: Backend, index: int, r: ChoiceResult, logprobs: bo
         "finish_reason": r.finish_reason,
         "stop_reason": r.stop_reason,
         "logprobs": chat_logprobs(text, r.token_ids, r.logprobs, r.top, as_ids=True) if logprobs else None,
+        **({"routed_experts": routes.encode(r.routed_experts)} if r.routed_experts is not None else {}),
     }

@@ -46,6 +46,7 @@ from asyncrl.inference.engine.sampling import RowSampler, sample
 from asyncrl.inference.engine.scoring import score, score_token_cap
 from asyncrl.inference.engine.sequence import FastDecode, Sequence
 from asyncrl.inference.engine.weight_loading import load_matching_weights, loaded_fingerprints, staged, swap_in
+from asyncrl.transport.routes import RoutingShape, routers
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _SEED_STRIDE = 1_000_003  # seeds of the n sequences of one seeded request: seed + i * stride
@@ -232,6 +233,8 @@ class EmbeddedEngine(Backend):
         self.eos_ids = _eos_ids(mcfg.name, self.model, self.tokenizer)
 
         self.cache = SlotKVCache(self.model.config.num_hidden_layers, self.dtype, self.device)
+        if config.enable_return_routed_experts:
+            self._record_routes()
         self.prefix = PrefixCache(int(config.prefix_cache_gb * 2**30))
         self._weights_version = 0
         self.lora = LoraManager(self.model)
@@ -254,6 +257,22 @@ class EmbeddedEngine(Backend):
             f"embedded engine: {mcfg.name} on {self.device} ({self.dtype}), max_model_len={self.max_model_len}, "
             f"max_batch_size={self.max_batch_size}, kv budget {self.kv_budget / 2**30:.2f} GiB"
         )
+
+    def _record_routes(self) -> None:
+        """Hook every MoE router so each forward writes its chosen experts into the cache's routes."""
+        try:
+            shape = RoutingShape.of(self.model)
+        except ValueError as e:
+            raise UserError(f"enable_return_routed_experts: {e}") from None
+        if shape is None:
+            raise UserError(
+                f"enable_return_routed_experts: {self.model_name} is not a mixture of experts (no routers to record); "
+                "drop it (and router_replay) for a dense model"
+            )
+        self.cache.route_shape = (shape.layers, shape.top_k)
+        for layer, router in enumerate(routers(self.model)):
+            router.register_forward_hook(lambda _m, _i, out, layer=layer: self.cache.record(layer, out[-1]))
+        logger.info(f"recording MoE routes: {shape.layers} layers x top-{shape.top_k} of {shape.experts} experts")
 
     # ---- sizing ---------------------------------------------------------------------------------
     def _kv_budget_bytes(self, gb: float | None, utilization: float | None) -> int:
@@ -654,6 +673,7 @@ class EmbeddedEngine(Backend):
             top = result.top[k] if result.top is not None else None
             if a.seq.append(result.tokens[k], result.logprobs[k], top, self.max_model_len):
                 finished.append(first_row + k)
+                a.seq.routed_experts = self.cache.routes_of(first_row + k, a.seq.length - 1)
                 if a.weights_version == self._weights_version and not a.req.scoring:
                     tokens = (a.req.prompt_ids + a.seq.output_ids)[:-1]  # its last token was never fed back
                     self.prefix.store(a.req.adapter, tokens, self.cache, first_row + k)

@@ -16,10 +16,16 @@ Buffers per layer are [slots, kv_heads, capacity, head_dim]. Active sequences al
   stale tail, so rows of different lengths share one batched forward.
 
 All modes hand the model a ready 4D mask (or a dict per layer type), so HF skips its own mask logic.
+
+Routing record (an MoE served with `enable_return_routed_experts`): beside the KV, a uint8 buffer
+[slots, capacity, layers, top_k] holds the experts each cached position was routed to (`record`, called by the
+routers' hooks during the forward); every copy of a row's KV (fan-out, compaction, prefix reuse) copies its
+routes too, so a row's routes always describe the forward passes that computed its KV.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
@@ -48,6 +54,9 @@ class SlotKVCache(Cache):
         self._start = 0
         self._kv_len = 0
         self._gather: torch.Tensor | None = None  # prefill over cached prefixes: the slots to attend over
+        self.route_shape: tuple[int, int] | None = None  # (MoE layers, top_k) when routes are recorded
+        self._real_rows = 1  # prefill: input rows of the forward
+        self.routes: torch.Tensor | None = None  # [slots, capacity, layers, top_k] uint8
 
     # ---- sizing -------------------------------------------------------------------------------
     @staticmethod
@@ -68,12 +77,18 @@ class SlotKVCache(Cache):
                 new = old.new_zeros(new_slots, old.shape[1], new_cap, old.shape[3])
                 new[: self.slots, :, : self.capacity] = old
                 store[i] = new
+        if self.route_shape is not None:
+            grown = torch.zeros(new_slots, new_cap, *self.route_shape, dtype=torch.uint8, device=self.device)
+            if self.routes is not None:
+                grown[: self.slots, : self.capacity] = self.routes
+            self.routes = grown
         self.slots, self.capacity = new_slots, new_cap
 
     def release(self) -> None:
         """Free all buffers (nothing is active)."""
         self.keys = [None] * self.num_layers
         self.values = [None] * self.num_layers
+        self.routes = None
         self.slots = self.capacity = 0
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
@@ -84,6 +99,8 @@ class SlotKVCache(Cache):
             for buf in store:
                 if buf is not None:
                     buf[dst, :, :length] = buf[src, :, :length]
+        if self.routes is not None:
+            self.routes[dst, :length] = self.routes[src, :length]
 
     def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
         """Copy the first `length` positions of each row src[i] into row dst[i] (compaction: one copy per
@@ -95,15 +112,41 @@ class SlotKVCache(Cache):
             for buf in store:
                 if buf is not None:
                     buf[dst_t, :, :length] = buf[src_t, :, :length]
+        if self.routes is not None:
+            self.routes[dst_t, :length] = self.routes[src_t, :length]
 
-    def write_prefix(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Put per-layer [kv_heads, n, head_dim] keys/values at positions 0..n-1 of `row` (prefix reuse)."""
+    def write_prefix(
+        self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor], routes: torch.Tensor | None = None
+    ) -> None:
+        """Put per-layer [kv_heads, n, head_dim] keys/values (and [n, layers, top_k] routes) at positions 0..n-1
+        of `row` (prefix reuse)."""
+        if self.routes is not None and routes is not None:
+            self.routes[row, : routes.shape[0]] = routes
         for i in range(self.num_layers):
             for store, src in ((self.keys, keys[i]), (self.values, values[i])):
                 if store[i] is None:
                     shape = (self.slots, src.shape[0], self.capacity, src.shape[2])
                     store[i] = torch.zeros(shape, dtype=src.dtype, device=self.device)
                 store[i][row, :, : src.shape[1]] = src
+
+    # ---- routing record -----------------------------------------------------------------------
+    def record(self, layer: int, chosen: torch.Tensor) -> None:
+        """MoE layer `layer`'s chosen experts ([tokens of this forward, top_k]) into the routes of their positions."""
+        if self.routes is None:
+            return
+        chosen = chosen.to(torch.uint8)
+        if self._mode == "extend":
+            self.routes[self._batch, self._start : self._kv_len, layer] = chosen
+        elif self._mode == "prefill":
+            real_i, real_c = self._real
+            width = chosen.shape[0] // int(self._real_rows)
+            self.routes[self._rows, self._pos, layer] = chosen.view(-1, width, chosen.shape[-1])[real_i, real_c]
+        else:
+            self.routes[self._rows, self._pos, layer] = chosen
+
+    def routes_of(self, row: int, length: int) -> np.ndarray | None:
+        """Row `row`'s routes at positions 0..length-1 ([length, layers, top_k] uint8), None when not recorded."""
+        return None if self.routes is None else self.routes[row, :length].cpu().clone().numpy()  # a copy: rows move
 
     # ---- per-forward modes --------------------------------------------------------------------
     def set_prefill(self, rows: torch.Tensor, pads: torch.Tensor, width: int, starts: list[int] | None = None) -> None:
@@ -112,6 +155,7 @@ class SlotKVCache(Cache):
         cols = torch.arange(width, device=rows.device)
         real_i, real_c = (cols[None, :] >= pads[:, None]).nonzero(as_tuple=True)
         self._mode, self._rows, self._pos = "prefill", rows[real_i], real_c - pads[real_i]
+        self._real_rows = rows.shape[0]
         self._real, self._flat, self._gather = (real_i, real_c), {}, None
         if starts is not None and any(starts):
             start_t = torch.tensor(starts, device=rows.device)

@@ -12,7 +12,8 @@ Finding a prefix costs O(prompt length), not O(entries): every entry is indexed 
 hash of each of its full `BLOCK`-token prefixes. A lookup walks the prompt's blocks through that
 index to the deepest entry holding them (checked token by token, so a hash collision is only a
 miss), then extends the match token by token inside that entry. A match shorter than one block
-is not found, so `min_tokens` should be at least `BLOCK`.
+is not found, so `min_tokens` should be at least `BLOCK`. An entry keeps the MoE routes of its positions too
+when the cache records them (`SlotKVCache.routes`), and a prefix copied out brings its routes along.
 
 New prompts admitted together share prefixes too (distinct questions after one chat header or system
 prompt): `shared_prefix_groups` finds them, and the engine prefills each shared prefix once.
@@ -38,6 +39,7 @@ class _Entry:
     values: list[torch.Tensor]
     nbytes: int
     hashes: list[int]  # chained hash of each full block prefix
+    routes: torch.Tensor | None = None  # [L, MoE layers, top_k] uint8, when the cache records routes
 
 
 def block_hashes(tokens: list[int], adapter: str | None) -> list[int]:
@@ -133,7 +135,8 @@ class PrefixCache:
             return
         keys = [k[row, :, :n].clone() for k in cache.keys]
         values = [v[row, :, :n].clone() for v in cache.values]
-        entry = _Entry(adapter, list(tokens), keys, values, nbytes, block_hashes(tokens, adapter))
+        routes = cache.routes[row, :n].clone() if cache.routes is not None else None
+        entry = _Entry(adapter, list(tokens), keys, values, nbytes, block_hashes(tokens, adapter), routes)
         self._entries[id(entry)] = entry
         for h in entry.hashes:
             self._index.setdefault(h, {})[id(entry)] = entry
@@ -166,4 +169,5 @@ class PrefixCache:
     @staticmethod
     def load(entry: _Entry, length: int, cache: SlotKVCache, row: int) -> None:
         """Copy the entry's first `length` positions into cache row `row`."""
-        cache.write_prefix(row, [k[:, :length] for k in entry.keys], [v[:, :length] for v in entry.values])
+        routes = entry.routes[:length] if entry.routes is not None else None
+        cache.write_prefix(row, [k[:, :length] for k in entry.keys], [v[:, :length] for v in entry.values], routes)

@@ -63,6 +63,7 @@ class Sequence:
         self._new_logprobs: list[float] = []
         self._new_top: list[list[tuple[int, float]]] = []
         self.prompt_logprobs: PromptLogprobs | None = None  # set at prefill when asked; goes out with the first delta
+        self.routed_experts = None  # set at its finish when routes are recorded; goes out with the last delta
 
     @property
     def length(self) -> int:
@@ -151,6 +152,7 @@ class Sequence:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             prompt_logprobs=self.prompt_logprobs,
+            routed_experts=self.routed_experts if done else None,
         )
         self.prompt_logprobs = None
         self._emitted = upto

@@ -14,8 +14,9 @@ chat completions).
 
 Invariant: each trace (an agent's run) is one rollout, and each of its branches one turn for the samples
 converter. A branch's prompt is the tokens before the first sampled one, its completion the rest, with
-`sampled_mask` as the completion mask and the engine's logprobs. The trainer therefore sees exactly the ids
-and logprobs the engine sampled, env tokens between turns masked out.
+`sampled_mask` as the completion mask and the engine's logprobs (and an MoE's routing record, when the engine
+returned one). The trainer therefore sees exactly the ids and logprobs the engine sampled, env tokens between
+turns masked out.
 """
 
 from __future__ import annotations
@@ -306,11 +307,11 @@ def branch_turn(branch: Any) -> dict:
     """A branch (one token sequence, `sampled_mask` on the model's tokens) as one turn's tokens."""
     ids, mask, logprobs = list(branch.token_ids), [bool(m) for m in branch.sampled_mask], list(branch.logprobs)
     first = mask.index(True) if True in mask else len(ids)
-    return {
-        "tokens": {
-            "prompt_ids": ids[:first],
-            "completion_ids": ids[first:],
-            "completion_mask": [int(m) for m in mask[first:]],
-            "completion_logprobs": logprobs[first:],
-        }
+    tokens = {
+        "prompt_ids": ids[:first],
+        "completion_ids": ids[first:],
+        "completion_mask": [int(m) for m in mask[first:]],
+        "completion_logprobs": logprobs[first:],
     }
+    routes = getattr(branch, "routed_experts", None)  # an MoE's routing record, one row per token
+    return {"tokens": tokens if routes is None else tokens | {"routed_experts": routes}}

@@ -19,6 +19,8 @@ forward pass is exactly the plain one. Attention that takes no such mask gets `R
 
 Forward-KL distillation rows also carry `teacher_ids` / `teacher_targets` ([rows, length, K]; padding and rows
 without them: mass 0); a batch without them carries None and its loss has no cross-entropy term.
+An MoE's routing records (`routed_experts`, [rows, length, layers, top_k]) are joined like the token fields when
+every row has one (padding: expert 0); with router_replay the source requires them, checked against the model.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from asyncrl.trainer.loss import LossInputs
 from asyncrl.transport.batch import read_batch, read_meta, wait_for_batch
 from asyncrl.transport.layout import RunLayout
 from asyncrl.transport.prefix import attention_mask, check_shared, segments
-from asyncrl.transport.row import TEACHER_FIELDS, TOKEN_FIELDS, Row
+from asyncrl.transport.routes import RoutingShape
+from asyncrl.transport.row import ROUTES, TEACHER_FIELDS, TOKEN_FIELDS, Row
 
 
 @dataclass(kw_only=True)
@@ -82,7 +85,7 @@ class RowBatch(Row):
         """Stacked rows a..b-1 as a batch of their own (views; sample ids from 0), without forward-KL
         targets unless `teacher`."""
         s0, s1 = self.sample_starts[a], self.sample_starts[b]
-        cut = {f: getattr(self, f) for f in ("parents", "attention_mask", *(TEACHER_FIELDS if teacher else ()))}
+        cut = {f: getattr(self, f) for f in ("parents", "attention_mask", ROUTES, *(TEACHER_FIELDS if teacher else ()))}
         return RowBatch(
             **{f: getattr(self, f)[a:b] for f in TOKEN_FIELDS},
             sample_ids=self.sample_ids[a:b] - s0,
@@ -121,6 +124,8 @@ def pad_row(row: PackedRow, length: int) -> PackedRow:
     }
     if row.teacher_ids is not None:
         tail |= {f: torch.zeros(k, getattr(row, f).shape[1], dtype=getattr(row, f).dtype) for f in TEACHER_FIELDS}
+    if row.routed_experts is not None:  # padding replays expert 0 (it carries no loss)
+        tail[ROUTES] = torch.zeros(k, *row.routed_experts.shape[1:], dtype=torch.uint8)
     grown = {f: torch.cat([getattr(row, f), t.to(row.input_ids.device)]) for f, t in tail.items()}
     return replace(row, **grown, num_samples=row.num_samples + 1)
 
@@ -134,7 +139,8 @@ def stack_rows(rows: list[PackedRow], stack: bool = True) -> RowBatch:
     starts = torch.tensor([0] + [r.num_samples for r in rows]).cumsum(0).tolist()
     out = {f: join([getattr(r, f) for r in rows]) for f in TOKEN_FIELDS}
     sample_ids = join([r.sample_ids + s for r, s in zip(rows, starts)])
-    batch = RowBatch(**out, sample_ids=sample_ids, num_samples=starts[-1], **_teacher_fields(rows, join))
+    routes = {ROUTES: join([r.routed_experts for r in rows])} if all(r.routed_experts is not None for r in rows) else {}
+    batch = RowBatch(**out, sample_ids=sample_ids, num_samples=starts[-1], **_teacher_fields(rows, join), **routes)
     batch.sample_starts = starts if stack else None
     return _with_sharing(batch, rows, stack) if any(r.shared for r in rows) else batch
 
@@ -306,6 +312,7 @@ class RolloutSource:
     ) -> None:
         self.layout, self.rank, self.world_size, self.timeout = layout, rank, world_size, timeout
         self.vocab_size, self.max_async_level = vocab_size, max_async_level
+        self.routing: RoutingShape | None = None  # router_replay: every row must carry a record for this model
         self.stamps: dict[str, float] = {}
         self._told = False
 
@@ -318,7 +325,7 @@ class RolloutSource:
         self.stamps = check_stamps(meta, step, self.max_async_level)
         packed_for = meta.get("num_ranks", 1)
         if packed_for == self.world_size:
-            return read_batch(self.layout, step, self.rank, self.vocab_size)
+            return read_batch(self.layout, step, self.rank, self.vocab_size, self.routing)
         if not self._told:
             self._told = True
             logger.info(
@@ -326,7 +333,7 @@ class RolloutSource:
                 f"{self.world_size}: dealing its rows out again (the orchestrator learns the world size from "
                 "trainer_world.json, or set its num_train_workers)"
             )
-        rows = [mb for r in range(packed_for) for mb in read_batch(self.layout, step, r, self.vocab_size)]
+        rows = [mb for r in range(packed_for) for mb in read_batch(self.layout, step, r, self.vocab_size, self.routing)]
         return deal_rows(rows, self.world_size, self.rank)
 
 

@@ -9,6 +9,7 @@ Shared-prefix rows (`transport.prefix`) are computed once per prompt: sdpa and e
 rows' explicit 4D mask (bool for sdpa, additive 0 / dtype-min for eager, which adds it to the scores) and
 logprobs are read at each token's logit parent; any other attention gets the rows expanded back to
 plain ones (logged once). Rows without sharing take the plain path: no mask, logits at t-1.
+With `model.router_replay` (an MoE) every forward routes its tokens to the experts the engine chose (`trainer.replay`).
 Then publish `broadcast/step_{n+1}` (HF dir, STABLE last; also `weights/step_{n+1}` at checkpoint steps and the
 end), checkpoint when due, and prune broadcast dirs outside the async window (except around kept
 checkpoints) and consumed batches.
@@ -43,6 +44,7 @@ from asyncrl.trainer.loss import get_loss_fn, mismatch_kl_sum
 from asyncrl.trainer.model import DTYPES, load_model
 from asyncrl.trainer.moe import log_part
 from asyncrl.trainer.perf import format_mfu
+from asyncrl.trainer.replay import RouterReplay, scoring_positions
 from asyncrl.trainer.rl.data import (
     FakeSource,
     PackedRow,
@@ -92,6 +94,7 @@ class RLLoop(Loop):
         self._log_ratios: list[torch.Tensor] = []  # this step's logπ - logμ on this rank's loss tokens
         self.reference: torch.nn.Module | None = None  # scores π_start when loss.ref_kl is set
         self.head = head_setting(self.config.model.fused_lm_head_chunk_size)  # how the loss reads the lm_head
+        self.replay: RouterReplay | None = None  # router_replay: the engine's experts in every forward
 
     def start(self) -> None:
         s, cfg = self.session, self.config
@@ -99,9 +102,12 @@ class RLLoop(Loop):
             shape = cfg.data.fake or FakeDataConfig()
             self.source = FakeSource(shape, s.vocab_size, s.ctx.rank, s.ctx.world_size, cfg.seed)
         else:
+            if cfg.model.router_replay:
+                self.replay = RouterReplay(s.model, cfg.model.name)
             self.source = RolloutSource(
                 s.layout, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout, s.vocab_size, cfg.max_async_level
             )
+            self.source.routing = self.replay.shape if self.replay is not None else None
             if s.ctx.is_main:  # an orchestrator without num_train_workers packs for this many ranks
                 write_text_atomic(s.layout.trainer_world, json.dumps({"world_size": s.ctx.world_size}))
         if cfg.loss.ref_kl is not None:
@@ -200,6 +206,8 @@ class RLLoop(Loop):
         kwargs they were computed with."""
         model = self.session.model
         mask = self.mask_kwargs(mb, model.config._attn_implementation)
+        if self.replay is not None:
+            self.replay.set(mb.routed_experts, scoring_positions(mb.loss_mask, mb.parents))
         request = HeadRequest(
             mb.input_ids, mb.temperatures, mb.parents, mb.teacher_ids, mb.teacher_targets, **self.head
         )
@@ -292,12 +300,13 @@ class RLLoop(Loop):
     def step_summary(self) -> dict[str, float]:
         """Quantiles of this step's importance ratio r = π/μ over this rank's loss tokens (rank 0's are logged)."""
         log_ratio, self._log_ratios = torch.cat(self._log_ratios).cpu() if self._log_ratios else torch.zeros(0), []
+        replay = self.replay.take() if self.replay is not None else {}
         if log_ratio.numel() == 0:
-            return {}
+            return replay
         qs = torch.tensor(RATIO_QUANTILES, dtype=log_ratio.dtype)
         values = torch.quantile(log_ratio[: 2**24].float(), qs).exp().tolist()  # quantile's input limit
         out = {f"importance_ratio/p{round(q * 100):02d}": v for q, v in zip(RATIO_QUANTILES, values)}
-        return out | {"importance_ratio/max": float(log_ratio.max().exp())}
+        return out | replay | {"importance_ratio/max": float(log_ratio.max().exp())}
 
     def mask_kwargs(self, mb: RowBatch, attn: str) -> dict[str, torch.Tensor]:
         """No mask for plain rows (HF derives it from position_ids); shared rows' 4D mask as `attn` reads it."""
