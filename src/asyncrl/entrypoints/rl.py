@@ -17,7 +17,7 @@ SUMMARY = (
 
 
 def run(config: RLConfig, layout: RunLayout) -> None:
-    from asyncrl.launcher import launch
+    from asyncrl.launcher.supervisor import launch
 
     if config.bench:
         from asyncrl.bench.run import run_bench_job

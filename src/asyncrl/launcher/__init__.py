@@ -2,10 +2,7 @@
 
 `supervisor` writes each child's config, spawns and supervises them; `placement` decides which GPUs
 (or CPU threads) each child gets; `tailer` turns the orchestrator's metrics into one console line per
-step. The launcher never imports the packages of the processes it starts: it talks to them through
-their command lines, their files (`transport.layout`) and the server's HTTP API.
+step; `zygote` forks the Python children from one process that imported torch, transformers and verifiers
+once. The launcher never imports the packages of the processes it starts (only the zygote's own process
+does): it talks to them through their command lines, their files (`transport.layout`) and the server's HTTP API.
 """
-
-from asyncrl.launcher.supervisor import launch
-
-__all__ = ["launch"]

@@ -46,6 +46,7 @@ from asyncrl.launcher.placement import Placement
 from asyncrl.launcher.restart import ComponentDied, Restarts
 from asyncrl.launcher.tailer import StepTailer
 from asyncrl.launcher.watch import CollapseWatch
+from asyncrl.launcher.zygote import Zygote, start_zygote
 from asyncrl.transport.files import write_text_atomic
 from asyncrl.transport.layout import RunLayout, resolve_resume_step
 from asyncrl.utils import runstate
@@ -112,9 +113,10 @@ class Child:
 
 
 class Launcher:
-    def __init__(self, config: RLConfig, layout: RunLayout):
+    def __init__(self, config: RLConfig, layout: RunLayout, zygote: Zygote | None = None):
         self.config = config
         self.layout = layout
+        self.zygote = zygote  # forks the Python children warm (`zygote`); None: each is exec'd
         self.placement = Placement(config)
         self.children: list[Child] = []
         self.runs = config.run_orchestrators()  # multi-run: each run's orchestrator config; empty: one run
@@ -214,7 +216,8 @@ class Launcher:
         logger.info(f"starting {name}: {' '.join(cmd)}")
         out = (PIPED if self.bar.enabled else None) if stream else stdout_path
         since = {p: p.stat().st_size if p.exists() else 0 for p in (stdout_path, log_path)}
-        child = Child(name, spawn(cmd, out, env), stdout_path, log_path, layout, run, since)
+        proc = (self.zygote and self.zygote.spawn(cmd, out, env)) or spawn(cmd, out, env)
+        child = Child(name, proc, stdout_path, log_path, layout, run, since)
         if out is PIPED:
             threading.Thread(target=copy_lines, args=(child.proc.stdout,), daemon=True).start()
         cores = self.placement.affinity(name)
@@ -498,7 +501,8 @@ class Launcher:
             logger.warning(f"{next(c.name for c in self.children if c.proc is proc)} ignored SIGTERM; killed it")
         for child in running:  # their run records say rl stopped them (one that died keeps no exit: killed)
             runstate.close(child.record, runstate.STOPPED)
-        if orphans := stop_descendants(STOP_GRACE_S):  # what the children left (adopted: reap_orphans)
+        spare = (self.zygote.proc.pid,) if self.zygote else ()
+        if orphans := stop_descendants(STOP_GRACE_S, spare):  # what the children left (adopted: reap_orphans)
             logger.info(f"stopped {len(orphans)} process(es) the children left behind: pids {orphans}")
 
     def summary(self, elapsed: float) -> str:
@@ -524,10 +528,11 @@ def launch(config: RLConfig, layout: RunLayout) -> None:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     reap_orphans()
-    launcher = Launcher(config.model_copy(deep=True), layout)
+    zygote = start_zygote(str(layout.root), layout.log_file("zygote"), Placement(config).cuda)
+    launcher = Launcher(config.model_copy(deep=True), layout, zygote)
     try:
         while (died := _attempt(launcher)) is not None:
-            launcher = Launcher(restarts.next_config(died, launcher.start_step), layout)
+            launcher = Launcher(restarts.next_config(died, launcher.start_step), layout, zygote)
         print(launcher.summary(time.monotonic() - start), flush=True)
         if said := restarts.summary():
             print(said, flush=True)
@@ -539,6 +544,8 @@ def launch(config: RLConfig, layout: RunLayout) -> None:
             raise UserError(f"{len(bad)} of {len(launcher.runs)} runs did not finish: {said}; the others did")
     finally:
         launcher.stop()
+        if zygote is not None:
+            zygote.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

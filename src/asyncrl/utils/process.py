@@ -107,18 +107,20 @@ def reap_orphans() -> bool:
     return prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
-def spawn(cmd: Sequence[str], log: Path | None, env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(
+    cmd: Sequence[str], log: Path | None, env: dict[str, str] | None = None, keep_fds: tuple[int, ...] = ()
+) -> subprocess.Popen:
     """Start `cmd` in a new session, to die with this process; stdout + stderr are appended to `log`
-    (None: inherited; PIPED: a pipe)."""
+    (None: inherited; PIPED: a pipe); `keep_fds`: descriptors it gets too."""
     if log is None or log is PIPED:
         out, err = (None, None) if log is None else (subprocess.PIPE, subprocess.STDOUT)
-        return _popen(cmd, env, out, err)
+        return _popen(cmd, env, out, err, keep_fds)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as sink:  # the child holds its own copy of the descriptor
-        return _popen(cmd, env, sink, subprocess.STDOUT)
+        return _popen(cmd, env, sink, subprocess.STDOUT, keep_fds)
 
 
-def _popen(cmd: Sequence[str], env: dict[str, str] | None, out, err) -> subprocess.Popen:
+def _popen(cmd: Sequence[str], env: dict[str, str] | None, out, err, keep_fds: tuple[int, ...]) -> subprocess.Popen:
     parent, fds = os.getpid(), _inherited_fd()
     if fds and env is not None:
         env = {**env, INHERITED_FD: os.environ[INHERITED_FD]}
@@ -129,7 +131,7 @@ def _popen(cmd: Sequence[str], env: dict[str, str] | None, out, err) -> subproce
         stderr=err,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
-        pass_fds=fds,
+        pass_fds=fds + keep_fds,
         preexec_fn=lambda: die_with_parent(parent),  # in the child, between fork and exec
     )
 
@@ -262,12 +264,13 @@ def process_tree(pid: int) -> list[tuple[int, str]]:
 
 def processes_by_role(marker: str, roles: dict[str, str]) -> dict[int, tuple[str, int]]:
     """{pid: (role, parent pid)} of the live processes whose command line has `marker` in an argument (e.g. a
-    run's output dir) and a role's module as one (`{"trainer": "asyncrl.entrypoints.trainer"}`). A process whose
+    run's output dir) and a role's module as one (`{"trainer": "asyncrl.entrypoints.trainer"}`; arguments split at
+    spaces too: a forked child's command line is one string, `launcher.zygote`). A process whose
     parent has its role is left out: between `fork` and `exec` a child shows its parent's command line."""
     found: dict[int, tuple[str, int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            argv = (stat.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            argv = (stat.parent / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
             parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
@@ -277,11 +280,13 @@ def processes_by_role(marker: str, roles: dict[str, str]) -> dict[int, tuple[str
     return {pid: (role, parent) for pid, (role, parent) in found.items() if found.get(parent, ("",))[0] != role}
 
 
-def stop_descendants(grace: float = 10.0) -> list[int]:
-    """SIGTERM every process below this one (orphans reparented to it by `reap_orphans` included), SIGKILL
-    those left after `grace` s, and reap those that are its children now. Returns the ones that were running."""
+def stop_descendants(grace: float = 10.0, spare: tuple[int, ...] = ()) -> list[int]:
+    """SIGTERM every process below this one (orphans reparented to it by `reap_orphans` included) but those in
+    `spare` (their descendants are not spared), SIGKILL those left after `grace` s, and reap those that are its
+    children now. Returns the ones that were running."""
     me = os.getpid()
-    running = [p for p, state in process_tree(me) if p != me and state != "Z"]
+    mine = lambda: [(p, s) for p, s in process_tree(me) if p != me and p not in spare]  # noqa: E731
+    running = [p for p, state in mine() if state != "Z"]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in running:
             try:
@@ -289,12 +294,12 @@ def stop_descendants(grace: float = 10.0) -> list[int]:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 5.0)
-        while (left := [p for p, s in process_tree(me) if p != me and s != "Z"]) and time.monotonic() < deadline:
-            _reap(p for p, _ in process_tree(me))
+        while (left := [p for p, s in mine() if s != "Z"]) and time.monotonic() < deadline:
+            _reap(p for p, _ in mine())
             time.sleep(0.05)
         if not left:
             break
-    _reap(p for p, _ in process_tree(me) if p != me)
+    _reap(p for p, _ in mine())
     return running
 
 

@@ -1,0 +1,369 @@
+"""Warm starts: `rl`'s Python children forked from one process that imported the heavy libraries once.
+
+Each child `rl` starts with its own Python (the embedded inference server, the orchestrator, a one-rank trainer,
+the teacher) spent seconds of CPU importing torch, transformers and verifiers before it did anything; three of
+them at once on a 2-core machine took most of a short run. The zygote (`python -m asyncrl.launcher.zygote
+RUN_DIR`, started by `rl` on a CPU-only machine) imports them in stages (STAGES) and serves spawn requests that
+`Zygote.spawn` sends over a Unix socket pair: for each it forks a child that runs the entrypoint module as
+`python -m MODULE ARGS` would. Its exits come back as messages; `Forked` is the launcher's handle on such a
+child, with the part of `subprocess.Popen`'s interface the launcher uses.
+
+Invariants: a child gets what an exec'd one would have: its argv, environment, command line (`setproctitle`, so
+`ps` and `processes_by_role` see `python -m MODULE ...`), stdout + stderr on the descriptor rl passed, stdin
+/dev/null, a session of its own, SIGTERM when the zygote dies (and the zygote gets it when rl dies), fresh random
+seeds, and the thread count OMP_NUM_THREADS asks for. A request is served once the stage its module needs has
+loaded (a module no stage names: once all have). The zygote runs no child code itself and starts no thread. Where
+the zygote cannot serve (not started, died, a CUDA machine: CUDA must not be initialised before a fork,
+ASYNCRL_ZYGOTE=0), `spawn` returns None and rl execs the child as before.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from loguru import logger
+
+from asyncrl.utils.process import INHERITED_FD, PIPED, die_with_parent, spawn
+
+VAR = "ASYNCRL_ZYGOTE"  # 0: exec every child (no warm starts)
+FD_VAR = "ASYNCRL_ZYGOTE_FD"  # the zygote's end of the socket pair
+READY_TIMEOUT_S = 120.0  # a request waits this long for the zygote's stage, then rl execs the child
+MAX_MESSAGE = 1 << 20
+# (entrypoint modules served once the stage has loaded, the modules it imports); later stages include earlier ones
+STAGES = (
+    (
+        ("asyncrl.entrypoints.inference", "asyncrl.entrypoints.trainer"),
+        ("torch", "transformers.modeling_utils", "asyncrl.inference.api.app", "asyncrl.trainer.rl"),
+    ),
+    (("asyncrl.entrypoints.orchestrator",), ("verifiers.v1", "asyncrl.orchestrator")),
+)
+
+
+# ---- in rl ---------------------------------------------------------------------------------------------------
+
+
+class Forked:
+    """A child the zygote forked: `pid`, `args`, `returncode`, `poll()`, `wait(timeout)`, `stdout` (PIPED)."""
+
+    def __init__(self, pid: int, args: list[str], stdout=None):
+        self.pid, self.args, self.stdout, self.returncode = pid, args, stdout, None
+        self._exited = threading.Event()
+        self.orphaned = False  # the zygote died: the kernel made rl (a subreaper) this child's parent
+
+    def exited(self, code: int) -> None:
+        self.returncode = code
+        self._exited.set()
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.orphaned:
+            self._reap()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:  # in slices: the zygote may die meanwhile, and then rl must look itself
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._exited.wait(0.2 if deadline is None else min(0.2, max(0.0, deadline - time.monotonic())))
+        return self.returncode
+
+    def _reap(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # not (yet) rl's child: ended when gone or a zombie
+            if not running(self.pid):
+                self.exited(-signal.SIGTERM)
+            return
+        if pid:
+            self.exited(os.waitstatus_to_exitcode(status))
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, exited but not yet reaped, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class Zygote:
+    """rl's end: starts the zygote process, sends it spawn requests, hands out `Forked` children."""
+
+    def __init__(self, marker: str, log: Path):
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**os.environ, FD_VAR: str(theirs.fileno())}
+        cmd = [sys.executable, "-m", "asyncrl.launcher.zygote", marker]
+        self.proc = spawn(cmd, log, env, keep_fds=(theirs.fileno(),))
+        theirs.close()
+        self._children: dict[int, Forked] = {}
+        self._early: dict[int, int] = {}  # exits that came before their spawn's reply was read
+        self._replies: dict[int, dict] = {}
+        self._changed = threading.Condition()
+        self._alive, self._next = True, 0
+        threading.Thread(target=self._read, daemon=True, name="zygote").start()
+
+    def spawn(self, cmd: list[str], log: Path | None, env: dict[str, str]) -> Forked | None:
+        """Fork `cmd` (`python -m MODULE ...` with this python) if the zygote can; None: exec it."""
+        if not self._alive or len(cmd) < 3 or cmd[:2] != [sys.executable, "-m"]:
+            return None
+        read_end, out = _output(log)
+        with self._changed:
+            self._next += 1
+            reply = self._ask(self._next, cmd, env, out)
+            if reply is None or "pid" not in reply:
+                if read_end is not None:
+                    read_end.close()
+                return None
+            child = self._children[reply["pid"]] = Forked(reply["pid"], list(cmd), read_end)
+            if reply["pid"] in self._early:
+                child.exited(self._early.pop(reply["pid"]))
+            return child
+
+    def _ask(self, ask: int, cmd: list[str], env: dict[str, str], out: int) -> dict | None:
+        """Send one spawn request (holding the lock) and wait for its reply; None if none came."""
+        lock = env.get(INHERITED_FD, "").partition(":")[0]
+        fds = [out] + ([int(lock)] if lock.isdigit() and os.path.exists(f"/proc/self/fd/{lock}") else [])
+        request = {"id": ask, "module": cmd[2], "args": cmd[3:], "env": env, "title": " ".join(cmd)}
+        try:
+            socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
+        except OSError:
+            return None
+        finally:
+            os.close(out)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while ask not in self._replies and self._alive and time.monotonic() < deadline:
+            self._changed.wait(0.5)
+        return self._replies.pop(ask, None)
+
+    def _read(self) -> None:
+        while message := _receive(self._sock):
+            with self._changed:
+                if "exit" in message:
+                    self._exit(message["exit"], message["code"])
+                else:
+                    self._replies[message["id"]] = message
+                self._changed.notify_all()
+        with self._changed:
+            self._alive = False
+            for child in self._children.values():
+                child.orphaned = True
+            self._changed.notify_all()
+
+    def _exit(self, pid: int, code: int) -> None:
+        if pid in self._children:
+            self._children.pop(pid).exited(code)
+        else:
+            self._early[pid] = code
+
+    def close(self) -> None:
+        """Let the zygote go (its children are stopped by then; any left get SIGTERM with it)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # a stuck zygote: rl's stop_descendants ends it
+            pass
+
+
+def start_zygote(marker: str, log: Path, cuda: bool) -> Zygote | None:
+    """The run's zygote, or None where warm starts are off (ASYNCRL_ZYGOTE=0) or unsafe (a CUDA machine)."""
+    if cuda or os.environ.get(VAR, "1") == "0":
+        return None
+    return Zygote(marker, log)
+
+
+def _output(log: Path | None) -> tuple:
+    """(the read end for rl when `log` is PIPED else None, the descriptor the child writes its output to)."""
+    if log is PIPED:
+        r, w = os.pipe()
+        return os.fdopen(r, "rb"), w
+    if log is None:
+        return None, os.dup(1)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return None, os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+
+def _receive(sock: socket.socket) -> dict | None:
+    try:
+        data = sock.recv(MAX_MESSAGE)
+    except OSError:
+        return None
+    return json.loads(data) if data else None
+
+
+# ---- the zygote ----------------------------------------------------------------------------------------------
+
+
+def serve(sock: socket.socket) -> None:
+    """Load the stages, serving each request as soon as its stage has loaded; end when rl closes its end."""
+    pending: list[tuple[dict, list[int]]] = []
+    loaded: set[str] = set()
+    for served, modules in STAGES:
+        for name in modules:
+            _preload(name)
+        loaded.update(served)
+        pending = _serve_ready(sock, pending, loaded, final=False)
+    while True:
+        pending = _serve_ready(sock, pending, loaded, final=True)
+        if not select.select([sock], [], [], 0.2)[0]:
+            _reap(sock)
+            continue
+        got = _take(sock)
+        if got is None:
+            return
+        pending.append(got)
+
+
+def _serve_ready(sock, pending, loaded, final: bool) -> list:
+    """Fork each pending request whose module has loaded (all of them when `final`); take what arrived meanwhile."""
+    while select.select([sock], [], [], 0)[0] and (got := _take(sock)) is not None:
+        pending.append(got)
+    waiting = []
+    for request, fds in pending:
+        if final or request["module"] in loaded:
+            _fork(sock, request, fds)
+        else:
+            waiting.append((request, fds))
+    _reap(sock)
+    return waiting
+
+
+def _take(sock: socket.socket) -> tuple[dict, list[int]] | None:
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
+    except OSError:
+        return None
+    return (json.loads(data), fds) if data else None
+
+
+def _preload(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - a child that needs it imports it itself and says what is wrong
+        logger.warning(f"zygote: could not preload {name}: {type(e).__name__}: {e}")
+
+
+def _fork(sock: socket.socket, request: dict, fds: list[int]) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except OSError as e:  # out of memory or processes: rl execs this one
+        reply = {"id": request["id"], "error": str(e)}
+    else:
+        if pid == 0:
+            _become(sock, request, fds)
+        reply = {"id": request["id"], "pid": pid}
+    for fd in fds:
+        os.close(fd)
+    sock.send(json.dumps(reply).encode())
+
+
+def _reap(sock: socket.socket) -> None:
+    """Tell rl about each child that exited (Popen's convention: -N for a signal)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _become(sock: socket.socket, request: dict, fds: list[int]) -> None:
+    """In the forked child: take on the request's process state, then run its module as `python -m` does."""
+    try:
+        sock.close()
+        os.setsid()
+        die_with_parent(os.getppid())
+        _descriptors(fds, request["env"])
+        _process_state(request)
+        import runpy
+
+        sys.argv = [request["module"], *request["args"]]
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else _said(e.code))
+    except BaseException:  # noqa: BLE001 - what an uncaught exception does in any Python process
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _said(message) -> int:
+    print(message, file=sys.stderr)
+    return 1
+
+
+def _descriptors(fds: list[int], env: dict[str, str]) -> None:
+    """stdout + stderr to the passed descriptor, stdin /dev/null, the inherited lock descriptor at its number."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[0], 2)
+    if len(fds) > 1 and INHERITED_FD in env:
+        os.dup2(fds[1], int(env[INHERITED_FD].split(":")[0]))
+    for fd in fds:
+        if fd > 2 and (INHERITED_FD not in env or fd != int(env[INHERITED_FD].split(":")[0])):
+            os.close(fd)
+
+
+def _process_state(request: dict) -> None:
+    """Environment, command line, signals, random seeds and thread count as a fresh process has them."""
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if "setproctitle" in sys.modules:  # imported by main(), before anything changed the environment
+        sys.modules["setproctitle"].setproctitle(request["title"])
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    import random
+
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules and (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit() and int(threads):
+        sys.modules["torch"].set_num_threads(int(threads))
+    if os.environ.get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(write_through=True)
+
+
+def main() -> None:
+    try:  # first: it finds the memory a new command line can take while argv and the environment are intact
+        import setproctitle
+
+        setproctitle.getproctitle()  # its set-up runs at the first call, not at import
+    except ImportError:
+        logger.warning("zygote: no setproctitle; its children show the zygote's command line")
+    sock = socket.socket(fileno=int(os.environ.pop(FD_VAR)))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rl, which stops the children itself
+    try:
+        serve(sock)
+    except (BrokenPipeError, ConnectionResetError):  # rl has gone
+        pass
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

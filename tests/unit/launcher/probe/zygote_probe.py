@@ -1,0 +1,26 @@
+"""Run by the zygote's tests as `python -m zygote_probe MODE [CODE]`: says what kind of process it is, as JSON."""
+
+import json
+import os
+import sys
+import time
+
+if sys.argv[1] == "sleep":
+    print("sleeping", flush=True)
+    time.sleep(120)
+import torch
+
+print(
+    json.dumps(
+        {
+            "argv": sys.argv[1:],
+            "probe": os.environ.get("PROBE"),
+            "session_leader": os.getsid(0) == os.getpid(),
+            "stdin": os.readlink("/proc/self/fd/0"),
+            "cmdline": open("/proc/self/cmdline").read().replace("\0", " ").strip(),
+            "threads": torch.get_num_threads(),
+            "main": __name__,
+        }
+    )
+)
+sys.exit(int(sys.argv[2]))
