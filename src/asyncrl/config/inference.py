@@ -179,9 +179,9 @@ class InferenceConfig(BaseConfig):
     def _routes_need_embedded(self) -> InferenceConfig:
         if self.enable_return_routed_experts and self.backend != "embedded":
             raise ValueError(
-                "enable_return_routed_experts (router_replay): asyncrl records MoE routes in the embedded engine "
-                f"only, not yet from vLLM (engine here: {self.backend}, {self._backend_why}); serve with --backend "
-                "embedded, or train without router_replay"
+                "enable_return_routed_experts (router_replay) needs the embedded engine: vLLM 0.32's routed-experts "
+                "output (its Model Runner V2, GPU only) is not wired into asyncrl yet (engine here: "
+                f"{self.backend}, {self._backend_why}); serve with --backend embedded, or train without router_replay"
             )
         return self
 

@@ -34,7 +34,7 @@ def test_replay_turns_on_the_embedded_engines_routing_record(tmp_path):
     ("argv", "said"),
     [
         (["--model.name", "{dense}"], "is not a mixture of experts \\(its config.json names no experts\\)"),
-        (["--model.name", "{moe}", "--inference.backend", "vllm"], "in the embedded engine only, not yet from vLLM"),
+        (["--model.name", "{moe}", "--inference.backend", "vllm"], "needs the embedded engine: vLLM .* not wired"),
         (
             [
                 "--model.name",
