@@ -207,6 +207,8 @@ class TrainerConfig(BaseConfig):
             )
         if self.bench or self.data.fake is not None:
             raise ValueError("max_concurrent_runs trains runs' rollout batches: drop --bench / --data.fake")
+        if self.model.router_replay:
+            raise ValueError("model.router_replay is not built for multi-run training yet: drop one of the two")
         return self
 
 

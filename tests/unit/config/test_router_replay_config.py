@@ -60,3 +60,10 @@ def test_what_cannot_replay_is_a_one_line_config_error(tmp_path, argv, said):
 def test_the_vllm_server_refuses_to_record_routes():
     with pytest.raises(ValueError, match="serve with --backend embedded"):
         InferenceConfig(backend="vllm", enable_return_routed_experts=True)
+
+
+def test_replay_with_multi_run_training_is_a_config_error():
+    from asyncrl.config.trainer import TrainerConfig
+
+    with pytest.raises(ValueError, match="router_replay is not built for multi-run training yet"):
+        TrainerConfig(max_concurrent_runs=2, model={"lora": {}, "router_replay": True})
