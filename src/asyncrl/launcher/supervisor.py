@@ -216,12 +216,12 @@ class Launcher:
         logger.info(f"starting {name}: {' '.join(cmd)}")
         out = (PIPED if self.bar.enabled else None) if stream else stdout_path
         since = {p: p.stat().st_size if p.exists() else 0 for p in (stdout_path, log_path)}
-        proc = (self.zygote and self.zygote.spawn(cmd, out, env)) or spawn(cmd, out, env)
+        cores = self.placement.affinity(name)
+        proc = (self.zygote and self.zygote.spawn(cmd, out, env, cores)) or spawn(cmd, out, env)
         child = Child(name, proc, stdout_path, log_path, layout, run, since)
         if out is PIPED:
             threading.Thread(target=copy_lines, args=(child.proc.stdout,), daemon=True).start()
-        cores = self.placement.affinity(name)
-        if cores is not None:  # right after exec, before its Python starts a thread: every thread inherits it
+        if cores is not None:  # right after exec, before its Python starts a thread (a forked child set it first)
             os.sched_setaffinity(child.proc.pid, cores)
             logger.info(f"{name} pinned to cores {cores}")
         self.children.append(child)

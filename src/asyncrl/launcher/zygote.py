@@ -112,14 +112,17 @@ class Zygote:
         self._alive, self._next = True, 0
         threading.Thread(target=self._read, daemon=True, name="zygote").start()
 
-    def spawn(self, cmd: list[str], log: Path | None, env: dict[str, str]) -> Forked | None:
-        """Fork `cmd` (`python -m MODULE ...` with this python) if the zygote can; None: exec it."""
+    def spawn(
+        self, cmd: list[str], log: Path | None, env: dict[str, str], cores: list[int] | None = None
+    ) -> Forked | None:
+        """Fork `cmd` (`python -m MODULE ...` with this python; on `cores` if given) if the zygote can; None: exec
+        it."""
         if not self._alive or len(cmd) < 3 or cmd[:2] != [sys.executable, "-m"]:
             return None
         read_end, out = _output(log)
         with self._changed:
             self._next += 1
-            reply = self._ask(self._next, cmd, env, out)
+            reply = self._ask({"id": self._next, "cores": sorted(cores or ()), "env": env}, cmd, out)
             if reply is None or "pid" not in reply:
                 if read_end is not None:
                     read_end.close()
@@ -129,11 +132,12 @@ class Zygote:
                 child.exited(self._early.pop(reply["pid"]))
             return child
 
-    def _ask(self, ask: int, cmd: list[str], env: dict[str, str], out: int) -> dict | None:
+    def _ask(self, request: dict, cmd: list[str], out: int) -> dict | None:
         """Send one spawn request (holding the lock) and wait for its reply; None if none came."""
-        lock = env.get(INHERITED_FD, "").partition(":")[0]
+        lock = request["env"].get(INHERITED_FD, "").partition(":")[0]
         fds = [out] + ([int(lock)] if lock.isdigit() and os.path.exists(f"/proc/self/fd/{lock}") else [])
-        request = {"id": ask, "module": cmd[2], "args": cmd[3:], "env": env, "title": " ".join(cmd)}
+        request |= {"module": cmd[2], "args": cmd[3:], "title": " ".join(cmd)}
+        ask = request["id"]
         try:
             socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
         except OSError:
@@ -230,10 +234,11 @@ def _serve_ready(sock, pending, loaded, final: bool) -> list:
     """Fork each pending request whose module has loaded (all of them when `final`); take what arrived meanwhile."""
     while select.select([sock], [], [], 0)[0] and (got := _take(sock)) is not None:
         pending.append(got)
-    waiting = []
+    waiting, held = [], [fd for _, fds in pending for fd in fds]
     for request, fds in pending:
         if final or request["module"] in loaded:
-            _fork(sock, request, fds)
+            _fork(sock, request, fds, [fd for fd in held if fd not in fds])
+            held = [fd for fd in held if fd not in fds]
         else:
             waiting.append((request, fds))
     _reap(sock)
@@ -255,7 +260,8 @@ def _preload(name: str) -> None:
         logger.warning(f"zygote: could not preload {name}: {type(e).__name__}: {e}")
 
 
-def _fork(sock: socket.socket, request: dict, fds: list[int]) -> None:
+def _fork(sock: socket.socket, request: dict, fds: list[int], others: list[int]) -> None:
+    """Fork the child of `request` (its descriptors `fds`; `others`: the other waiting requests', which it closes)."""
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -264,7 +270,7 @@ def _fork(sock: socket.socket, request: dict, fds: list[int]) -> None:
         reply = {"id": request["id"], "error": str(e)}
     else:
         if pid == 0:
-            _become(sock, request, fds)
+            _become(sock, request, fds, others)
         reply = {"id": request["id"], "pid": pid}
     for fd in fds:
         os.close(fd)
@@ -283,10 +289,14 @@ def _reap(sock: socket.socket) -> None:
         sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
 
 
-def _become(sock: socket.socket, request: dict, fds: list[int]) -> None:
+def _become(sock: socket.socket, request: dict, fds: list[int], others: list[int]) -> None:
     """In the forked child: take on the request's process state, then run its module as `python -m` does."""
     try:
         sock.close()
+        for fd in others:  # another child's output: held here, its reader would never see it end
+            os.close(fd)
+        if request.get("cores"):  # before any thread starts: each inherits it
+            os.sched_setaffinity(0, request["cores"])
         os.setsid()
         die_with_parent(os.getppid())
         _descriptors(fds, request["env"])

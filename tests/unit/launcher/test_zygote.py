@@ -34,11 +34,11 @@ def probe(*args: str) -> list[str]:
 def test_a_forked_child_is_what_an_exec_would_make(warm, tmp_path):
     log = tmp_path / "child.log"
     env = {**os.environ, "PROBE": "seen", "OMP_NUM_THREADS": "1"}
-    child = warm.spawn(probe("report", "3"), log, env)
+    child = warm.spawn(probe("report", "3"), log, env, cores=[0])  # pinned before it runs a line
     assert isinstance(child, zygote.Forked) and child.wait(120) == 3 and child.poll() == 3
     said = json.loads(log.read_text().splitlines()[-1])
     assert said["argv"] == ["report", "3"] and said["probe"] == "seen" and said["main"] == "__main__"
-    assert said["session_leader"] and said["stdin"] == os.devnull and said["threads"] == 1
+    assert said["session_leader"] and said["stdin"] == os.devnull and said["threads"] == 1 and said["cores"] == [0]
     assert said["cmdline"] == " ".join(probe("report", "3"))
 
 

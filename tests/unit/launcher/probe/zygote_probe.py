@@ -20,6 +20,7 @@ print(
             "cmdline": open("/proc/self/cmdline").read().replace("\0", " ").strip(),
             "threads": torch.get_num_threads(),
             "main": __name__,
+            "cores": sorted(os.sched_getaffinity(0)),
         }
     )
 )
