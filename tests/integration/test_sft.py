@@ -159,7 +159,9 @@ def test_micro_batch_size_does_not_change_the_step(tiny_model_dir, reverse_data,
         assert all((m["samples"] > m["rows"]) if pack else (m["samples"] == m["rows"] == 4) for m in one)
 
 
-def test_sft_two_ranks_match_one(tiny_model_dir, reverse_data, tmp_path):
+@pytest.mark.parametrize("tp", ["1", "2"], ids=["fsdp", "tensor-parallel"])
+def test_sft_two_ranks_match_one(tiny_model_dir, reverse_data, tmp_path, tp):
+    """2 FSDP2 ranks (data split), or 2 tensor-parallel ranks (`--model.tp 2`: each layer split), train as 1."""
     args = ("--data.micro-batch-size", "1", "--log.level", "warning")
     one = subprocess.run(
         SFT + sft_args(tiny_model_dir, reverse_data, tmp_path / "one", 3, *args),
@@ -177,7 +179,7 @@ def test_sft_two_ranks_match_one(tiny_model_dir, reverse_data, tmp_path):
             "2",
             "-m",
             "asyncrl.entrypoints.sft",
-            *sft_args(tiny_model_dir, reverse_data, tmp_path / "two", 3, *args),
+            *sft_args(tiny_model_dir, reverse_data, tmp_path / "two", 3, *args, "--model.tp", tp),
         ],
         capture_output=True,
         text=True,

@@ -46,6 +46,12 @@ class TrainerModelConfig(ModelConfig):
     ac: ACConfig | None = Field(None, description="activation checkpointing (off unless set)")
     lora: LoRAConfig | None = Field(None, description="train LoRA adapters only (off unless set)")
     fsdp_cpu_offload: bool = Field(False, description="offload sharded params/grads/optimizer to CPU")
+    tp: int = Field(
+        1,
+        ge=1,
+        description="tensor parallelism: split each decoder layer's attention heads and MLP over this many ranks "
+        "(dense models; must divide the ranks, attention heads and kv-heads); FSDP2 shards over ranks / tp",
+    )
     router_replay: bool = Field(
         False,
         description="an MoE: the loss routes each token to the experts the inference engine chose for it (R3; "
@@ -58,6 +64,12 @@ class TrainerModelConfig(ModelConfig):
         description="the loss reads the lm_head this many positions at a time and never holds the whole "
         "[tokens, vocab] logits (default: as many as fit 256 MiB of float32 logits); 'disabled': full logits",
     )
+
+    @model_validator(mode="after")
+    def _tp_full_weights(self) -> TrainerModelConfig:
+        if self.tp > 1 and self.lora is not None:
+            raise ValueError(f"model.tp = {self.tp} is not built for LoRA yet: drop --model.lora or set --model.tp 1")
+        return self
 
 
 class TokenizerConfig(BaseConfig):

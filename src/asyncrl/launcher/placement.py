@@ -51,6 +51,11 @@ class Placement:
         return len(self.config.trainer_gpu_ids) if self.cuda else self.config.trainer_cpu_processes
 
     @property
+    def data_ranks(self) -> int:
+        """Trainer ranks that get different rows: the ranks of one tensor-parallel group share theirs."""
+        return max(1, self.trainer_ranks // self.config.trainer.model.tp)
+
+    @property
     def shares_gpu(self) -> bool:
         """Inference and trainer on one GPU: the trainer must start after the server has sized its memory."""
         return self.cuda and bool(set(self.config.inference_gpu_ids) & set(self.config.trainer_gpu_ids))

@@ -143,7 +143,7 @@ class Launcher:
 
     def _write_configs(self, start: int) -> dict[str, Path]:
         cfg = self.config
-        cfg.orchestrator.num_train_workers = self.placement.trainer_ranks
+        cfg.orchestrator.num_train_workers = self.placement.data_ranks
         for ckpt in (cfg.trainer.ckpt, cfg.orchestrator.ckpt):  # both resume at the one step resolved here
             if ckpt is not None and ckpt.resume_step is not None:
                 ckpt.resume_step = start
@@ -189,7 +189,7 @@ class Launcher:
             self._clean(run, start)
             for stale in (run.run_status, run.run_stop, run.run_config):  # how an earlier attempt ended
                 stale.unlink(missing_ok=True)
-            orch.num_train_workers = self.placement.trainer_ranks
+            orch.num_train_workers = self.placement.data_ranks
             if requested is not None and orch.ckpt is not None:
                 orch.ckpt.resume_step = start
                 settings.setdefault("ckpt", {})["resume_step"] = start

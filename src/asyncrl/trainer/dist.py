@@ -1,4 +1,10 @@
-"""Process-group setup for the trainers: torchrun or a lone process, gloo on CPU, NCCL on CUDA, one 1-D mesh."""
+"""Process-group setup for the trainers: torchrun or a lone process, gloo on CPU, NCCL on CUDA, and the mesh.
+
+The mesh is 1-D ("dp",) over every rank, or with tensor parallelism (tp > 1) 2-D ("dp", "tp") of shape
+(world / tp, tp): the ranks of one "tp" row hold the same batch and split each layer's weights; data is dealt
+to the "dp" coordinates (`dp_rank` of `dp_size`), and `all_reduce_sum` sums over them only, so a token
+counted on every rank of a tp row counts once.
+"""
 
 from __future__ import annotations
 
@@ -22,20 +28,37 @@ class DistContext:
     device: torch.device
     mesh: DeviceMesh
     owns_group: bool  # we created the default group, so we destroy it at the end
+    tp: int = 1  # ranks that split one batch's layers (tensor parallelism)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that get different data: world_size / tp."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's share of the data (ranks of one tp row share it)."""
+        return self.rank // self.tp
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards over: the "dp" dimension."""
+        return self.mesh["dp"] if self.tp > 1 else self.mesh
 
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor over ranks (in place on a device copy); returns the result on CPU."""
+        """Sum a tensor over the data-parallel ranks (in place on a device copy); returns the result on CPU.
+        The ranks of one tp row hold the same values, so each row counts once."""
         out = values.detach().to(self.device, torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(out)
+        if self.dp_size > 1:
+            dist.all_reduce(out, group=self.dp_mesh.get_group() if self.tp > 1 else None)
         return out.cpu()
 
     def all_reduce_max(self, value: int) -> int:
@@ -75,13 +98,15 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def init_distributed(device: str = "auto") -> DistContext:
-    """Join (or create) the default process group and build a 1-D data-parallel mesh over all ranks.
+def init_distributed(device: str = "auto", tp: int = 1) -> DistContext:
+    """Join (or create) the default process group and build the mesh: ("dp",) over all ranks, or ("dp", "tp")
+    with `tp` > 1 (which must divide the ranks).
 
     Under torchrun the env (RANK, WORLD_SIZE, MASTER_ADDR, ...) is used; a plain process makes a
     1-rank group on a free local port so FSDP2 and DCP run the same code path either way.
     """
     kind = resolve_device(device)
+    check_tp(tp, _world_to_be())  # before the group exists: nothing to tear down on a bad value
     owns = False
     if not dist.is_initialized():
         # CUDA runs still get a gloo side for CPU tensors (object collectives, async checkpoint group).
@@ -103,8 +128,30 @@ def init_distributed(device: str = "auto") -> DistContext:
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    mesh = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
-    return DistContext(rank, world, local_rank, dev, mesh, owns)
+    return DistContext(rank, world, local_rank, dev, build_mesh(kind, world, tp), owns, tp)
+
+
+def _world_to_be() -> int:
+    """The number of ranks of the group `init_distributed` joins or makes."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else 1
+
+
+def check_tp(tp: int, world: int) -> None:
+    """A user error unless `tp` divides the `world` ranks."""
+    if world % tp:
+        raise UserError(
+            f"model.tp = {tp} does not divide the {world} trainer rank(s): use a tp that divides them, or a "
+            f"multiple of {tp} ranks (--trainer-cpu-processes / --nproc-per-node)"
+        )
+
+
+def build_mesh(kind: str, world: int, tp: int) -> DeviceMesh:
+    """("dp",) over `world` ranks, or ("dp", "tp") of shape (world / tp, tp)."""
+    if tp == 1:
+        return init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
+    return init_device_mesh(kind, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")

@@ -1,9 +1,11 @@
-"""Load a HF causal LM + tokenizer and make it trainable: LoRA, activation checkpointing, FSDP2 sharding.
+"""Load a HF causal LM + tokenizer and make it trainable: LoRA, tensor parallelism, activation checkpointing,
+FSDP2 sharding.
 
 Master weights are always float32; `optimization_dtype` only sets the compute dtype of FSDP2's mixed
 precision policy and `reduce_dtype` the gradient reduce-scatter dtype. Every decoder layer is its own
 FSDP2 unit; the root unit holds embeddings, final norm and lm_head (kept together so tied embeddings
-stay one parameter).
+stay one parameter). On a ("dp", "tp") mesh (`model.tp` > 1) the layers are first split over "tp"
+(`trainer.tp`) and FSDP2 shards over "dp" only: 2-D DTensor parameters.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from asyncrl.config.trainer import TrainerModelConfig
 from asyncrl.core.errors import UserError, model_hint
 from asyncrl.trainer.lora import SlotSelector, apply_lora, apply_multi_lora
 from asyncrl.trainer.replay import RouterReplay, recorded_routes
+from asyncrl.trainer.tp import apply_tp
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -158,7 +161,10 @@ def _apply_ac(layers: nn.ModuleList, freq: int) -> int:
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerModelConfig) -> None:
-    """FSDP2: one unit per decoder layer, then the root; mixed precision and CPU offload from the config."""
+    """FSDP2 over `mesh` (its "dp" dimension on a 2-D mesh): one unit per decoder layer, then the root; mixed
+    precision and CPU offload from the config."""
+    if mesh.ndim > 1:
+        mesh = mesh["dp"]
     param_dtype, reduce_dtype = DTYPES[cfg.optimization_dtype], DTYPES[cfg.reduce_dtype]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload: OffloadPolicy = OffloadPolicy()
@@ -197,6 +203,9 @@ def load_model(
         lora_scale = cfg.lora.alpha / cfg.lora.rank
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         logger.info(f"LoRA rank {cfg.lora.rank} on {n} layers: {trainable:,} trainable parameters")
+    if mesh.ndim > 1:
+        apply_tp(model, decoder_layers(model), mesh["tp"])
+        logger.info(f"tensor parallelism: decoder layers split over {mesh['tp'].size()} ranks")
     if cfg.ac is not None:
         n = _apply_ac(decoder_layers(model), cfg.ac.freq)
         logger.info(f"activation checkpointing on {n}/{len(decoder_layers(model))} decoder layers")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 from torch import nn
@@ -70,11 +71,23 @@ def apply_gradients(
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """Global L2 grad norm over all ranks (FSDP2 grads are DTensors); clips to `max_norm` unless it is 0."""
-    with_grad = [p for p in params if p.grad is not None]
-    total = nn.utils.get_total_norm([p.grad for p in with_grad])
-    if max_norm > 0:
-        nn.utils.clip_grads_with_norm_(with_grad, max_norm, total)
-    if hasattr(total, "full_tensor"):  # a DTensor with a pending cross-rank reduction
-        total = total.full_tensor()
-    return float(total)
+    """Global L2 grad norm over all ranks (FSDP2 grads are DTensors); clips to `max_norm` unless it is 0.
+
+    With tensor parallelism the split layers' grads live on the 2-D mesh and the rest on its "dp" dimension:
+    DTensors of different meshes do not mix, so each mesh's norm is reduced alone and the norms combined."""
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            groups[getattr(p.grad, "device_mesh", None)].append(p.grad)
+    norms = [_full(nn.utils.get_total_norm(grads)) for grads in groups.values()]
+    total = float(torch.stack(norms).norm()) if norms else 0.0
+    if max_norm > 0 and norms:
+        coef = min(1.0, max_norm / (total + 1e-6))  # as nn.utils.clip_grads_with_norm_
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """A norm as a plain tensor on CPU (a DTensor's pending cross-rank reduction done)."""
+    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).detach().double().cpu()

@@ -7,9 +7,10 @@ only builds each step's micro-batches and runs forward/backward on one of them; 
 the optimizer step, progress, metrics, checkpoints, weight export and `--bench`.
 
 Invariants:
-- Loss normalisation: each micro-batch's summed token loss is scaled by world_size / (loss-mask
-  tokens of the whole step over all ranks), since FSDP2 averages gradients over ranks; the gradient
-  is the per-token mean over the step, whatever the packing, micro-batch size or sharding.
+- Loss normalisation: each micro-batch's summed token loss is scaled by dp_size / (loss-mask
+  tokens of the whole step over all ranks), since FSDP2 averages gradients over the data-parallel ranks
+  (world / model.tp; the ranks of one tp row share a batch); the gradient is the per-token mean over the
+  step, whatever the packing, micro-batch size, sharding or tp.
 - Step n (0-based) is logged as step n and leaves the state `step_{n+1}` (weights, checkpoints).
 - A checkpoint holds model + optimizer (DCP) and progress.json: progress, the loop's data position,
   scheduler, world size; resuming from it continues exactly. Every step reseeds torch from (seed,
@@ -156,7 +157,7 @@ def run_training(config: TrainConfig, layout: RunLayout, loop_cls: type[Loop]) -
 
 def in_process_group(config: TrainConfig, body: Callable[[DistContext], Any]) -> Any:
     """`body(ctx)` in a joined process group; a rank that went away is one clear line, not a traceback."""
-    ctx = init_distributed(config.device)
+    ctx = init_distributed(config.device, config.model.tp)
     try:
         result = body(ctx)
         ctx.barrier()  # no rank tears its sockets down while another still reads its last collective
@@ -243,7 +244,7 @@ class TrainSession:
 
     def open_step(self, step: int, together: bool = False) -> StepBatch | None:
         """Step `step`'s input (None: the data has ended); `together`: its rows, for `forward_backward_together`."""
-        torch.manual_seed(self.config.seed + 1_000_003 * step + self.ctx.rank)  # resume-exact dropout (LoRA)
+        torch.manual_seed(self.config.seed + 1_000_003 * step + self.ctx.dp_rank)  # resume-exact dropout (LoRA)
         batch = self.loop.next_batch(step, together) if together else self.loop.next_batch(step)
         reset_peak_memory(self.ctx.device)
         return batch
@@ -288,9 +289,9 @@ class TrainSession:
         return sums
 
     def loss_scale(self, batch: StepBatch) -> float:
-        """What a micro-batch's summed token loss is scaled by: world_size / the step's loss tokens on all ranks
-        (FSDP2 averages gradients over ranks), so the gradient is the per-token mean over the step."""
-        return self.ctx.world_size / max(batch.loss_tokens, 1)
+        """What a micro-batch's summed token loss is scaled by: dp_size / the step's loss tokens on all ranks
+        (FSDP2 averages gradients over the data-parallel ranks), so the gradient is the per-token mean over the step."""
+        return self.ctx.dp_size / max(batch.loss_tokens, 1)
 
     def _reduce(self, sums: dict[str, torch.Tensor], loss_tokens: int) -> dict[str, float]:
         """Token sums summed over ranks, per loss-mask token of the step."""

@@ -14,8 +14,9 @@ Then publish `broadcast/step_{n+1}` (HF dir, STABLE last; also `weights/step_{n+
 end), checkpoint when due, and prune broadcast dirs outside the async window (except around kept
 checkpoints) and consumed batches.
 
-At start rank 0 writes `trainer_world.json` ({"world_size": N}): an orchestrator not told the trainer's
-rank count (`num_train_workers`, as on a multi-node run started by hand) packs for N ranks.
+At start rank 0 writes `trainer_world.json` ({"world_size": N}, the data-parallel ranks: world / model.tp, as
+the ranks of one tp group read the same rows): an orchestrator not told the trainer's rank count
+(`num_train_workers`, as on a multi-node run started by hand) packs for N ranks.
 A resumed run re-publishes the weights of its first step when they were pruned or are damaged (a file cut
 short: `transport.weights`): the orchestrator resuming at that step waits for them. Runs in one plain
 process (a 1-rank group is made on the fly) or under torchrun.
@@ -100,16 +101,16 @@ class RLLoop(Loop):
         s, cfg = self.session, self.config
         if cfg.bench or cfg.data.fake is not None:
             shape = cfg.data.fake or FakeDataConfig()
-            self.source = FakeSource(shape, s.vocab_size, s.ctx.rank, s.ctx.world_size, cfg.seed)
+            self.source = FakeSource(shape, s.vocab_size, s.ctx.dp_rank, s.ctx.dp_size, cfg.seed)
         else:
             if cfg.model.router_replay:
                 self.replay = RouterReplay(s.model, cfg.model.name)
             self.source = RolloutSource(
-                s.layout, s.ctx.rank, s.ctx.world_size, cfg.recv_timeout, s.vocab_size, cfg.max_async_level
+                s.layout, s.ctx.dp_rank, s.ctx.dp_size, cfg.recv_timeout, s.vocab_size, cfg.max_async_level
             )
             self.source.routing = self.replay.shape if self.replay is not None else None
             if s.ctx.is_main:  # an orchestrator without num_train_workers packs for this many ranks
-                write_text_atomic(s.layout.trainer_world, json.dumps({"world_size": s.ctx.world_size}))
+                write_text_atomic(s.layout.trainer_world, json.dumps({"world_size": s.ctx.dp_size}))
         if cfg.loss.ref_kl is not None:
             self.reference = self._load_reference()
 

@@ -55,7 +55,7 @@ class SFTLoop(Loop):
         super().__init__(session)
         self.config: SFTConfig = session.config
         self.data = self.config.data
-        check_batch_shape(self.data.batch_size, self.data.micro_batch_size, session.ctx.world_size)
+        check_batch_shape(self.data.batch_size, self.data.micro_batch_size, session.ctx.dp_size)
         self.dataset, self.conv = None, None
         if self.data.type == "dataset":  # before the model loads: a bad dataset or template fails fast
             self._load_dataset()
@@ -113,7 +113,7 @@ class SFTLoop(Loop):
         rows = take_rows(self.stream, d.batch_size, d.seq_len, d.pack)
         if not rows:
             return None
-        groups = split_for_rank(rows, d.batch_size, d.micro_batch_size, ctx.rank, ctx.world_size)
+        groups = split_for_rank(rows, d.batch_size, d.micro_batch_size, ctx.dp_rank, ctx.dp_size)
         mbs = [make_micro_batch(g, self.pad_id).to(ctx.device) for g in groups]
         data_s = time.perf_counter() - start
         samples = [s for row in rows for s in row]
