@@ -82,3 +82,11 @@ def test_vllm_gets_lora_flags_for_an_adapter_run_unless_set():
     assert vllm_lora_flags([], 4) == ["--enable-lora", "--max-lora-rank", "8"]
     assert vllm_lora_flags([], 16) == ["--enable-lora", "--max-lora-rank", "16"]
     assert vllm_lora_flags(["--enable-lora", "--max-lora-rank", "64"], 16) == []
+
+
+def test_tensor_parallel_ranks_share_their_rows(monkeypatch):
+    _cores(monkeypatch, 4)
+    place = Placement(_config("--trainer-cpu-processes", "2", "--trainer.model.tp", "2"), cuda=False)
+    assert place.trainer_ranks == 2 and place.data_ranks == 1  # the orchestrator packs for one data rank
+    with pytest.raises(UserError, match=r"tp = 2 does not divide the 3 trainer rank\(s\).*\(--trainer-cpu-processes\)"):
+        Placement(_config("--trainer-cpu-processes", "3", "--trainer.model.tp", "2"), cuda=False)
