@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from asyncrl.core.errors import UserError
 from asyncrl.transport.routes import RoutingShape, routers
 
 
@@ -31,16 +30,8 @@ class RouterReplay:
     """Hooks on a model's routers that replay a routing record (module docstring)."""
 
     def __init__(self, model: nn.Module, name: str = "the model"):
-        try:
-            shape = RoutingShape.of(model)
-        except ValueError as e:
-            raise UserError(f"router_replay: {e}") from None
-        if shape is None:
-            raise UserError(
-                f"router_replay: {name} is not a mixture of experts (no routers to replay); set "
-                "trainer.model.router_replay = false for a dense model"
-            )
-        self.shape = shape
+        fix = "set trainer.model.router_replay = false for a dense model"
+        self.shape = RoutingShape.required(model, "router_replay", name, fix)
         self.routes: torch.Tensor | None = None  # [..., layers, top_k] of the current micro-batch's tokens
         self.counted: torch.Tensor | None = None  # [tokens] bool: the positions `moe/replay_agreement` counts
         self._agree = torch.zeros(2, dtype=torch.float64)  # (agreeing, all) (token, layer) pairs

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from asyncrl.core.errors import UserError
+
 MAX_EXPERTS = 256  # ids are uint8
 
 
@@ -47,6 +49,18 @@ class RoutingShape:
         shape = cls(len(found), int(found[0].top_k), int(found[0].num_experts))
         if shape.experts > MAX_EXPERTS:
             raise ValueError(f"{shape.experts} experts per layer: routing records hold uint8 ids (at most 256)")
+        return shape
+
+    @classmethod
+    def required(cls, model: nn.Module, setting: str, name: str, fix: str) -> RoutingShape:
+        """The routing shape of `model` (called `name`), which `setting` needs: a UserError naming `fix` for a
+        dense model, and one for a model whose expert ids do not fit a record."""
+        try:
+            shape = cls.of(model)
+        except ValueError as e:
+            raise UserError(f"{setting}: {e}") from None
+        if shape is None:
+            raise UserError(f"{setting}: {name} is not a mixture of experts (it has no routers); {fix}")
         return shape
 
     def problem(self, routes: object, tokens: int) -> str | None:

@@ -260,15 +260,8 @@ class EmbeddedEngine(Backend):
 
     def _record_routes(self) -> None:
         """Hook every MoE router so each forward writes its chosen experts into the cache's routes."""
-        try:
-            shape = RoutingShape.of(self.model)
-        except ValueError as e:
-            raise UserError(f"enable_return_routed_experts: {e}") from None
-        if shape is None:
-            raise UserError(
-                f"enable_return_routed_experts: {self.model_name} is not a mixture of experts (no routers to record); "
-                "drop it (and router_replay) for a dense model"
-            )
+        fix = "drop it (and router_replay) for a dense model"
+        shape = RoutingShape.required(self.model, "enable_return_routed_experts", self.model_name, fix)
         self.cache.route_shape = (shape.layers, shape.top_k)
         for layer, router in enumerate(routers(self.model)):
             router.register_forward_hook(lambda _m, _i, out, layer=layer: self.cache.record(layer, out[-1]))
