@@ -122,6 +122,27 @@ def runs_train(work: Path, _: list[str]) -> str:
     return "; ".join(said)
 
 
+def moe_replay(work: Path, _: list[str]) -> str:
+    """The tiny MoE's mismatch KL at step 0 and over the run, replay off and on; replay must agree on every route."""
+    said = []
+    for mode in ("off", "on"):
+        rows = [json.loads(x) for x in (work / f"moe_{mode}" / "metrics" / "trainer.jsonl").read_text().splitlines()]
+        kl = [r["mismatch_kl"] for r in rows if "mismatch_kl" in r]
+        assert len(kl) == 10, f"replay {mode}: {len(kl)} of 10 steps trained"
+        agree = [r["moe/replay_agreement"] for r in rows if "moe/replay_agreement" in r]
+        assert mode == "off" or agree, f"replay on: no moe/replay_agreement in the trainer's rows ({sorted(rows[0])})"
+        extra = f", agreement min {min(agree):.3f}" if agree else ""
+        said.append(f"replay {mode}: mismatch KL step 0 {kl[0]:.2e}, mean {sum(kl) / len(kl):.2e}{extra}")
+    return "; ".join(said)
+
+
+def moe_rl(work: Path, mode: str) -> list[str]:
+    """`rl` of the demo's RL config on the tiny MoE for 10 steps, routing replay `mode` (on / off)."""
+    replay = ["--trainer.model.router-replay"] if mode == "on" else []
+    return [PY, "-m", ENTRY + "rl", "@", "examples/reverse_text/rl.toml", "--model.name", str(work / "moe"),
+            "--output-dir", str(work / f"moe_{mode}"), "--max-steps", "10", *ONE_GPU, *replay]  # fmt: skip
+
+
 def runs_batched(_: Path, outputs: list[str]) -> str:
     """The multi-run trainer's run-steps/s with 4 and 8 runs next to 1 (benchmarks/multi_run.py's table)."""
     ratios = {int(m[1]): float(m[2]) for m in re.finditer(r"^runs(\d+)\s+\d+\s+[\d.]+\s+([\d.]+)", outputs[-1], re.M)}
@@ -348,6 +369,17 @@ CHECKS = [
         ],
         teacher_scores,
         150,
+        ["cuda"],
+    ),  # fmt: skip
+    Check(
+        "rl_moe_router_replay",
+        lambda w: [
+            [PY, "-c", f"from asyncrl.utils.tiny_model import build_tiny_model as b; b('{w / 'moe'}', experts=8)"],
+            moe_rl(w, "off"),
+            moe_rl(w, "on"),
+        ],
+        moe_replay,
+        200,
         ["cuda"],
     ),  # fmt: skip
     Check("vllm_update_weights", lambda w: [], last_line, skip=NO_VLLM),

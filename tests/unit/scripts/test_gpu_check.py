@@ -22,6 +22,7 @@ CHECKS = [
     "rl_multi_run_lora",
     "multi_run_batched_trainer",
     "rl_distill_teacher",
+    "rl_moe_router_replay",
 ]
 VLLM = ["vllm_update_weights", "rl_multi_run_lora_vllm"]
 pytestmark = pytest.mark.slow  # each dry check resolves ~20 command lines, one process each (~30 s)
