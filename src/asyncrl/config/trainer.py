@@ -52,6 +52,12 @@ class TrainerModelConfig(ModelConfig):
         description="tensor parallelism: split each decoder layer's attention heads and MLP over this many ranks "
         "(dense models; must divide the ranks, attention heads and kv-heads); FSDP2 shards over ranks / tp",
     )
+    ep: int = Field(
+        1,
+        ge=1,
+        description="expert parallelism: each rank holds num_experts / ep of every MoE layer's experts and tokens "
+        "go to them with all_to_all (MoE models; must divide the ranks and the experts); the ranks keep their data",
+    )
     router_replay: bool = Field(
         False,
         description="an MoE: the loss routes each token to the experts the inference engine chose for it (R3; "
@@ -69,6 +75,10 @@ class TrainerModelConfig(ModelConfig):
     def _tp_full_weights(self) -> TrainerModelConfig:
         if self.tp > 1 and self.lora is not None:
             raise ValueError(f"model.tp = {self.tp} is not built for LoRA yet: drop --model.lora or set --model.tp 1")
+        if self.ep > 1 and self.lora is not None:
+            raise ValueError(f"model.ep = {self.ep} is not built for LoRA yet: drop --model.lora or set --model.ep 1")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError("model.ep and model.tp do not combine yet: set one of --model.ep 1 or --model.tp 1")
         return self
 
 

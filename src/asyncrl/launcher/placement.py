@@ -15,8 +15,9 @@ server's GPUs; it starts once that server has sized its memory). On CPU it share
 half the server's threads (at least one): it only scores finished samples, a prefill each, so its load
 comes in bursts between the server's generations; `pinned` pins it to the server's cores.
 
-With `trainer.model.tp` N the trainer's ranks must be a multiple of N (checked before any child starts) and
-the orchestrator packs for ranks / N (`data_ranks`: the N ranks of a tensor-parallel group read the same rows).
+With `trainer.model.tp` (or `ep`) N the trainer's ranks must be a multiple of N (checked before any child starts);
+the orchestrator packs for ranks / tp (`data_ranks`: the tp ranks of a tensor-parallel group read the same rows,
+expert-parallel ranks each read their own).
 
 The orchestrator is never pinned. A thread count the user set (`inference.num_threads`,
 OMP_NUM_THREADS) always wins. Every child inherits the launcher's environment otherwise (minus
@@ -48,12 +49,14 @@ class Placement:
         shared = self.mode == "shared" or len(self.cores) == 1
         self.server_cores = self.cores if shared else self.cores[: max(1, len(self.cores) // 2)]
         self.trainer_cores = self.cores if shared else self.cores[len(self.server_cores) :]
-        tp, where = config.trainer.model.tp, "trainer_gpu_ids" if self.cuda else "--trainer-cpu-processes"
-        if self.trainer_ranks % tp:
-            raise UserError(
-                f"trainer.model.tp = {tp} does not divide the {self.trainer_ranks} trainer rank(s): give the trainer "
-                f"a multiple of {tp} ranks ({where}) or a tp that divides them"
-            )
+        where = "trainer_gpu_ids" if self.cuda else "--trainer-cpu-processes"
+        for what in ("tp", "ep"):
+            n = getattr(config.trainer.model, what)
+            if self.trainer_ranks % n:
+                raise UserError(
+                    f"trainer.model.{what} = {n} does not divide the {self.trainer_ranks} trainer rank(s): give the "
+                    f"trainer a multiple of {n} ranks ({where}) or a trainer.model.{what} that divides them"
+                )
 
     @property
     def trainer_ranks(self) -> int:

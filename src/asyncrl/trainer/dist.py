@@ -98,15 +98,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def init_distributed(device: str = "auto", tp: int = 1) -> DistContext:
+def init_distributed(device: str = "auto", tp: int = 1, ep: int = 1) -> DistContext:
     """Join (or create) the default process group and build the mesh: ("dp",) over all ranks, or ("dp", "tp")
-    with `tp` > 1 (which must divide the ranks).
+    with `tp` > 1 (which must divide the ranks). `ep` (expert parallelism, `trainer.ep`) must divide them too; its
+    mesh is the model's.
 
     Under torchrun the env (RANK, WORLD_SIZE, MASTER_ADDR, ...) is used; a plain process makes a
     1-rank group on a free local port so FSDP2 and DCP run the same code path either way.
     """
     kind = resolve_device(device)
-    check_tp(tp, _world_to_be())  # before the group exists: nothing to tear down on a bad value
+    check_divides("tp", tp, _world_to_be())
+    check_divides("ep", ep, _world_to_be())  # before the group exists: nothing to tear down on a bad value
     owns = False
     if not dist.is_initialized():
         # CUDA runs still get a gloo side for CPU tensors (object collectives, async checkpoint group).
@@ -138,12 +140,12 @@ def _world_to_be() -> int:
     return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else 1
 
 
-def check_tp(tp: int, world: int) -> None:
-    """A user error unless `tp` divides the `world` ranks."""
-    if world % tp:
+def check_divides(what: str, n: int, world: int) -> None:
+    """A user error unless `n` (model.`what`: tp or ep) divides the `world` ranks."""
+    if world % n:
         raise UserError(
-            f"model.tp = {tp} does not divide the {world} trainer rank(s): use a tp that divides them, or a "
-            f"multiple of {tp} ranks (--trainer-cpu-processes / --nproc-per-node)"
+            f"model.{what} = {n} does not divide the {world} trainer rank(s): use a --model.{what} that divides "
+            f"them, or a multiple of {n} ranks (--trainer-cpu-processes / --nproc-per-node)"
         )
 
 

@@ -5,7 +5,8 @@ Master weights are always float32; `optimization_dtype` only sets the compute dt
 precision policy and `reduce_dtype` the gradient reduce-scatter dtype. Every decoder layer is its own
 FSDP2 unit; the root unit holds embeddings, final norm and lm_head (kept together so tied embeddings
 stay one parameter). On a ("dp", "tp") mesh (`model.tp` > 1) the layers are first split over "tp"
-(`trainer.tp`) and FSDP2 shards over "dp" only: 2-D DTensor parameters.
+(`trainer.tp`) and FSDP2 shards over "dp" only: 2-D DTensor parameters. With `model.ep` > 1 every MoE layer's
+experts are split over an ("edp", "ep") mesh of the same ranks (`trainer.ep`) and are FSDP2 units over "edp".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from asyncrl.config.trainer import TrainerModelConfig
 from asyncrl.core.errors import UserError, model_hint
+from asyncrl.trainer.ep import apply_ep, ep_mesh
 from asyncrl.trainer.lora import SlotSelector, apply_lora, apply_multi_lora
 from asyncrl.trainer.replay import RouterReplay, recorded_routes
 from asyncrl.trainer.tp import apply_tp
@@ -160,9 +162,14 @@ def _apply_ac(layers: nn.ModuleList, freq: int) -> int:
     return wrapped
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerModelConfig) -> None:
+Experts = tuple[list[nn.Module], DeviceMesh]  # expert-parallel modules and their ("edp", "ep") mesh
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerModelConfig, experts: Experts | None = None) -> None:
     """FSDP2 over `mesh` (its "dp" dimension on a 2-D mesh): one unit per decoder layer, then the root; mixed
-    precision and CPU offload from the config."""
+    precision and CPU offload from the config. Expert-parallel `experts` (modules, their ("edp", "ep") mesh) are
+    units of their own first, over "edp", their gradients divided by all the ranks (`trainer.ep`)."""
+    world = mesh.size()
     if mesh.ndim > 1:
         mesh = mesh["dp"]
     param_dtype, reduce_dtype = DTYPES[cfg.optimization_dtype], DTYPES[cfg.reduce_dtype]
@@ -173,6 +180,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerModelConfig) -> 
             logger.warning("model.fsdp_cpu_offload has no effect when training on CPU; ignoring it")
         else:
             offload = CPUOffloadPolicy()
+    for module in experts[0] if experts else []:
+        fully_shard(module, mesh=experts[1]["edp"], mp_policy=mp, offload_policy=offload)
+        module.set_gradient_divide_factor(float(world))
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # the last layer's params are needed again right away by backward: don't reshard them
@@ -206,10 +216,15 @@ def load_model(
     if mesh.ndim > 1:
         apply_tp(model, decoder_layers(model), mesh["tp"])
         logger.info(f"tensor parallelism: decoder layers split over {mesh['tp'].size()} ranks")
+    experts = None
+    if cfg.ep > 1:
+        emesh = ep_mesh(mesh.device_type, mesh.size(), cfg.ep)
+        experts = (apply_ep(model, emesh), emesh)
+        logger.info(f"expert parallelism: each rank holds 1/{cfg.ep} of every layer's experts")
     if cfg.ac is not None:
         n = _apply_ac(decoder_layers(model), cfg.ac.freq)
         logger.info(f"activation checkpointing on {n}/{len(decoder_layers(model))} decoder layers")
-    shard_model(model, mesh, cfg)
+    shard_model(model, mesh, cfg, experts)
     model.train()
     total = sum(p.numel() for p in model.parameters())
     logger.info(

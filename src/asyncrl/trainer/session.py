@@ -157,7 +157,7 @@ def run_training(config: TrainConfig, layout: RunLayout, loop_cls: type[Loop]) -
 
 def in_process_group(config: TrainConfig, body: Callable[[DistContext], Any]) -> Any:
     """`body(ctx)` in a joined process group; a rank that went away is one clear line, not a traceback."""
-    ctx = init_distributed(config.device, config.model.tp)
+    ctx = init_distributed(config.device, config.model.tp, config.model.ep)
     try:
         result = body(ctx)
         ctx.barrier()  # no rank tears its sockets down while another still reads its last collective

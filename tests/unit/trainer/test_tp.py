@@ -6,7 +6,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from asyncrl.config.trainer import TrainerModelConfig
 from asyncrl.core.errors import UserError
-from asyncrl.trainer.dist import check_tp
+from asyncrl.trainer.dist import check_divides
 from asyncrl.trainer.tp import check_tp as check_model_tp
 from asyncrl.trainer.tp import layer_plan
 
@@ -40,9 +40,9 @@ def test_tp_on_a_mixture_of_experts_is_refused():
 
 
 def test_tp_must_divide_the_ranks():
-    check_tp(2, 4)
+    check_divides("tp", 2, 4)
     with pytest.raises(UserError, match=r"model.tp = 2 does not divide the 3 trainer rank\(s\)"):
-        check_tp(2, 3)
+        check_divides("tp", 2, 3)
 
 
 def test_the_plan_splits_attention_and_mlp():
