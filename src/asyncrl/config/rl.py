@@ -169,6 +169,8 @@ class RLConfig(BaseConfig):
             self._check_teacher()
         if self.trainer.model.router_replay:
             self._check_replay()
+        if self.trainer.model.ep > 1:
+            self._check_ep()
         self.orchestrator_keys()
         return self
 
@@ -182,6 +184,19 @@ class RLConfig(BaseConfig):
             raise ValueError(
                 "trainer.model.router_replay needs the routes the server records: drop "
                 "inference.enable_return_routed_experts = false"
+            )
+
+    def _check_ep(self) -> None:
+        ep, experts = self.trainer.model.ep, _experts(self.trainer.model.name)
+        if experts == 0:
+            raise ValueError(
+                f"trainer.model.ep = {ep}: {self.trainer.model.name} is not a mixture of experts (its config.json "
+                "names no experts); set trainer.model.ep = 1"
+            )
+        if experts and experts % ep:
+            raise ValueError(
+                f"trainer.model.ep = {ep} does not divide the model's {experts} experts: use a trainer.model.ep "
+                "that does"
             )
 
     def orchestrator_keys(self) -> dict[str, str]:
@@ -462,12 +477,20 @@ def _record_routes_for_replay(raw: dict) -> None:
 
 def _dense(model: str) -> bool:
     """Whether `model` is a local checkpoint whose config.json names no experts (False when it cannot tell)."""
+    return _experts(model) == 0
+
+
+def _experts(model: str) -> int | None:
+    """The experts per layer a local checkpoint's config.json names (0: dense), None when it cannot tell."""
     path = Path(model) / "config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and not (config.get("num_experts") or config.get("num_local_experts"))
+        return None
+    if not isinstance(config, dict):
+        return None
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    return experts if isinstance(experts, int) else None
 
 
 def _student_port(raw: dict) -> int:
