@@ -1,8 +1,10 @@
 """Fingerprints of published weights: what the trainer wrote, and what a server loaded, tensor by tensor.
 
 A tensor's fingerprint is the first 16 hex digits of the SHA-256 of its dtype, shape and bytes, taken in the
-dtype it was published in (a server that computes in another dtype casts back first; float32 holds every
-bfloat16 and float16 value exactly, so the round trip is exact). The trainer writes `fingerprint.json` into
+dtype it was published in. A server that computes in another dtype answers for what it holds (`of_held`): the
+published tensor's fingerprint if it holds exactly that tensor cast to its own dtype (float32 weights served in
+float16 are that cast, not the same bytes), else the fingerprint of what it holds cast back to the published
+dtype, which then names the tensor as changed. The trainer writes `fingerprint.json` into
 each weight dir it publishes (and into its `adapter/`), before the dir's marker; a server answers
 `/update_weights` and `/load_lora_adapter` with the fingerprints of what it loaded; `difference` names the
 first tensor that differs.
@@ -31,6 +33,12 @@ def of_tensor(tensor: Any, dtype: Any = None) -> str:
     digest = hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')}{tuple(t.shape)}".encode())
     digest.update(t.reshape(-1).view(_uint8()).numpy())
     return digest.hexdigest()[:16]
+
+
+def of_held(held: Any, read: Any) -> str:
+    """What a server answers for a tensor it read as `read` (the published dtype) and holds as `held`."""
+    faithful = held.shape == read.shape and bool((held == read.to(held.device, held.dtype)).all())
+    return of_tensor(read if faithful else held, read.dtype)
 
 
 def _uint8() -> Any:

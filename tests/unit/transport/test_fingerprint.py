@@ -30,6 +30,22 @@ def test_a_server_computing_in_float32_matches_the_bfloat16_it_was_published_in(
     assert fingerprint.of_tensor(held, torch.bfloat16) == fingerprint.of_tensor(published)
 
 
+@pytest.mark.parametrize("engine_dtype", [torch.float16, torch.bfloat16])
+def test_an_engine_computing_in_half_precision_answers_for_the_float32_it_was_published_in(engine_dtype):
+    """What a GPU engine does with `dtype = "auto"` for a float32 checkpoint: its weights are the published ones
+    cast down, so the bytes differ, and it must still answer the published fingerprints; a changed value must not."""
+    from asyncrl.inference.engine.weight_loading import loaded_fingerprints, staged, swap_in
+
+    model = torch.nn.Linear(7, 5).to(engine_dtype)
+    published = {"weight": torch.randn(5, 7), "bias": torch.randn(5)}
+    swap_in(model, staged(model, published))
+    assert loaded_fingerprints(model, published) == fingerprint.of_tensors(published)
+    with torch.no_grad():
+        model.weight[0, 0] += 1
+    assert loaded_fingerprints(model, published)["weight"] != fingerprint.of_tensor(published["weight"])
+    assert fingerprint.of_held(model.bias, published["bias"]) == fingerprint.of_tensor(published["bias"])
+
+
 def test_the_check_names_the_first_tensor_that_differs(tmp_path):
     tensors = {"b.weight": torch.ones(2), "a.weight": torch.zeros(3)}
     fingerprint.write(tmp_path, fingerprint.of_tensors(tensors))

@@ -100,12 +100,12 @@ def read_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
 
 
 def _held_fingerprints(adapter: LoraAdapter, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """The fingerprint of each of the file's tensors as the adapter holds it, in the file's dtype."""
+    """The fingerprint of each of the file's tensors as the adapter holds it (`fingerprint.of_held`)."""
     out = {}
     for key, t in tensors.items():
         m = _KEY.match(key.removeprefix(_PREFIX))
         a, b, _ = adapter.weights[m["module"]]
-        out[key] = fingerprint.of_tensor(a if m["ab"] == "A" else b, t.dtype)
+        out[key] = fingerprint.of_held(a if m["ab"] == "A" else b, t)
     return out
 
 

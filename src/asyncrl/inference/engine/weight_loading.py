@@ -68,12 +68,12 @@ def load_matching_weights(path: str | Path, model: torch.nn.Module, confine: boo
 
 
 def loaded_fingerprints(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """The fingerprint of each of `tensors`' names as the model now holds it, in the dtype it was read in; a
-    fused MoE parameter's under the checkpoint's names, one per expert and projection (`transport.experts`)."""
+    """The fingerprint of each of `tensors`' names as the model now holds it (`fingerprint.of_held`); a fused MoE
+    parameter's under the checkpoint's names, one per expert and projection (`transport.experts`)."""
     state, out = model.state_dict(), {}
     for name, t in tensors.items():
-        held = experts.split({name: state[name]})
-        out.update({key: fingerprint.of_tensor(value, t.dtype) for key, value in held.items()})
+        held, read = experts.split({name: state[name]}), experts.split({name: t})
+        out.update({key: fingerprint.of_held(value, read[key]) for key, value in held.items()})
     return out
 
 
