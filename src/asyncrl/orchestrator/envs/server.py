@@ -52,7 +52,8 @@ class _SayAddress:
 
 def serve(config: EnvServerConfig) -> None:
     """Validate the environment, then serve it until SIGTERM/SIGINT (or the parent process is gone)."""
-
+    if config.parent_pid is not None:  # first: a parent that dies while verifiers and the env load is seen at once
+        watch_parent(config.parent_pid)
     from asyncrl.orchestrator.envs.guarded import quiet_serve_logs
 
     env = config.env
@@ -63,8 +64,6 @@ def serve(config: EnvServerConfig) -> None:
     level = logging.DEBUG if config.log.level == "debug" else logging.WARNING  # a line per rollout: debug only
     quiet_serve_logs(level)
     tune_for_episodes()  # pool workers (spawned) run episodes untuned: their own processes
-    if config.parent_pid is not None:
-        watch_parent(config.parent_pid)
     logger.info(f"serving '{env.id}' with {config.workers} worker(s) on {config.address}")
     shared = secret(config.secret_var)
     warn_if_open(config, shared)
