@@ -33,7 +33,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from asyncrl.utils.process import INHERITED_FD, PIPED, die_with_parent, spawn
+from asyncrl.utils.process import INHERITED_FD, PIPED, die_with_parent, inherited_fd, running, spawn
 
 VAR = "ASYNCRL_ZYGOTE"  # 0: exec every child (no warm starts)
 FD_VAR = "ASYNCRL_ZYGOTE_FD"  # the zygote's end of the socket pair
@@ -88,14 +88,6 @@ class Forked:
             self.exited(os.waitstatus_to_exitcode(status))
 
 
-def running(pid: int) -> bool:
-    """Whether `pid` is a live process (a zombie, exited but not yet reaped, is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 class Zygote:
     """rl's end: starts the zygote process, sends it spawn requests, hands out `Forked` children."""
 
@@ -134,8 +126,9 @@ class Zygote:
 
     def _ask(self, request: dict, cmd: list[str], out: int) -> dict | None:
         """Send one spawn request (holding the lock) and wait for its reply; None if none came."""
-        lock = request["env"].get(INHERITED_FD, "").partition(":")[0]
-        fds = [out] + ([int(lock)] if lock.isdigit() and os.path.exists(f"/proc/self/fd/{lock}") else [])
+        fds = [out, *inherited_fd()]  # the run lock's descriptor, as `spawn` hands it to an exec'd child
+        if fds[1:]:
+            request["env"] = {**request["env"], INHERITED_FD: os.environ[INHERITED_FD]}
         request |= {"module": cmd[2], "args": cmd[3:], "title": " ".join(cmd)}
         ask = request["id"]
         try:

@@ -50,6 +50,14 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, exited but not yet reaped, is not; unlike `pid_alive`)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 PORTS_FROM = 10_000  # free_port's picks: from here up to the kernel's ephemeral range
 
 
@@ -121,7 +129,7 @@ def spawn(
 
 
 def _popen(cmd: Sequence[str], env: dict[str, str] | None, out, err, keep_fds: tuple[int, ...]) -> subprocess.Popen:
-    parent, fds = os.getpid(), _inherited_fd()
+    parent, fds = os.getpid(), inherited_fd()
     if fds and env is not None:
         env = {**env, INHERITED_FD: os.environ[INHERITED_FD]}
     return subprocess.Popen(
@@ -136,7 +144,7 @@ def _popen(cmd: Sequence[str], env: dict[str, str] | None, out, err, keep_fds: t
     )
 
 
-def _inherited_fd() -> tuple[int, ...]:
+def inherited_fd() -> tuple[int, ...]:
     """The descriptor INHERITED_FD names, if this process has it open still (and on that file)."""
     fd, _, path = os.environ.get(INHERITED_FD, "").partition(":")
     try:

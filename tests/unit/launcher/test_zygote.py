@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.launcher import zygote
-from asyncrl.utils.process import PIPED
+from asyncrl.utils.process import PIPED, running
 from tests.integration.waiting import wait_until
 
 PROBE = Path(__file__).parent / "probe"
@@ -67,6 +67,6 @@ def test_the_zygotes_death_ends_its_children_and_their_ends_are_seen(tmp_path, m
     log = tmp_path / "child.log"
     assert wait_until(lambda: log.exists() and "sleeping" in log.read_text(), 120)
     os.kill(z.proc.pid, signal.SIGKILL)
-    assert child.wait(60) is not None and not zygote.running(child.pid)
+    assert child.wait(60) is not None and not running(child.pid)
     assert z.spawn(probe("report", "0"), tmp_path / "child.log", dict(os.environ)) is None  # rl execs from now on
     z.proc.wait()

@@ -28,7 +28,7 @@ from asyncrl.config.orchestrator import ClientConfig, EnvConfig
 from asyncrl.orchestrator.envs import served
 from asyncrl.orchestrator.envs.loading import load_env
 from asyncrl.orchestrator.envs.v1 import v1_run_group, v1_tasks
-from asyncrl.utils.process import free_port
+from asyncrl.utils.process import free_port, running
 
 pytestmark = pytest.mark.slow
 KEY_VAR = "ASYNCRL_TEST_SCRIPTED_KEY"
@@ -212,9 +212,9 @@ def test_env_server_ends_with_its_parent(tmp_path):
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 20
-        while _alive(child) and time.monotonic() < deadline:
+        while running(child) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(child)
+        assert not running(child)
     finally:
         os.killpg(parent.pid, signal.SIGKILL)
 
@@ -227,14 +227,6 @@ def _wait_for_child(pid: int) -> int:
             return int(children[0])
         time.sleep(0.1)
     raise AssertionError("the env server was not started")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.parametrize(
