@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 
 from asyncrl.core.errors import UserError
 from asyncrl.utils.process import INHERITED_FD, pid_alive
 
 LOCK_NAME = "rl.lock"
+SETTLE_S = 3.0  # how long a lock that nothing alive holds is waited for before the dir is refused
 
 
 def hold(root: Path) -> int:
@@ -57,16 +59,31 @@ def join(root: Path, component: str) -> None:
 
 
 def _locked(path: Path, how: int, root: Path, holders) -> int:
-    """A descriptor of `path` flock'd `how`; a UserError naming `holders(pid the file holds)` if it is taken."""
+    """A descriptor of `path` flock'd `how`; a UserError naming `holders(pid the file holds)` if it is taken. A lock
+    that no live process holds any more is being let go (the kernel drops a dead run's last descriptors a moment
+    after its processes are gone): it is waited for, up to SETTLE_S."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, how | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.read(fd, 32).decode(errors="replace").strip()
-        os.close(fd)
-        raise UserError(f"run dir {root} is in use: {holders(owner)}; stop it or use another --output-dir") from None
-    return fd
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            if time.monotonic() < deadline and _let_go(path, owner):
+                time.sleep(0.1)
+                continue
+            os.close(fd)
+            raise UserError(
+                f"run dir {root} is in use: {holders(owner)}; stop it or use another --output-dir"
+            ) from None
+
+
+def _let_go(path: Path, owner: str) -> bool:
+    """Nothing alive holds `path`'s lock: its writer is gone, and no process shares it or has the file open."""
+    gone = not (owner.isdigit() and pid_alive(int(owner)))
+    return gone and not _shared_holders(path) and not _opened_by(path) - {os.getpid()}
 
 
 def _write_pid(fd: int) -> None:

@@ -77,3 +77,34 @@ def test_what_rl_or_a_joined_component_started_joins_nothing(tmp_path, clean_env
         assert not (run / "trainer.lock").exists()
     finally:
         stop(rl)
+
+
+def test_a_lock_that_nothing_alive_holds_is_waited_for_then_refused(tmp_path, clean_env, monkeypatch):
+    """A dead run's last descriptor can outlive every process by a moment (here: in flight in a socket, as the
+    kernel may hold one); `hold` waits for it up to SETTLE_S, then names no pid."""
+    import socket
+    import threading
+
+    run = tmp_path / "run"
+    fd = runlock.hold(run)
+    os.environ.pop(INHERITED_FD)
+    a, b = socket.socketpair(socket.AF_UNIX)
+    socket.send_fds(a, [b"x"], [fd])
+    os.close(fd)  # the lock now lives only in the message in flight
+    (run / runlock.LOCK_NAME).write_text("999999999\n")  # a pid that is nobody's
+    threading.Timer(0.5, lambda: (a.close(), b.close())).start()  # the message is dropped: the lock goes
+    start = time.monotonic()
+    assert runlock.hold(run) and 0.4 < time.monotonic() - start < runlock.SETTLE_S
+    os.environ.pop(INHERITED_FD)
+
+    other = tmp_path / "other"
+    fd = runlock.hold(other)
+    os.environ.pop(INHERITED_FD)
+    c, d = socket.socketpair(socket.AF_UNIX)
+    socket.send_fds(c, [b"x"], [fd])
+    os.close(fd)
+    (other / runlock.LOCK_NAME).write_text("999999999\n")
+    monkeypatch.setattr(runlock, "SETTLE_S", 0.5)
+    with pytest.raises(UserError, match=r"rl \(pid 999999999\) is gone, but .* \(pids unknown\)"):
+        runlock.hold(other)
+    c.close(), d.close()
