@@ -299,14 +299,17 @@ def pytest_runtest_teardown(item, nextitem):
 # ---- what each test costs in CPU -----------------------------------------------------------------------------
 # ASYNCRL_TEST_CPU_LOG=PATH: each worker appends one JSON line per test to PATH.<pid>: its id, wall seconds and
 # CPU seconds (this process and every child it reaped: an `rl` a test ran, with that rl's own children; a shared
-# server, in the test after which it stops). CPU, unlike wall time, does not grow with the machine's load, so
-# the sum says what the suite needs of the machine. `python scripts/test_cpu.py PATH` prints the table.
+# server, in the test after which it stops; a process tests/warm.py's zygote forked for it, the same). CPU, unlike
+# wall time, does not grow with the machine's load, so the sum says what the suite needs of the machine.
+# `python scripts/test_cpu.py PATH` prints the table.
 CPU_LOG_VAR = "ASYNCRL_TEST_CPU_LOG"
 
 
 def _cpu_s() -> float:
+    from tests.warm import forked_cpu_s
+
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked_cpu_s()
 
 
 @pytest.hookimpl(hookwrapper=True)

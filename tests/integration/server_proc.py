@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from asyncrl.inference.vllm.launch import INSTALL_HINT, start_vllm_server, vllm_python
-from asyncrl.utils.process import free_port, serve, stop_group
+from asyncrl.utils.process import free_port, stop_group
+from tests import warm
 
 BACKENDS = [
     pytest.param("embedded", id="embedded"),
@@ -63,7 +64,7 @@ class ServerProcess:
             "--model.tool-call-parser",
             "hermes",
         ]
-        self.proc = serve(cmd, f"http://127.0.0.1:{self.port}/health", self.log, timeout, poll=0.3)
+        self.proc = warm.serve(cmd, f"http://127.0.0.1:{self.port}/health", self.log, timeout, poll=0.3)
 
     def stop(self) -> None:
         stop_group(self.proc, 20)
@@ -71,7 +72,7 @@ class ServerProcess:
     def run_client(self, cmd: list[str], out: Path, *args: str) -> subprocess.CompletedProcess:
         """Run an `eval`/`synthesize`-style command against this server, writing to `out`."""
         own = ["--model.name", self.model, "--client.base-url", self.url, "--output-dir", str(out)]
-        return subprocess.run([*cmd, *own, *args], capture_output=True, text=True, timeout=400)
+        return warm.run([*cmd, *own, *args], capture_output=True, text=True, timeout=400)
 
     def chat(self, content: str, max_tokens: int = 16) -> httpx.Response:
         return httpx.post(

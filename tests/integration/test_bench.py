@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from asyncrl.config import bench as job
 from asyncrl.utils.process import free_port
+from tests import warm
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_rl_bench_writes_every_number(tmp_path):
     root = _fake_warm_model(out)
     cmd = [sys.executable, "-m", "asyncrl.entrypoints.rl", "--bench", "--max-steps", "4", "--output-dir", str(out)]
     cmd += ["--inference.server.port", str(free_port())]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240)
+    proc = warm.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "bench.json").read_text())
     assert result["steps"] == 4 and result["measured_steps"] == [2, 3] and result["warmup_steps"] == 2

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from server_proc import ServerProcess
 
+from tests import warm
+
 pytestmark = pytest.mark.slow
 
 EVAL = [sys.executable, "-m", "asyncrl.entrypoints.eval"]
@@ -128,13 +130,13 @@ def test_eval_resolves_an_endpoint_name(server, tmp_path):
     registry.write_text(f"ENDPOINTS = {{'tiny-local': {entry!r}}}\n")
     cmd = [*EVAL, "--model.name", "tiny-local", "--endpoints-path", str(registry), "--output-dir", str(tmp_path)]
     args = ["--environment-ids", "reverse-text", "--num-examples", "2", "--sampling.max-tokens", "10"]
-    done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=400)
+    done = warm.run([*cmd, *args], capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert (summary["model"], summary["base_url"]) == (server.model, server.url)
     assert summary["results"]["model"]["reverse-text"]["errors"] == 0
 
-    wrong = subprocess.run([*cmd[:4], "nope", *cmd[5:], *args], capture_output=True, text=True, timeout=120)
+    wrong = warm.run([*cmd[:4], "nope", *cmd[5:], *args], capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2
     line = f"error: --model.name 'nope' is not an endpoint in {registry} (known: tiny-local)"
     assert line in wrong.stderr.splitlines() and "Traceback" not in wrong.stderr

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from asyncrl.transport.layout import RunLayout, is_stable
+from tests import warm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # server_proc, when run from another directory
 from server_proc import BACKENDS  # noqa: E402
@@ -123,7 +124,6 @@ def test_rl_serves_each_policy_as_the_runs_adapter(tmp_path_factory, tmp_path, b
     never change) and requests name the adapter. On-policy (async level 0), the trainer's logprobs of each batch
     equal the server's only if the server generated with exactly the trainer's adapter: mismatch KL ~ 0.
     (vLLM gets `--enable-lora --max-lora-rank 8` from rl.)"""
-    import subprocess
     import sys
 
     from asyncrl.utils.process import free_port
@@ -137,7 +137,7 @@ def test_rl_serves_each_policy_as_the_runs_adapter(tmp_path_factory, tmp_path, b
             "--orchestrator.rollouts-per-example", "4", "--orchestrator.sampling.max-tokens", "8",
             "--trainer.model.lora", "--trainer.model.lora.rank", "4", "--trainer.optim.lr", "5e-2",
             "--orchestrator.lora-name", "run-a"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "asyncrl.entrypoints.rl", *args], capture_output=True, text=True,
+    done = warm.run([sys.executable, "-m", "asyncrl.entrypoints.rl", *args], capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     layout = RunLayout(out)
@@ -154,10 +154,9 @@ def test_rl_serves_each_policy_as_the_runs_adapter(tmp_path_factory, tmp_path, b
 
 
 def test_rl_refuses_an_adapter_name_without_lora(tiny_model_dir, tmp_path):
-    import subprocess
     import sys
 
     args = ["--model.name", str(tiny_model_dir), "--output-dir", str(tmp_path), "--orchestrator.lora-name", "a"]
-    done = subprocess.run([sys.executable, "-m", "asyncrl.entrypoints.rl", *args, "--dry-run"], capture_output=True,
+    done = warm.run([sys.executable, "-m", "asyncrl.entrypoints.rl", *args, "--dry-run"], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "add --trainer.model.lora" in done.stderr and "Traceback" not in done.stderr

@@ -28,6 +28,7 @@ from asyncrl.config import loader
 from asyncrl.config.cli import to_toml
 from asyncrl.config.rl import RLConfig, resolve_rl
 from asyncrl.utils.process import free_port, spawn, stop_groups, tail, wait_for_http
+from tests import warm
 from tests.integration.test_rl import orchestrator_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CAN_MAKE_HOSTS, reason=WHY_NOT)]
@@ -99,7 +100,7 @@ def start_run(hosts, server, warm_model, out: Path, steps: int):
         "node0": spawn(
             trainer_node(0, endpoint, trainer, out), logs["node0"], env | {"GLOO_SOCKET_IFNAME": c.peer_dev}
         ),
-        "orchestrator": spawn(orchestrator(orch, server[0], out, KEY), logs["orchestrator"], env),
+        "orchestrator": warm.spawn(orchestrator(orch, server[0], out, KEY), logs["orchestrator"], env),
     }
     return procs, logs
 

@@ -10,13 +10,13 @@ one line.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 from hosts import CAN_MAKE_HOSTS, WHY_NOT, network_host
 
 from asyncrl.utils.process import free_port, spawn, stop_groups, wait_for_http
+from tests import warm
 from tests.integration.test_rl import assert_no_processes_left, orchestrator_rows, rl_args, run_rl
 
 KEY = "teacher-test-key"
@@ -48,7 +48,7 @@ def remote(url: str) -> list[str]:
 def run_with_key(args: list[str], key: str, timeout: float = 600):
     env = {**os.environ, "TEACHER_API_KEY": key}
     cmd = [sys.executable, "-m", "asyncrl.entrypoints.rl", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return warm.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_rl_distills_from_a_teacher_on_another_host_with_an_api_key(teacher, tiny_model_dir, tmp_path):

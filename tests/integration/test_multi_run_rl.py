@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils.process import free_port
+from tests import warm
 from tests.integration.test_rl import orchestrator_rows
 
 pytestmark = pytest.mark.slow
@@ -77,7 +78,7 @@ def adapter(run: RunLayout, step: int) -> dict[str, torch.Tensor]:
 def test_two_runs_learn_side_by_side_and_one_resumes_alone(warm_model, tmp_path):
     out, steps = tmp_path / "out", 10
     cfg = write_config(tmp_path / "rl.toml", warm_model, out, steps, [REV, ECHO])
-    proc = subprocess.run([*RL, "@", str(cfg)], capture_output=True, text=True, timeout=900)
+    proc = warm.run([*RL, "@", str(cfg)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rev, echo = (RunLayout(out / f"run_{n}") for n in ("rev", "echo"))
     assert status(rev)["state"] == status(echo)["state"] == "done"
@@ -97,7 +98,7 @@ def test_two_runs_learn_side_by_side_and_one_resumes_alone(warm_model, tmp_path)
     # rev alone, from its checkpoint at the last step, two more steps; echo's files stay as they are
     echo_files = {p: p.stat().st_mtime_ns for p in echo.root.rglob("*") if p.is_file()}
     cfg = write_config(tmp_path / "rev.toml", warm_model, out, steps + 2, [REV])
-    proc = subprocess.run([*RL, "@", str(cfg), "--ckpt.resume-step", "-1"], capture_output=True, text=True, timeout=600)
+    proc = warm.run([*RL, "@", str(cfg), "--ckpt.resume-step", "-1"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"[rev] run rev started in adapter slot 0 at step {steps}" in (rev.logs / "trainer.log").read_text()
     assert status(rev) == {**status(rev), "state": "done", "step": steps + 2}
@@ -109,7 +110,7 @@ def test_killing_one_runs_orchestrator_leaves_the_other_training(warm_model, tmp
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "rl.toml", warm_model, out, 14, [REV, {**ECHO, "max_steps": 40}], ckpt=False)
     log = tmp_path / "rl.out"
-    proc = subprocess.Popen([*RL, "@", str(cfg)], stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+    proc = warm.popen([*RL, "@", str(cfg)], stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
     rev, echo = (RunLayout(out / f"run_{n}") for n in ("rev", "echo"))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and len(rewards(echo) if echo.metrics_file("orchestrator").exists() else []) < 3:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.utils.process import free_port, serve, stop_group
+from asyncrl.utils.process import free_port, stop_group
+from tests import warm
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,7 @@ def test_trainer_debug_twin(tiny_model_dir, tmp_path):
 
 def test_inference_orchestrator_and_eval_debug_twins(tiny_model_dir, tmp_path):
     port = free_port()
-    server = serve(
+    server = warm.serve(
         [
             sys.executable,
             "-m",

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.utils.process import free_port
+from tests import warm
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +81,7 @@ def assert_no_processes_left(marker: str, within: float = 15) -> None:
 
 
 def run_rl(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(RL + args, capture_output=True, text=True, timeout=timeout)
+    return warm.run(RL + args, capture_output=True, text=True, timeout=timeout)
 
 
 def test_rl_trains_a_mixture_of_experts_and_reports_its_router_load(tmp_path):
@@ -173,7 +174,7 @@ def states(out: Path) -> dict[str, str]:
 
 def start_rl_until(args: list[str], marker: Path, timeout: float = 300) -> subprocess.Popen:
     """Start `rl` in the background and return once `marker` exists (rl must still be running)."""
-    proc = subprocess.Popen(RL + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = warm.popen(RL + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     try:
         while not marker.exists():

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from server_proc import ServerProcess
 
+from tests import warm
+
 pytestmark = pytest.mark.slow
 
 SFT = [sys.executable, "-m", "asyncrl.entrypoints.sft"]
@@ -61,16 +63,14 @@ def test_a_terminal_gets_a_live_bar_and_a_pipe_plain_lines(tiny_model_dir, rever
     assert "4/4" in on_tty.stdout and "━" in on_tty.stdout and "tok/s" in on_tty.stdout  # the bar, at its end
     assert "step 3 | loss" in on_tty.stdout and "SFT done after 4 steps" in on_tty.stdout  # the log lines too
     cmd = SFT + sft_args(tiny_model_dir, reverse_data, tmp_path / "pipe", 4, "--no-report")
-    piped = subprocess.run(cmd, capture_output=True, text=True)
+    piped = warm.run(cmd, capture_output=True, text=True)
     assert piped.returncode == 0, piped.stderr[-3000:]
     assert "step 3 | loss" in piped.stderr and "━" not in piped.stderr + piped.stdout  # plain lines only
 
 
 def test_sft_lowers_loss_and_its_weights_serve(tiny_model_dir, reverse_data, tmp_path):
     out = tmp_path / "run"
-    done = subprocess.run(
-        SFT + sft_args(tiny_model_dir, reverse_data, out, 16), capture_output=True, text=True, timeout=400
-    )
+    done = warm.run(SFT + sft_args(tiny_model_dir, reverse_data, out, 16), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(16))  # 0-based, as in the RL trainer
@@ -120,7 +120,7 @@ def test_sft_resume_mid_epoch_is_exact(tiny_model_dir, reverse_data, tmp_path):
     shard = next((out / "checkpoints" / "step_2" / "trainer").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     cmd = SFT + sft_args(tiny_model_dir, reverse_data, out, 4, "--ckpt.resume-step", "2", "--no-report")
-    torn = subprocess.run(cmd, capture_output=True, text=True)
+    torn = warm.run(cmd, capture_output=True, text=True)
     assert torn.returncode == 2, torn.stderr[-2000:]
     assert f"checkpoint {out / 'checkpoints' / 'step_2' / 'trainer'} is corrupted" in torn.stderr.splitlines()[-1]
     assert "Traceback" not in torn.stderr
@@ -163,14 +163,14 @@ def test_micro_batch_size_does_not_change_the_step(tiny_model_dir, reverse_data,
 def test_sft_two_ranks_match_one(tiny_model_dir, reverse_data, tmp_path, tp):
     """2 FSDP2 ranks (data split), or 2 tensor-parallel ranks (`--model.tp 2`: each layer split), train as 1."""
     args = ("--data.micro-batch-size", "1", "--log.level", "warning")
-    one = subprocess.run(
+    one = warm.run(
         SFT + sft_args(tiny_model_dir, reverse_data, tmp_path / "one", 3, *args),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run(
+    two = warm.run(
         [
             sys.executable,
             "-m",
@@ -193,7 +193,7 @@ def test_sft_two_ranks_match_one(tiny_model_dir, reverse_data, tmp_path, tp):
 
 
 def test_sft_bench_on_fake_data(tiny_model_dir, tmp_path):
-    done = subprocess.run(
+    done = warm.run(
         SFT
         + [
             "--model.name",

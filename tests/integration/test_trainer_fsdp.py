@@ -25,6 +25,7 @@ from asyncrl.trainer.loss import token_logprobs
 from asyncrl.transport.batch import write_batch
 from asyncrl.transport.layout import RunLayout, step_dirs
 from asyncrl.transport.row import Row
+from tests import warm
 
 pytestmark = pytest.mark.slow
 
@@ -269,9 +270,7 @@ def torchrun(out: Path, args: list[str], timeout: int = 300) -> str:
         "asyncrl.entrypoints.trainer",
         *args,
     ]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    proc = warm.popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -25,6 +25,7 @@ from asyncrl.orchestrator import ckpt
 from asyncrl.trainer.rl.data import RolloutSource
 from asyncrl.transport.layout import RunLayout, resolve_resume_step, trainer_world_size
 from asyncrl.transport.weights import weights_problem
+from tests import warm
 
 pytestmark = pytest.mark.reliability
 
@@ -124,7 +125,7 @@ def trainer_args(model: Path, out: Path) -> list[str]:
 
 def run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return warm.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> str:

@@ -33,6 +33,7 @@ from rl_runs import check_run_dir, rl_args, steps_in
 from asyncrl.core import failpoint
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils import runstate
+from tests import warm
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -127,7 +128,7 @@ def rl(model: Path, out: Path, steps: int, start: int, case: Case | None, extra:
         env[failpoint.VAR] = fault
     resume = ("--ckpt.resume-step", "-1") if start else ()
     since = time.time()
-    proc = subprocess.Popen(rl_args(model, out, steps, *extra, *resume), env=env, stdout=subprocess.PIPE,
+    proc = warm.popen(rl_args(model, out, steps, *extra, *resume), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         if case is not None and case.point is None:

@@ -29,6 +29,7 @@ from waiting import wait_until
 
 from asyncrl.orchestrator.envs.guarded import GuardedEnvClient
 from asyncrl.utils.process import free_port, stop_group
+from tests import warm
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 CANARY = "canary-key-3f9d"
@@ -76,7 +77,7 @@ def env_server(log: Path, *flags: str, host: str = "127.0.0.1", env: dict | None
     cmd = [sys.executable, "-m", "asyncrl.entrypoints.env_server", "--env.id", "tool-calc", "--address", address]
     environ = {**os.environ, "OPENAI_API_KEY": CANARY, "ASYNCRL_LEAK_ME": CANARY, **(env or {})}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
+        proc = warm.popen(
             [*cmd, "--log.file", "false", *flags],
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -19,6 +19,7 @@ import pytest
 from rl_runs import rl_args, steps_in
 
 from asyncrl.transport.layout import RunLayout, is_stable
+from tests import warm
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -52,7 +53,7 @@ def test_a_full_disk_stops_the_run_cleanly_and_it_resumes(tiny_model_dir, tmp_pa
     with tmpfs(tmp_path / "disk", "64m") as disk:
         out = disk / "run"
         first_ckpt = RunLayout(out).checkpoint_dir(2, "trainer")
-        proc = subprocess.Popen(
+        proc = warm.popen(
             rl_args(tiny_model_dir, out, STEPS), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         try:
@@ -74,7 +75,7 @@ def test_a_full_disk_stops_the_run_cleanly_and_it_resumes(tiny_model_dir, tmp_pa
         assert "(exit code 2)" in died  # the process that hit it ended with its one-line error, not a crash
 
         ballast.unlink()
-        resumed = subprocess.run(rl_args(tiny_model_dir, out, STEPS, "--ckpt.resume-step", "-1"),
+        resumed = warm.run(rl_args(tiny_model_dir, out, STEPS, "--ckpt.resume-step", "-1"),
                                  capture_output=True, text=True, timeout=300)  # fmt: skip
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         layout = RunLayout(out)

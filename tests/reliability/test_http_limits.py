@@ -26,7 +26,8 @@ import httpx
 import pytest
 
 from asyncrl.inference.api.http_server import uvicorn_options
-from asyncrl.utils.process import free_port, serve, stop_group
+from asyncrl.utils.process import free_port, stop_group
+from tests import warm
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -41,7 +42,7 @@ class Server:
         cmd = [sys.executable, "-m", "asyncrl.entrypoints.inference", "--model.name", str(model_dir)]
         cmd += ["--server.host", "127.0.0.1", "--server.port", str(self.port), "--output-dir", str(out)]
         cmd += ["--max-batch-size", "4", "--num-threads", "1", "--log.level", "warning", *flags]
-        self.proc = serve(cmd, f"{self.url}/health", out / "server.out", 120, poll=0.3)
+        self.proc = warm.serve(cmd, f"{self.url}/health", out / "server.out", 120, poll=0.3)
 
     def stop(self) -> None:
         stop_group(self.proc, 20)

@@ -27,6 +27,7 @@ from asyncrl.report.status import last_row, status_lines
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils import runstate
 from asyncrl.utils.process import processes_by_role
+from tests import warm
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -98,7 +99,7 @@ def test_a_kill_storm_ends_in_a_finished_run_with_no_step_lost_or_repeated(tiny_
     # one restart in a row at most: each kill comes after a new checkpoint, so the count starts over each time
     args = rl_args(tiny_model_dir, out, STEPS, "--max-restarts", "1", "--restart-backoff", "1")
     with Census(out) as census:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = warm.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             for victim in VICTIMS:
                 since = kill_when_training(proc, layout, victim, since)

@@ -22,6 +22,7 @@ from rl_runs import rl_args, steps_in
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils import runstate
 from asyncrl.utils.process import process_tree
+from tests import warm
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -33,7 +34,7 @@ def start_until_step(args: list[str], out: Path, step: int = 0, timeout: float =
     """`rl` started and running: its own orchestrator (not an earlier one in `out`) has logged `step`. Its
     console goes to files next to `out` (a pipe would stay open as long as any orphan holds it)."""
     console = out.parent / f"console-{time.monotonic_ns()}"
-    proc = subprocess.Popen(args, stdout=open(f"{console}.out", "w"), stderr=open(f"{console}.err", "w"))
+    proc = warm.popen(args, stdout=open(f"{console}.out", "w"), stderr=open(f"{console}.err", "w"))
     proc.console = console
     layout = RunLayout(out)
     metrics, record = layout.metrics_file("orchestrator"), layout.pid_file("orchestrator")
@@ -103,7 +104,7 @@ def test_kill_9_leaves_nothing_a_live_dir_is_refused_and_sighup_stops_cleanly(ti
 
         # a second rl on the live dir: one line, non-zero, nothing written
         before = files_in(out)
-        refused = subprocess.run(rl_args(tiny_model_dir, out, 2), capture_output=True, text=True, timeout=120)
+        refused = warm.run(rl_args(tiny_model_dir, out, 2), capture_output=True, text=True, timeout=120)
         assert refused.returncode != 0, refused.stdout[-2000:] + refused.stderr[-2000:]
         assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
         assert "in use" in refused.stderr and str(first.pid) in refused.stderr, refused.stderr
@@ -117,7 +118,7 @@ def test_kill_9_leaves_nothing_a_live_dir_is_refused_and_sighup_stops_cleanly(ti
         trainer_rows = out / "metrics" / "trainer.jsonl"
         metrics = trainer_rows.read_text() if trainer_rows.exists() else ""
         trainer = [sys.executable, "-m", "asyncrl.entrypoints.trainer", "@", str(out / "configs" / "trainer.toml")]
-        refused = subprocess.run(trainer, capture_output=True, text=True, timeout=120)
+        refused = warm.run(trainer, capture_output=True, text=True, timeout=120)
         assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
         assert f"in use: rl (pid {first.pid}) runs on it" in refused.stderr, refused.stderr
         assert not metrics or trainer_rows.read_text().startswith(metrics)

@@ -15,6 +15,10 @@ seeds, and the thread count OMP_NUM_THREADS asks for. A request is served once t
 loaded (a module no stage names: once all have). The zygote runs no child code itself and starts no thread. Where
 the zygote cannot serve (not started, died, a CUDA machine: CUDA must not be initialised before a fork,
 ASYNCRL_ZYGOTE=0), `spawn` returns None and rl execs the child as before.
+
+A process that is already warm (every stage's modules imported, no other thread: e.g. an `rl` that a zygote
+forked, as the test suite and the learning benchmark start theirs with `Zygote.fork`) forks its zygote instead of
+exec'ing one: the same serving loop with nothing left to import.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ VAR = "ASYNCRL_ZYGOTE"  # 0: exec every child (no warm starts)
 FD_VAR = "ASYNCRL_ZYGOTE_FD"  # the zygote's end of the socket pair
 READY_TIMEOUT_S = 120.0  # a request waits this long for the zygote's stage, then rl execs the child
 MAX_MESSAGE = 1 << 20
+FORKED = False  # this process is a zygote's child (set in it): it has imported the stages and computed nothing yet
 # (entrypoint modules served once the stage has loaded, the modules it imports); later stages include earlier ones
 STAGES = (
     (
@@ -57,11 +62,12 @@ class Forked:
 
     def __init__(self, pid: int, args: list[str], stdout=None):
         self.pid, self.args, self.stdout, self.returncode = pid, args, stdout, None
+        self.cpu_s = 0.0  # its CPU seconds and those of its descendants it reaped, once it exited (as wait4 says)
         self._exited = threading.Event()
         self.orphaned = False  # the zygote died: the kernel made rl (a subreaper) this child's parent
 
-    def exited(self, code: int) -> None:
-        self.returncode = code
+    def exited(self, code: int, cpu_s: float = 0.0) -> None:
+        self.returncode, self.cpu_s = code, cpu_s
         self._exited.set()
 
     def poll(self) -> int | None:
@@ -95,10 +101,14 @@ class Zygote:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, FD_VAR: str(theirs.fileno())}
         cmd = [sys.executable, "-m", "asyncrl.launcher.zygote", marker]
-        self.proc = spawn(cmd, log, env, keep_fds=(theirs.fileno(),))
+        if _warm():
+            self.proc = _fork_zygote(cmd, log, theirs, self._sock)
+        else:
+            self.proc = spawn(cmd, log, env, keep_fds=(theirs.fileno(),))
         theirs.close()
         self._children: dict[int, Forked] = {}
-        self._early: dict[int, int] = {}  # exits that came before their spawn's reply was read
+        self._early: dict[int, tuple[int, float]] = {}  # exits that came before their spawn's reply was read
+        self.reaped_cpu_s = 0.0  # the CPU seconds of every child that exited (and of what it reaped)
         self._replies: dict[int, dict] = {}
         self._changed = threading.Condition()
         self._alive, self._next = True, 0
@@ -109,34 +119,48 @@ class Zygote:
     ) -> Forked | None:
         """Fork `cmd` (`python -m MODULE ...` with this python; on `cores` if given) if the zygote can; None: exec
         it."""
-        if not self._alive or len(cmd) < 3 or cmd[:2] != [sys.executable, "-m"]:
-            return None
         read_end, out = _output(log)
+        child = self.fork(cmd, env, (out,), cores)
+        if child is None and read_end is not None:
+            read_end.close()
+        elif child is not None:
+            child.stdout = read_end
+        return child
+
+    def fork(
+        self, cmd: list[str], env: dict[str, str], outputs: tuple[int, ...], cores=None, cwd: str | None = None
+    ) -> Forked | None:
+        """Fork `cmd` with stdout on `outputs[0]` and stderr on `outputs[-1]` (descriptors, closed here), in `cwd`
+        (None: this process's); None where the zygote cannot (then exec it)."""
+        if not self._alive or len(cmd) < 3 or cmd[:2] != [sys.executable, "-m"]:
+            for fd in outputs:
+                os.close(fd)
+            return None
+        request = {"cores": sorted(cores or ()), "env": env, "cwd": cwd or os.getcwd()}
         with self._changed:
             self._next += 1
-            reply = self._ask({"id": self._next, "cores": sorted(cores or ()), "env": env}, cmd, out)
+            reply = self._ask({"id": self._next, **request}, cmd, outputs)
             if reply is None or "pid" not in reply:
-                if read_end is not None:
-                    read_end.close()
                 return None
-            child = self._children[reply["pid"]] = Forked(reply["pid"], list(cmd), read_end)
+            child = self._children[reply["pid"]] = Forked(reply["pid"], list(cmd))
             if reply["pid"] in self._early:
-                child.exited(self._early.pop(reply["pid"]))
+                child.exited(*self._early.pop(reply["pid"]))
             return child
 
-    def _ask(self, request: dict, cmd: list[str], out: int) -> dict | None:
+    def _ask(self, request: dict, cmd: list[str], outputs: tuple[int, ...]) -> dict | None:
         """Send one spawn request (holding the lock) and wait for its reply; None if none came."""
-        fds = [out, *inherited_fd()]  # the run lock's descriptor, as `spawn` hands it to an exec'd child
-        if fds[1:]:
+        fds = [*outputs, *inherited_fd()]  # the run lock's descriptor, as `spawn` hands it to an exec'd child
+        if inherited_fd():
             request["env"] = {**request["env"], INHERITED_FD: os.environ[INHERITED_FD]}
-        request |= {"module": cmd[2], "args": cmd[3:], "title": " ".join(cmd)}
+        request |= {"module": cmd[2], "args": cmd[3:], "title": " ".join(cmd), "outputs": len(outputs)}
         ask = request["id"]
         try:
             socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
         except OSError:
             return None
         finally:
-            os.close(out)
+            for fd in outputs:
+                os.close(fd)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while ask not in self._replies and self._alive and time.monotonic() < deadline:
             self._changed.wait(0.5)
@@ -146,7 +170,7 @@ class Zygote:
         while message := _receive(self._sock):
             with self._changed:
                 if "exit" in message:
-                    self._exit(message["exit"], message["code"])
+                    self._exit(message["exit"], message["code"], message.get("cpu_s", 0.0))
                 else:
                     self._replies[message["id"]] = message
                 self._changed.notify_all()
@@ -156,11 +180,12 @@ class Zygote:
                 child.orphaned = True
             self._changed.notify_all()
 
-    def _exit(self, pid: int, code: int) -> None:
+    def _exit(self, pid: int, code: int, cpu_s: float) -> None:
+        self.reaped_cpu_s += cpu_s
         if pid in self._children:
-            self._children.pop(pid).exited(code)
+            self._children.pop(pid).exited(code, cpu_s)
         else:
-            self._early[pid] = code
+            self._early[pid] = (code, cpu_s)
 
     def close(self) -> None:
         """Let the zygote go (its children are stopped by then; any left get SIGTERM with it)."""
@@ -179,6 +204,42 @@ def start_zygote(marker: str, log: Path, cuda: bool) -> Zygote | None:
     if cuda or os.environ.get(VAR, "1") == "0":
         return None
     return Zygote(marker, log)
+
+
+def _warm() -> bool:
+    """A zygote forked this process, it runs no other thread and has every stage's modules: a fork of it is a ready
+    zygote. (Any other process, e.g. one that has run torch's thread pool, forks none: it execs the zygote.)"""
+    stages = all(name in sys.modules for _, names in STAGES for name in names)
+    return FORKED and threading.active_count() == 1 and stages
+
+
+def _fork_zygote(cmd: list[str], log: Path, theirs: socket.socket, ours: socket.socket) -> Forked:
+    """The zygote as a fork of this warm process: what `spawn` would make of `cmd`, with nothing left to import.
+    Its handle reaps it itself (it is this process's child, not the zygote's)."""
+    out, parent = _output(log)[1], os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ours.close()
+            os.setsid()
+            die_with_parent(parent)
+            _descriptors([out], {})
+            logger.remove()  # this process's sinks (its log file): the children start as an exec'd zygote's do
+            logger.add(sys.stderr)
+            if "setproctitle" in sys.modules:
+                sys.modules["setproctitle"].setproctitle(" ".join(cmd))
+            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            serve(theirs)
+        finally:
+            os._exit(0)
+    os.close(out)
+    zygote = Forked(pid, cmd)
+    zygote.orphaned = True  # poll() reaps it with waitpid: it is this process's own child
+    return zygote
 
 
 def _output(log: Path | None) -> tuple:
@@ -271,15 +332,16 @@ def _fork(sock: socket.socket, request: dict, fds: list[int], others: list[int])
 
 
 def _reap(sock: socket.socket) -> None:
-    """Tell rl about each child that exited (Popen's convention: -N for a signal)."""
+    """Tell rl about each child that exited (Popen's convention: -N for a signal) and the CPU it used."""
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+        code, cpu_s = os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
+        sock.send(json.dumps({"exit": pid, "code": code, "cpu_s": round(cpu_s, 3)}).encode())
 
 
 def _become(sock: socket.socket, request: dict, fds: list[int], others: list[int]) -> None:
@@ -292,8 +354,10 @@ def _become(sock: socket.socket, request: dict, fds: list[int], others: list[int
             os.sched_setaffinity(0, request["cores"])
         os.setsid()
         die_with_parent(os.getppid())
-        _descriptors(fds, request["env"])
+        _descriptors(fds, request["env"], request.get("outputs", 1))
+        os.chdir(request.get("cwd") or ".")
         _process_state(request)
+        importlib.import_module("asyncrl.launcher.zygote").FORKED = True  # this file may run as __main__
         import runpy
 
         sys.argv = [request["module"], *request["args"]]
@@ -319,17 +383,19 @@ def _said(message) -> int:
     return 1
 
 
-def _descriptors(fds: list[int], env: dict[str, str]) -> None:
-    """stdout + stderr to the passed descriptor, stdin /dev/null, the inherited lock descriptor at its number."""
+def _descriptors(fds: list[int], env: dict[str, str], outputs: int = 1) -> None:
+    """stdout on the first passed descriptor, stderr on the last of its `outputs`, stdin /dev/null, the inherited
+    lock descriptor at its number."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
     os.dup2(fds[0], 1)
-    os.dup2(fds[0], 2)
-    if len(fds) > 1 and INHERITED_FD in env:
-        os.dup2(fds[1], int(env[INHERITED_FD].split(":")[0]))
+    os.dup2(fds[outputs - 1], 2)
+    lock = int(env[INHERITED_FD].split(":")[0]) if INHERITED_FD in env and len(fds) > outputs else None
+    if lock is not None:
+        os.dup2(fds[outputs], lock)
     for fd in fds:
-        if fd > 2 and (INHERITED_FD not in env or fd != int(env[INHERITED_FD].split(":")[0])):
+        if fd > 2 and fd != lock:
             os.close(fd)
 
 

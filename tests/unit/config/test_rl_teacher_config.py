@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tomllib
 
@@ -12,6 +11,7 @@ from asyncrl.config import loader
 from asyncrl.config.rl import RLConfig, resolve_rl
 from asyncrl.core.errors import UserError
 from asyncrl.launcher.placement import Placement
+from tests import warm
 
 
 def rl(*argv: str) -> RLConfig:
@@ -87,7 +87,7 @@ def test_a_base_url_the_user_set_wins():
 
 
 def test_dry_run_shows_the_teacher(tmp_path):
-    out = subprocess.run(
+    out = warm.run(
         [sys.executable, "-m", "asyncrl.entrypoints.rl", "--model.name", "s", "--inference", "--teacher.model.name",
          "t", "--output-dir", str(tmp_path), "--dry-run"],
         capture_output=True, text=True, timeout=120,

@@ -49,6 +49,22 @@ def test_a_piped_child_streams_and_a_signal_is_its_negative_code(warm):
     assert child.wait(60) == -signal.SIGKILL
 
 
+def test_fork_gives_separate_streams_a_cwd_and_the_cpu_it_used(warm, tmp_path):
+    (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+    child = warm.fork(probe("streams"), dict(os.environ), (out_w, err_w), cwd=str(tmp_path))  # closes the ends
+    with open(out_r) as out, open(err_r) as err:
+        assert out.read() == f"out {tmp_path}\n" and err.read() == "err\n"
+    assert child.wait(60) == 0 and child.cpu_s >= 0.4  # as wait4 counted it in the zygote
+    assert warm.reaped_cpu_s >= child.cpu_s
+
+
+def test_a_forked_process_forks_its_own_zygote_and_others_exec_theirs(warm, tmp_path):
+    log = tmp_path / "nest.log"
+    assert warm.spawn(probe("nest", str(tmp_path / "nested.log")), log, dict(os.environ)).wait(120) == 0
+    assert json.loads(log.read_text().splitlines()[-1]) == {"forked_zygote": True, "code": 3}
+    assert not zygote._warm() and not isinstance(warm.proc, zygote.Forked)  # this test process: it execs
+
+
 def test_only_this_pythons_modules_are_forked(warm, tmp_path):
     assert warm.spawn(["/bin/true"], tmp_path / "log", dict(os.environ)) is None
     assert warm.spawn(["python3", "-m", "json.tool"], tmp_path / "log", dict(os.environ)) is None

@@ -29,6 +29,7 @@ from asyncrl.orchestrator.envs import served
 from asyncrl.orchestrator.envs.loading import load_env
 from asyncrl.orchestrator.envs.v1 import v1_run_group, v1_tasks
 from asyncrl.utils.process import free_port, running
+from tests import warm
 
 pytestmark = pytest.mark.slow
 KEY_VAR = "ASYNCRL_TEST_SCRIPTED_KEY"
@@ -149,7 +150,7 @@ def _env_server(address: str, *extra: str, log: Path | None = None) -> subproces
     cmd = [sys.executable, "-m", "asyncrl.entrypoints.env_server", "--env.id", "tool-calc", "--address", address]
     out = open(log, "wb") if log else subprocess.DEVNULL
     cmd += ["--allow-key-vars", KEY_VAR, "--log.file", "false"]
-    return subprocess.Popen([*cmd, *extra], stdout=out, stderr=subprocess.STDOUT)
+    return warm.popen([*cmd, *extra], stdout=out, stderr=subprocess.STDOUT)
 
 
 def test_a_server_at_an_address_is_used_and_left_running(tmp_path):
@@ -238,7 +239,7 @@ def _wait_for_child(pid: int) -> int:
     ],
 )
 def test_env_server_bad_input_is_one_line(args, said, tmp_path):
-    done = subprocess.run(
+    done = warm.run(
         [sys.executable, "-m", "asyncrl.entrypoints.env_server", *args, "--output-dir", str(tmp_path)],
         capture_output=True,
         text=True,
