@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import warm
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -287,7 +289,7 @@ def dry_run(docs: list[dict], tmp_path: Path, configs: dict[str, str] | None = N
         for e in container.get("env", []):
             if "value" in e:
                 env[e["name"]] = e["value"]
-        proc = subprocess.run([*cmd, *args, "--dry-run"], capture_output=True, text=True, timeout=120, env=env)
+        proc = warm.run([*cmd, *args, "--dry-run"], capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == 0, f"{component} rejects the chart's args {args}:\n{proc.stdout}\n{proc.stderr}"
         resolved[component] = tomllib.loads(proc.stdout)
     return resolved

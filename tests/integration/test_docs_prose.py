@@ -20,6 +20,7 @@ import pytest
 from asyncrl.transport.layout import RunLayout, step_dirs
 from asyncrl.transport.weights import weights_problem
 from asyncrl.utils.process import free_port
+from tests import warm
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "examples" / "prime_rl_docs" / "full_guide.toml"  # the guide's full config, verbatim
@@ -29,7 +30,7 @@ def entrypoint(name: str, *args: str, env: dict | None = None, timeout: float = 
     """`uv run NAME ARGS` as the docs write it, run from the repository root (`env`: variables added)."""
     cmd = [sys.executable, "-m", f"asyncrl.entrypoints.{name}", *args]
     env = dict(os.environ, **(env or {}))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    return warm.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
 def dry_run(name: str, *args: str, env: dict | None = None) -> dict:

@@ -30,6 +30,7 @@ from asyncrl.orchestrator.samples import TeacherScores, TokenSample, TrajectoryC
 from asyncrl.orchestrator.teacher import PROBE, DenseTeacher, TeacherClient
 from asyncrl.transport.batch import read_batch
 from asyncrl.transport.layout import RunLayout
+from tests import warm
 
 
 class StudentServer(FakeServer):
@@ -99,10 +100,9 @@ def test_config_weights_and_errors():
 
 
 def test_config_errors_on_the_command_line_are_one_line(tmp_path):
-    import subprocess
     import sys
 
-    run = subprocess.run(
+    run = warm.run(
         [sys.executable, "-m", "asyncrl.entrypoints.orchestrator", "--distill.weight", "0.3"],
         capture_output=True,
         text=True,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ from asyncrl.report.labels import PALETTE, colour, identities
 from asyncrl.report.report import Options, write
 from asyncrl.report.tta import rows, table, text
 from asyncrl.transport.layout import RunLayout
+from tests import warm
 
 T0 = 1_800_000_000.0
 
@@ -144,7 +144,7 @@ def test_the_page_gives_each_run_one_colour_in_every_plot_and_small_multiples_pa
 
 def _cli(*args, cwd=None):
     cmd = [sys.executable, "-m", "asyncrl.entrypoints.asyncrl", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    return warm.run(cmd, capture_output=True, text=True, cwd=cwd)
 
 
 def test_report_prints_its_table_and_bad_arguments_are_one_line_errors_writing_nothing(tmp_path):

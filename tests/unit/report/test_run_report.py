@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 from asyncrl.report.curves import PLOTS, RunCurves, rows_by_step
 from asyncrl.report.report import write_report
 from asyncrl.transport.layout import RunLayout
+from tests import warm
 
 
 def make_run(root, steps: int, reward0: float = 0.2, crashed_at: int | None = None):
@@ -104,7 +104,7 @@ def test_a_distillation_run_plots_its_kl_to_the_teacher(tmp_path):
 
 def test_several_runs_are_overlaid_in_one_page(tmp_path):
     a, b = make_run(tmp_path / "a", 3), make_run(tmp_path / "b", 3, reward0=0.6)
-    done = subprocess.run(
+    done = warm.run(
         [
             sys.executable,
             "-m",

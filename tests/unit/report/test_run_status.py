@@ -13,6 +13,7 @@ from asyncrl.core.errors import UserError
 from asyncrl.report.status import last_row, status_lines
 from asyncrl.transport.layout import RunLayout
 from asyncrl.utils import runstate
+from tests import warm
 
 
 def record(layout: RunLayout, name: str, **info) -> None:
@@ -94,7 +95,7 @@ def test_last_row_skips_a_line_being_written(tmp_path):
     ],
 )
 def test_asyncrl_cli_mistakes_are_one_line(argv, says):
-    done = subprocess.run([sys.executable, "-m", "asyncrl.entrypoints.asyncrl", *argv], capture_output=True, text=True)
+    done = warm.run([sys.executable, "-m", "asyncrl.entrypoints.asyncrl", *argv], capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
     assert says in done.stderr
 
