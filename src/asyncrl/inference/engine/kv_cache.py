@@ -110,8 +110,9 @@ class SlotKVCache(Cache):
         src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
         for store in (self.keys, self.values):
             for buf in store:
-                if buf is not None:
-                    buf[dst_t, :, :length] = buf[src_t, :, :length]
+                if buf is not None:  # index_copy_: an advanced-index assignment (index_put) is ~6x slower on CPU
+                    head = buf[:, :, :length]
+                    head.index_copy_(0, dst_t, head.index_select(0, src_t))
         if self.routes is not None:
             self.routes[dst_t, :length] = self.routes[src_t, :length]
 

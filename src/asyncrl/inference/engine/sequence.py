@@ -64,6 +64,7 @@ class Sequence:
         self._new_top: list[list[tuple[int, float]]] = []
         self.prompt_logprobs: PromptLogprobs | None = None  # set at prefill when asked; goes out with the first delta
         self.routed_experts = None  # set at its finish when routes are recorded; goes out with the last delta
+        self._banned: list[int] | None = None  # banned_ids before min_tokens, once built
 
     @property
     def length(self) -> int:
@@ -74,10 +75,12 @@ class Sequence:
         """Tokens that may not be sampled yet (eos and stop ids before min_tokens)."""
         if len(self.output_ids) >= self.params.min_tokens:
             return []
-        ids = set(self.params.stop_token_ids)
-        if not self.params.ignore_eos:
-            ids |= self.eos_ids
-        return sorted(ids)
+        if self._banned is None:  # the same until min_tokens: built once
+            ids = set(self.params.stop_token_ids)
+            if not self.params.ignore_eos:
+                ids |= self.eos_ids
+            self._banned = sorted(ids)
+        return self._banned
 
     def append(self, token: int, logprob: float, top: list[tuple[int, float]] | None, max_len: int) -> bool:
         """Record a sampled token; returns True when the sequence has finished."""
