@@ -41,4 +41,8 @@ cores=$(nproc 2>/dev/null || echo 2)
 workers=${ASYNCRL_TEST_WORKERS:-$((cores + 1 < 6 ? cores + 1 : 6))}
 xdist=()
 [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadgroup)
+# Bytecode is written (to the __pycache__ dirs git ignores) even where PYTHONDONTWRITEBYTECODE is set: without it
+# each xdist worker re-compiles and assertion-rewrites every test module at collection (~6 CPU s a worker), and
+# every process the tests start re-compiles the asyncrl modules it imports.
+unset PYTHONDONTWRITEBYTECODE
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${xdist[@]}" "$@"

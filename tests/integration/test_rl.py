@@ -20,39 +20,46 @@ pytestmark = pytest.mark.slow
 RL = [sys.executable, "-m", "asyncrl.entrypoints.rl"]
 
 
-def rl_args(model_dir: Path, out: Path, steps: int, port: int, lr: float = 3e-4, server: bool = True) -> list[str]:
-    """Flags of a small run; `server=False`: no [inference] section, the orchestrator dials `port`."""
+def rl_args(
+    model_dir: Path, out: Path, steps: int, port: int, lr: float = 3e-4, server: bool = True, report: bool = False
+) -> list[str]:
+    """Flags of a small run; `server=False`: no [inference] section, the orchestrator dials `port`; `report`: rl
+    writes its report at the end (drawing it costs seconds of CPU; the tests that read it ask for it)."""
     where = (
         ["--inference.server.port", str(port), "--inference.server.host", "127.0.0.1"]
         if server
         else ["--orchestrator.client.port", str(port)]
     )
-    return where + [
-        "--model.name",
-        str(model_dir),
-        "--output-dir",
-        str(out),
-        "--max-steps",
-        str(steps),
-        "--seq-len",
-        "128",
-        "--max-async-level",
-        "1",
-        "--trainer.optim.lr",
-        str(lr),
-        "--trainer.optim.weight-decay",
-        "0",
-        "--orchestrator.batch-size",
-        "128",
-        "--orchestrator.rollouts-per-example",
-        "8",
-        "--orchestrator.sampling.max-tokens",
-        "16",
-        "--orchestrator.seed",
-        "1",
-        "--log.level",
-        "info",
-    ]
+    return (
+        where
+        + [
+            "--model.name",
+            str(model_dir),
+            "--output-dir",
+            str(out),
+            "--max-steps",
+            str(steps),
+            "--seq-len",
+            "128",
+            "--max-async-level",
+            "1",
+            "--trainer.optim.lr",
+            str(lr),
+            "--trainer.optim.weight-decay",
+            "0",
+            "--orchestrator.batch-size",
+            "128",
+            "--orchestrator.rollouts-per-example",
+            "8",
+            "--orchestrator.sampling.max-tokens",
+            "16",
+            "--orchestrator.seed",
+            "1",
+            "--log.level",
+            "info",
+        ]
+        + ([] if report else ["--no-report"])
+    )
 
 
 def orchestrator_rows(out: Path) -> list[dict]:
@@ -90,7 +97,7 @@ def test_rl_trains_a_mixture_of_experts_and_reports_its_router_load(tmp_path):
     from asyncrl.utils.tiny_model import build_tiny_model
 
     model, out = build_tiny_model(tmp_path / "moe", hidden_size=64, num_layers=2, experts=8), tmp_path / "run"
-    args = rl_args(model, out, 3, free_port()) + [
+    args = rl_args(model, out, 3, free_port(), report=True) + [
         "--orchestrator.batch-size",
         "32",
         "--orchestrator.rollouts-per-example",
@@ -126,7 +133,7 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     out = tmp_path / "run"
     steps = 40  # the demo's settings; fewer steps leave the rise inside the step-to-step noise (~0.03)
     first = run_rl(
-        rl_args(warm_model, out, steps, free_port())
+        rl_args(warm_model, out, steps, free_port(), report=True)
         + ["--ckpt", "--ckpt.interval", "20", "--wandb.offline", "--wandb.project", "t", "--wandb.name", "demo"]
     )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -190,7 +197,7 @@ def start_rl_until(args: list[str], marker: Path, timeout: float = 300) -> subpr
 
 def test_rl_stops_everything_when_the_trainer_dies(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    proc = start_rl_until(rl_args(tiny_model_dir, out, 50, free_port()), out / "metrics" / "trainer.jsonl")
+    proc = start_rl_until(rl_args(tiny_model_dir, out, 50, free_port(), report=True), out / "metrics" / "trainer.jsonl")
     try:
         trainers = [line.split()[0] for line in own_processes(str(out)) if "entrypoints.trainer" in line]
         assert trainers
