@@ -47,4 +47,4 @@ def test_rl_warns_once_naming_the_knobs(tmp_path, capsys):
     finally:
         logger.remove(handler)
     assert len(seen) == 1
-    assert "signs of collapse" in seen[0] and "trainer.optim.lr" in seen[0] and "trainer.loss.type = 'dppo'" in seen[0]
+    assert "signs of collapse" in seen[0] and "trainer.optim.lr" in seen[0] and "trainer.loss.type = 'grpo'" in seen[0]
