@@ -19,10 +19,11 @@ WINDOW = 10
 REWARD_DROP = 0.8
 MIN_BEST = 0.05
 GROWTH = 1.5
-# What the learning benchmark measured (docs/learning.md): at 3x the demo's lr, 1 of 24 grpo runs and 4 of 12 dppo
-# runs collapsed, at 1x none of 72 (k = 0, 1, 2); dppo's ratio is unclipped inside its band. ref_kl: not measured.
+# What the learning benchmark measured (docs/learning.md, tables 1 and 2): at 3x the demo's lr 2 of 36 grpo runs and
+# 4 of 12 dppo runs collapsed; at 1x none of 132 (every objective, k = 0, 1, 2). dppo's ratio is unclipped inside
+# its band. ref_kl: not measured.
 KNOBS = (
-    "lower trainer.optim.lr (in docs/learning.md 3x the lr collapsed 5 of 36 runs, 1x none of 72); keep the "
+    "lower trainer.optim.lr (in docs/learning.md 3x the lr collapsed 6 of 48 runs, 1x none of 132); keep the "
     "clipped default trainer.loss.type = 'grpo' (dppo collapsed 4 of 12 at 3x the lr); trainer.loss.ref_kl > 0 "
     "pulls toward the start weights (not measured there)"
 )
