@@ -128,6 +128,9 @@ def pytest_collection_modifyitems(config, items):
     _shared_blocks(items)
     if hasattr(config, "workerinput"):  # a pytest-xdist worker (only workers collect)
         _xdist_groups(items)
+    from tests import warm
+
+    warm.use_for(items)  # the zygote of the processes the tests start: for sessions with slow tests
 
 
 # ---- quarantine ----------------------------------------------------------------------------------------------

@@ -4,7 +4,10 @@ paying seconds of CPU to import torch, transformers and verifiers anew. A forked
 zygote too, and its children are forked as in any run.
 
 `popen` and `run` take the part of `subprocess.Popen` / `subprocess.run`'s interface the tests use. A command that
-is not `python -m asyncrl...` with this Python, or any command when ASYNCRL_TEST_WARM=0, is exec'd as before.
+is not `python -m asyncrl...` with this Python, or any command when ASYNCRL_TEST_WARM=0, is exec'd as before. So is
+every command of a session without slow tests (`use_for`, from tests/conftest.py): its few short commands would
+wait for the zygote's imports (seconds) where an exec'd one is done sooner; a session with slow tests starts the
+zygote as it collects, so it has loaded by the time the first test asks.
 
 Invariants: a forked process gets what an exec'd one would (the zygote's invariants: argv, environment, command
 line, its own session, fresh seeds, thread count), plus the cwd it was asked for, stdout and stderr on the pipes
@@ -32,12 +35,21 @@ PIPE, STDOUT = subprocess.PIPE, subprocess.STDOUT
 
 
 _started: list[Zygote] = []
+_wanted = [True]  # use_for: this session has slow tests
+
+
+def use_for(items) -> None:
+    """Fork the processes of a session whose `items` (the collected tests) include slow ones, and start the zygote
+    now; exec those of any other session."""
+    _wanted[0] = any("slow" in item.keywords for item in items)
+    if _wanted[0]:
+        zygote()
 
 
 @functools.cache
 def zygote() -> Zygote | None:
     """This test worker's zygote, started on first use; None when warm starts are off."""
-    if os.environ.get(VAR, "1") == "0":
+    if os.environ.get(VAR, "1") == "0" or not _wanted[0]:
         return None
     log = Path(tempfile.gettempdir()) / f"asyncrl-test-zygote-{os.getpid()}.log"
     _started.append(Zygote(f"tests-{os.getpid()}", log))
