@@ -17,7 +17,7 @@ the zygote cannot serve (not started, died, a CUDA machine: CUDA must not be ini
 ASYNCRL_ZYGOTE=0), `spawn` returns None and rl execs the child as before.
 
 A process that is already warm (every stage's modules imported, no other thread: e.g. an `rl` that a zygote
-forked, as the test suite and the learning benchmark start theirs with `Zygote.fork`) forks its zygote instead of
+forked, as the test suite starts its processes with `Zygote.fork`) forks its zygote instead of
 exec'ing one: the same serving loop with nothing left to import.
 """
 
@@ -149,8 +149,9 @@ class Zygote:
 
     def _ask(self, request: dict, cmd: list[str], outputs: tuple[int, ...]) -> dict | None:
         """Send one spawn request (holding the lock) and wait for its reply; None if none came."""
-        fds = [*outputs, *inherited_fd()]  # the run lock's descriptor, as `spawn` hands it to an exec'd child
-        if inherited_fd():
+        lock = inherited_fd()  # the run lock's descriptor, as `spawn` hands it to an exec'd child
+        fds = [*outputs, *lock]
+        if lock:
             request["env"] = {**request["env"], INHERITED_FD: os.environ[INHERITED_FD]}
         request |= {"module": cmd[2], "args": cmd[3:], "title": " ".join(cmd), "outputs": len(outputs)}
         ask = request["id"]
