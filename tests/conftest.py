@@ -137,12 +137,7 @@ def pytest_collection_modifyitems(config, items):
 # A test known to be flaky, until it is fixed where it is flaky: its node id (or a prefix: a file, a test without
 # its [param]) -> why, and the issue that fixes it. It still runs, as a non-strict xfail: its result is reported
 # (XPASS / XFAIL) but does not fail the run. Never a looser bound instead.
-QUARANTINE: dict[str, str] = {
-    "tests/integration/test_classic_envs.py::test_a_classic_group_goes_out_as_one_request_and_each_rollout_keeps_its_"
-    "own_answer": "the classic client's merge window is wall-clock (orchestrator/envs/coalesce.py: 2 ms, extended "
-    "per arrival); on a loaded machine a group's 16 requests once went out as 15 + 1 (CI, 2026-11-29). Fixed when "
-    "a group's requests are merged by the group, not by their arrival times (issue 45's note).",
-}
+QUARANTINE: dict[str, str] = {}
 
 
 def _quarantine(items) -> None:

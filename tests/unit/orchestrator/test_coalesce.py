@@ -214,3 +214,86 @@ def test_an_httpx_client_merges_too():
     transport, replies = asyncio.run(go())
     assert (transport.sent, transport.merged) == (1, 4)
     assert all(isinstance(r, httpx.Response) and len(r.json()["choices"]) == 1 for r in replies)
+
+
+def admitted_events(monkeypatch) -> dict[int, asyncio.Event]:
+    """{n: an event set once a group's gate has admitted n first calls}: ordering without the clock."""
+    events: dict[int, asyncio.Event] = {}
+    admit = coalesce._Gate.admit
+
+    def counting(gate):
+        took = admit(gate)
+        events.setdefault(gate.admitted, asyncio.Event()).set()
+        return took
+
+    monkeypatch.setattr(coalesce._Gate, "admit", counting)
+    return events
+
+
+async def reached(events: dict[int, asyncio.Event], n: int) -> None:
+    await events.setdefault(n, asyncio.Event()).wait()
+
+
+def test_a_group_whose_first_calls_come_apart_still_goes_out_as_one(monkeypatch):
+    """The last rollout calls long after the window would have sent the others (a loaded machine): the group
+    still goes out as one request, and a second turn's calls merge by the window as before."""
+    monkeypatch.setattr(coalesce, "MERGE_WINDOW_S", 0.0)
+    events = admitted_events(monkeypatch)
+
+    async def go():
+        server = FakeServer()
+        http, transport = client(server)
+        with coalesce.one_group(8):
+            first = [asyncio.create_task(http.post(URL, json=body())) for _ in range(7)]
+            await reached(events, 7)
+            held = len(server.bodies)  # nothing went out with one rollout still to call
+            first.append(asyncio.create_task(http.post(URL, json=body())))
+            await asyncio.gather(*first)
+            turn_two = await post_many(http, [body(max_tokens=i) for i in range(3)])
+        return server, transport, held, turn_two
+
+    server, transport, held, turn_two = asyncio.run(asyncio.wait_for(go(), 60))
+    assert held == 0
+    assert [b.get("n", 1) for b in server.bodies] == [8, 1, 1, 1]
+    assert (transport.sent, transport.merged) == (4, 8) and all(r.status_code == 200 for r in turn_two)
+
+
+def test_a_group_with_two_first_prompts_goes_out_as_two_requests_once_all_called(monkeypatch):
+    async def go():
+        server = FakeServer()
+        http, _ = client(server)
+        with coalesce.one_group(4):
+            await post_many(http, [body(), body(max_tokens=5)] * 2)
+        return server
+
+    assert sorted(b["n"] for b in asyncio.run(go()).bodies) == [2, 2]
+
+
+def test_a_group_missing_a_first_call_goes_out_once_none_came_for_the_quiet_time(monkeypatch):
+    """One rollout of four never calls (it failed first): the three go out together after GATE_QUIET_S."""
+    monkeypatch.setattr(coalesce, "GATE_QUIET_S", 0.05)
+
+    async def go():
+        server = FakeServer()
+        http, _ = client(server)
+        with coalesce.one_group(4):
+            replies = await post_many(http, [body()] * 3)
+        return server, replies
+
+    server, replies = asyncio.run(asyncio.wait_for(go(), 60))
+    assert [b["n"] for b in server.bodies] == [3] and all(r.status_code == 200 for r in replies)
+
+
+def test_groups_do_not_merge_with_each_other():
+    async def go():
+        server = FakeServer()
+        http, _ = client(server)
+
+        async def group():
+            with coalesce.one_group(2):
+                await post_many(http, [body()] * 2)
+
+        await asyncio.gather(group(), group())
+        return server
+
+    assert [b["n"] for b in asyncio.run(go()).bodies] == [2, 2]

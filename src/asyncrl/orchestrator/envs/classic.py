@@ -48,8 +48,12 @@ def make_vf_client(cfg: ClientConfig, client_type: str = TOKEN_CLIENT) -> Any:
 
 
 async def run_classic_group(slot: Any, client: Any, model: str, inputs: list[dict], args: dict) -> list[dict]:
-    """A classic slot's group through verifiers' `run_group`: its env's own sampling args under ours."""
+    """A classic slot's group through verifiers' `run_group`: its env's own sampling args under ours; its
+    rollouts' first calls merge as one group (`coalesce.one_group`) where the client merges."""
+    from asyncrl.orchestrator.envs.coalesce import one_group
+
     env = slot.env
     extra_body = {**(env.sampling_args.get("extra_body") or {}), **args.get("extra_body", {})}
     merged = {**env.sampling_args, **args, "extra_body": extra_body}
-    return await env.run_group(inputs, client, model, merged, state_columns=["trajectory"])
+    with one_group(len(inputs)):
+        return await env.run_group(inputs, client, model, merged, state_columns=["trajectory"])

@@ -13,10 +13,13 @@ Invariants:
 - Only POSTs to `.../chat/completions` or `.../chat/completions/tokens` whose JSON body asks for one
   non-streamed choice without a seed merge (k seeded requests would give k equal samples, one seeded
   n = k request k different ones); anything else passes through untouched.
-- A request waits for identical ones until `MERGE_WINDOW_S` passes with none joining (a group's rollouts
-  reach the transport within well under a millisecond of each other on an idle machine; under load they
-  spread out, so each arrival extends the wait, at most `MAX_WINDOWS` windows), then goes out with the at
-  most `max_merge` that came.
+- Inside `one_group(k)` (a group of k rollouts), the first k mergeable requests are the rollouts' first model
+  calls: none goes out until all k have come (no rollout gets an answer, so none can call twice, before
+  then), and then each set of identical ones goes out at once as one request. Arrival times do not matter;
+  only if `GATE_QUIET_S` passes with none of the k arriving (a rollout that failed before calling) do the
+  ones that came go out.
+- Any other request waits for identical ones until `MERGE_WINDOW_S` passes with none joining (each arrival
+  extends the wait, at most `MAX_WINDOWS` windows), then goes out with the at most `max_merge` that came.
 - A merged request that fails in any way (an HTTP error, a malformed or short answer) is sent again one
   request at a time, so every requester sees exactly what it would have seen alone.
 - Cancelling a requester cancels the merged request once every requester of it has gone.
@@ -27,7 +30,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Awaitable, Callable, Iterator
+from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
 
@@ -37,6 +43,7 @@ import httpx2
 MERGEABLE_PATHS = ("/chat/completions", "/chat/completions/tokens")
 MERGE_WINDOW_S = 0.002  # how long a new request waits for identical ones (the other rollouts of its group)
 MAX_WINDOWS = 10  # windows a merge waits at most while identical requests keep arriving
+GATE_QUIET_S = 0.5  # a group's gate opens with what came once this long passes with no first call arriving
 _DROPPED_HEADERS = {b"content-length", b"content-encoding", b"transfer-encoding"}
 
 
@@ -55,6 +62,50 @@ class _Merge:
         return waiter
 
 
+class _Gate:
+    """A group's first model calls, held until each of its `size` rollouts has made one."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.admitted = 0
+        self.merges: dict[tuple, _Merge] = {}  # the held requests, by what identical ones share
+        self._go = asyncio.Event()
+        self._last = 0.0  # loop time of the latest first call
+
+    def admit(self) -> bool:
+        """Whether this request is one of the group's first `size` (it then waits for the gate)."""
+        if self.admitted >= self.size:
+            return False
+        self.admitted += 1
+        self._last = asyncio.get_running_loop().time()
+        if self.admitted == self.size:
+            self._go.set()
+        return True
+
+    async def opened(self, _merge: _Merge) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._go.is_set():
+            left = self._last + GATE_QUIET_S - loop.time()
+            if left <= 0:
+                self._go.set()
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._go.wait(), left)
+
+
+_GROUP: ContextVar[_Gate | None] = ContextVar("asyncrl_coalesce_group", default=None)
+
+
+@contextlib.contextmanager
+def one_group(size: int) -> Iterator[None]:
+    """The rollouts started within this block are one group of `size`: their first calls merge by the group."""
+    token = _GROUP.set(_Gate(size))
+    try:
+        yield
+    finally:
+        _GROUP.reset(token)
+
+
 class MergingTransport(httpx2.AsyncBaseTransport):
     def __init__(self, inner: httpx2.AsyncBaseTransport, max_merge: int = 64) -> None:
         self.inner = inner
@@ -67,10 +118,11 @@ class MergingTransport(httpx2.AsyncBaseTransport):
         key = mergeable_key(request)
         if key is None:
             return await self.inner.handle_async_request(request)
-        merge = self._open.get(key)
-        if merge is None or len(merge.requests) >= self.max_merge:
-            merge = self._open[key] = _Merge()
-            merge.task = asyncio.ensure_future(self._send(key, merge))
+        gate = _GROUP.get()
+        if gate is not None and gate.admit():
+            merge = self._merge(gate.merges, key, gate.opened)
+        else:
+            merge = self._merge(self._open, key, self._quiet)
         waiter = merge.join(request)
         try:
             return await waiter
@@ -82,10 +134,18 @@ class MergingTransport(httpx2.AsyncBaseTransport):
     async def aclose(self) -> None:
         await self.inner.aclose()
 
-    async def _send(self, key: tuple, merge: _Merge) -> None:
-        await self._quiet(merge)
-        if self._open.get(key) is merge:
-            del self._open[key]
+    def _merge(self, merges: dict[tuple, _Merge], key: tuple, ready: Callable[[_Merge], Awaitable]) -> _Merge:
+        """The open merge `key`'s request joins in `merges`, started (sent once `ready`) if there is none."""
+        merge = merges.get(key)
+        if merge is None or len(merge.requests) >= self.max_merge:
+            merge = merges[key] = _Merge()
+            merge.task = asyncio.ensure_future(self._send(merges, key, merge, ready))
+        return merge
+
+    async def _send(self, merges: dict, key: tuple, merge: _Merge, ready: Callable[[_Merge], Awaitable]) -> None:
+        await ready(merge)
+        if merges.get(key) is merge:
+            del merges[key]
         live = [(r, w) for r, w in zip(merge.requests, merge.waiters) if not w.done()]
         if not live:
             return
