@@ -34,11 +34,12 @@ if [ -n "$browser_pid" ]; then
   fi
 fi
 rm -f "$browser_log"
-# One pytest-xdist worker more than the cores (at most 6): the integration tests wait on their servers and children
-# part of the time, and a third worker on two cores fills those waits. ASYNCRL_TEST_WORKERS=N sets the count;
-# 0 runs everything in this process (e.g. with pdb). conftest.py groups the shared servers.
+# Two pytest-xdist workers per core (at most 6): the integration tests wait on their servers and children part of
+# the time; on two cores a third worker left them 15% idle through the slow lane, a fourth keeps both busy.
+# ASYNCRL_TEST_WORKERS=N sets the count; 0 runs everything in this process (e.g. with pdb). conftest.py groups
+# the shared servers.
 cores=$(nproc 2>/dev/null || echo 2)
-workers=${ASYNCRL_TEST_WORKERS:-$((cores + 1 < 6 ? cores + 1 : 6))}
+workers=${ASYNCRL_TEST_WORKERS:-$((2 * cores < 6 ? 2 * cores : 6))}
 xdist=()
 [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadgroup)
 # Bytecode is written (to the __pycache__ dirs git ignores) even where PYTHONDONTWRITEBYTECODE is set: without it

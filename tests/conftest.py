@@ -121,9 +121,9 @@ def _shared_key(item) -> tuple | None:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """The tests of each shared server (and backend) as one block, in collection order, where the first of them
-    was; the other tests keep their order. Under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup) each
-    block is one group, so one worker starts that server once, and the slow tests go first: the two workers
-    then end together, the quick tests filling the gaps."""
+    was; the other tests keep their order. Under pytest-xdist (scripts/test.sh: -n 4 --dist loadgroup on two
+    cores) each block is one group, so one worker starts that server once, and the slow tests go first: the
+    workers then end together, the quick tests filling the gaps."""
     _quarantine(items)
     _shared_blocks(items)
     if hasattr(config, "workerinput"):  # a pytest-xdist worker (only workers collect)
@@ -161,7 +161,7 @@ def _xdist_groups(items) -> None:
     other shared server's tests in one group, and the tests of a module that share a module- or class-scoped
     fixture in one group (one worker builds it once; split across workers, each would build it). Then the
     groups (a test outside every group: its own) longest first by `cost`, each kept whole and in its order:
-    the two workers then end together, the quick tests filling the gaps at the end."""
+    the workers then end together, the quick tests filling the gaps at the end."""
     for item in items:
         if (group := _group_of(item)) is not None:
             _GROUPS[item.nodeid] = group
