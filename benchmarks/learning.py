@@ -3,9 +3,14 @@
 For every task x recipe x lr scale x k x seed this runs `rl` (embedded engine, CPU) from one cached SFT-warmed
 checkpoint per task and reads the run's metrics: the training reward per step, the held-out eval reward on
 the env's eval split before the first step and of the final weights (`[orchestrator.eval]`, final eval on),
-completion lengths and wall time. Per cell it prints mean ± sd over seeds of the last-10-step train reward
-and of the held-out gain, the number of collapses, the completion-length drift and the wall time; one
-table, and every number in `{out}/learning.json`.
+completion lengths, the staleness each step sampled at (`off_policy/level`) and wall time. Per cell it prints
+mean ± sd over seeds of the last-10-step train reward and of the held-out gain, the number of collapses, the
+staleness (mean/max), the completion-length drift and the wall time; one table, and every number in
+`{out}/learning.json`.
+
+k bounds the staleness (`--lags at_most`, rl's default); where generation is the bottleneck (this CPU), runs
+at any k >= 1 sample ~1 step behind. `--lags exactly` runs `--orchestrator.async-lag exactly`: every step
+from k on samples with the policy exactly k steps old (cells named `.../kKx`, run dirs `lrS-kKx-sSEED`).
 
 A run **collapses** when its last-10-step mean reward is below 80% of its best 10-step mean, or its final
 held-out reward is below its start. Tasks (each warmed once: tiny Qwen3 + byte tokenizer, SFT on the
@@ -17,7 +22,7 @@ env's own `--sft-out` data):
            verifiers checkout), on a local dataset; reward = LCS ratio of the answer in <reversed_text> tags.
 
     PYTHONPATH=src .venv/bin/python benchmarks/learning.py --tasks reverse,sort,echo --k 0,1,2 --seeds 8 \\
-        --recipes default [--lr-scales 1,3] [--jobs 2] [--out outputs/learning]
+        --recipes default [--lr-scales 1,3] [--lags at_most,exactly] [--jobs 2] [--out outputs/learning]
 
 Each run's dir is `{out}/runs/TASK/RECIPE/lrS-kK-sSEED/run`: `asyncrl report` over a task's run dirs draws
 their curves (one colour per run, labelled k=... seed=...) and prints the time-to-accuracy table (the first
@@ -184,16 +189,21 @@ class Cell:
     recipe: str
     lr_scale: float
     k: int
+    lag: str = "at_most"  # `--orchestrator.async-lag`: "exactly" samples every step k policies behind
 
     @property
     def name(self) -> str:
-        return f"{self.task}/{self.recipe}/lr{self.lr_scale:g}/k{self.k}"
+        return f"{self.task}/{self.recipe}/lr{self.lr_scale:g}/k{self.k}{self.mark}"
+
+    @property
+    def mark(self) -> str:
+        return "x" if self.lag == "exactly" else ""
 
 
 def run_one(cell: Cell, seed: int, model: Path, out: Path, port: int, eval_rollouts: int) -> dict[str, Any]:
     """Run (or reuse) one seed of a cell; returns its summary."""
     task = TASKS[cell.task]
-    d = out / "runs" / cell.task / cell.recipe / f"lr{cell.lr_scale:g}-k{cell.k}-s{seed}"
+    d = out / "runs" / cell.task / cell.recipe / f"lr{cell.lr_scale:g}-k{cell.k}{cell.mark}-s{seed}"
     done = d / "result.json"
     if done.exists():
         return json.loads(done.read_text())
@@ -205,7 +215,8 @@ def run_one(cell: Cell, seed: int, model: Path, out: Path, port: int, eval_rollo
     (d / "rl.toml").write_text(tomli_w.dumps(rl_config(task, model, eval_rollouts)))
     cmd = [str(BIN / "rl"), "@", str(d / "rl.toml"), "--output-dir", str(d / "run"), "--max-async-level", str(cell.k)]
     cmd += ["--trainer.seed", str(seed), "--orchestrator.seed", str(seed), "--inference.server.port", str(port)]
-    cmd += ["--trainer.optim.lr", f"{task.lr * cell.lr_scale:g}", *RECIPES[cell.recipe]]
+    cmd += ["--trainer.optim.lr", f"{task.lr * cell.lr_scale:g}", "--orchestrator.async-lag", cell.lag]
+    cmd += RECIPES[cell.recipe]
     env = {**task_env(task), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     start = time.time()
     run(cmd, d / "rl.log", env)
@@ -229,6 +240,7 @@ def summarize_run(run_dir: Path, wall: float) -> dict[str, Any]:
     evals = sorted(_rows(run_dir / "metrics" / "orchestrator.jsonl", "eval"), key=lambda r: r["step"])
     trainer = _rows(run_dir / "metrics" / "trainer.jsonl", "train")
     rewards = [r["reward/mean"] for r in train]
+    lags = [r["off_policy/level"] for r in train]
     lengths = [r["completion_len/mean"] for r in train]
     windows = _windows(rewards)
     last, best = statistics.fmean(rewards[-WINDOW:]), max(windows)
@@ -242,6 +254,8 @@ def summarize_run(run_dir: Path, wall: float) -> dict[str, Any]:
         "heldout_after": after,
         "heldout_steps": [evals[0]["step"], evals[-1]["step"]],
         "collapsed": last < COLLAPSE_FRACTION * best or after < before,
+        "staleness_mean": statistics.fmean(lags),  # steps behind the trainer each step sampled (off_policy/level)
+        "staleness_max": max(lags),
         "length_first10": statistics.fmean(lengths[:WINDOW]),
         "length_last10": statistics.fmean(lengths[-WINDOW:]),
         "entropy_last10": statistics.fmean([r["entropy"] for r in trainer[-WINDOW:]]) if trainer else None,
@@ -340,6 +354,8 @@ def cell_summary(results: list[dict]) -> dict[str, Any]:
         "heldout_after": [r["heldout_after"] for r in results],
         "heldout_gain": gains,
         "collapses": sum(r["collapsed"] for r in results),
+        "staleness_mean": statistics.fmean(r.get("staleness_mean", 0.0) for r in results),
+        "staleness_max": max(r.get("staleness_max", 0) for r in results),
         "length_drift": [r["length_last10"] / max(r["length_first10"], 1e-9) for r in results],
         "wall_s": [r["wall_s"] for r in results],
     }
@@ -347,13 +363,15 @@ def cell_summary(results: list[dict]) -> dict[str, Any]:
 
 def table(cells: dict[str, dict]) -> str:
     head = f"{'cell':<30} {'n':>2}  {'last-10 reward':>15}  {'held-out after':>15}  {'held-out gain':>15}"
-    head += f"  {'collapses':>9}  {'len drift':>9}  {'wall s':>6}"
+    head += f"  {'collapses':>9}  {'stale':>8}  {'len drift':>9}  {'wall s':>6}"
     lines = [head, "-" * len(head)]
     for name, c in cells.items():
         drift = statistics.fmean(c["length_drift"]) if c["length_drift"] else 0
+        stale = f"{c['staleness_mean']:.2f}/{c['staleness_max']}"
         lines.append(
             f"{name:<30} {c['seeds']:>2}  {_ms(c['last10']):>15}  {_ms(c['heldout_after']):>15}  "
-            f"{_ms(c['heldout_gain']):>15}  {c['collapses']:>9}  {drift:>8.2f}x  {statistics.fmean(c['wall_s']):>6.0f}"
+            f"{_ms(c['heldout_gain']):>15}  {c['collapses']:>9}  {stale:>8}  {drift:>8.2f}x  "
+            f"{statistics.fmean(c['wall_s']):>6.0f}"
         )
     return "\n".join(lines)
 
@@ -363,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default="reverse,sort,echo")
     ap.add_argument("--recipes", default="default", help=f"comma-separated, of {', '.join(RECIPES)}")
     ap.add_argument("--k", default="0,1,2", help="async levels")
+    ap.add_argument(
+        "--lags",
+        default="at_most",
+        help="comma-separated async lags: at_most (k bounds the staleness), exactly (every step k behind)",
+    )
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--first-seed", type=int, default=1)
     ap.add_argument("--lr-scales", default="1", help="multiples of each task's lr, e.g. 1,3")
@@ -385,9 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             sys.exit(f"error: unknown {name} {bad[0]!r}; choose from {', '.join(known)}")
     ks, scales = [int(x) for x in args.k.split(",")], [float(x) for x in args.lr_scales.split(",")]
+    lags = args.lags.split(",")
+    if bad := [x for x in lags if x not in ("at_most", "exactly")]:
+        sys.exit(f"error: unknown lag {bad[0]!r}; choose from at_most, exactly")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     models = {t: warm(t, TASKS[t], args.out) for t in tasks}
-    cells = [Cell(t, r, s, k) for t in tasks for r in recipes for s in scales for k in ks]
+    cells = [Cell(t, r, s, k, lag) for t in tasks for r in recipes for s in scales for k in ks for lag in lags]
     jobs = [(c, seed) for seed in seeds for c in cells]  # seed-major: partial results cover every cell early
     results: dict[str, list[dict]] = {c.name: [] for c in cells}
     ports: queue.Queue[int] = queue.Queue()

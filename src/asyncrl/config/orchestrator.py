@@ -261,6 +261,12 @@ class OrchestratorConfig(BaseConfig):
     )
     max_steps: int | None = Field(None, ge=1, description="stop after this step")
     max_async_level: int = Field(2, ge=0, description="async bound k: rollouts of step n use policy >= n-k")
+    async_lag: Literal["at_most", "exactly"] = Field(
+        "at_most",
+        description="at_most: step n samples with the newest policy >= n-k; exactly: with policy max(n-k, 0), "
+        "waiting for it and passing over newer ones (asynchrony k as such, where generation, not training, is the "
+        "bottleneck: a study knob; groups left from an older policy are dropped)",
+    )
     async_level: int | None = async_level_field()
     weights_timeout: float | None = Field(
         None, gt=0, description="seconds to wait for the trainer's weights before failing (None: wait forever)"

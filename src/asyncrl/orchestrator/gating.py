@@ -3,7 +3,10 @@
 Rollouts of step n must come from a policy >= n-k (k = max_async_level). Policy p is the model after
 p trainer updates: p = 0 is the base model, p >= 1 lives in `broadcast/step_p` (STABLE marker).
 Before generating step n the orchestrator takes the newest policy in [max(n-k, 0), n] that exists:
-it waits only when none does, i.e. only when the trainer is more than k steps behind.
+it waits only when none does, i.e. only when the trainer is more than k steps behind. With `exactly`
+(`async_lag = "exactly"`) it takes the oldest one instead: policy max(n-k, 0) itself, waited for, so every
+step samples k steps behind however fast the trainer is (the trainer keeps the broadcast dirs from n-k on; a
+resumed run whose dir n-k is gone takes the oldest policy of the window there is).
 
 On resume at step N the trainer's checkpoint weights `weights/step_N` also count as policy N (the
 broadcast dirs of that window may be gone); later `weights/` dirs are never used, since they may be
@@ -41,24 +44,32 @@ def checkpoint_policy(layout: RunLayout, step: int) -> Policy | None:
 class PolicyGate:
     """Chooses (and waits for) the policy each step generates with."""
 
-    def __init__(self, layout: RunLayout, max_async_level: int, resume_policy: Policy | None = None):
+    def __init__(
+        self, layout: RunLayout, max_async_level: int, resume_policy: Policy | None = None, exactly: bool = False
+    ):
         self.layout = layout
         self.k = max_async_level
         self.resume_policy = resume_policy
+        self.exactly = exactly
 
     def newest(self, step: int) -> Policy | None:
-        """The newest policy step `step` may use, or None if it must wait for the trainer."""
+        """The policy step `step` uses (the newest in its window; with `exactly`, the oldest), or None if it must
+        wait for the trainer."""
         need = step - self.k
-        found = {
-            s: p for s, p in step_dirs(self.layout.broadcast).items() if max(need, 1) <= s <= step and is_stable(p)
-        }
-        best = Policy(max(found), found[max(found)]) if found else None
+        if self.exactly and need <= 0:
+            return Policy(0, None)
+        found = [
+            Policy(s, p)
+            for s, p in step_dirs(self.layout.broadcast).items()
+            if max(need, 1) <= s <= step and is_stable(p)
+        ]
         r = self.resume_policy
-        if r is not None and need <= r.step <= step and (best is None or r.step > best.step):
-            best = r
-        if best is None and need <= 0:
-            best = Policy(0, None)
-        return best
+        if r is not None and need <= r.step <= step:
+            found.append(r)
+        if not found:
+            return Policy(0, None) if need <= 0 else None
+        pick = min if self.exactly else max
+        return pick(found, key=lambda p: p.step)
 
     async def wait(self, step: int, poll: float = 0.005, timeout: float | None = None) -> tuple[Policy, float]:
         """Wait until step `step` may generate; returns the policy to use and the seconds waited."""

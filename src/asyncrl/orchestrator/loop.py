@@ -307,7 +307,7 @@ class Orchestrator:
         self.layout.clear_stale(start)
         self.sink.restart_at(start)
         drop_rows_from(self.layout.samples, start)
-        gate = PolicyGate(self.layout, self.config.max_async_level, resume_policy)
+        gate = PolicyGate(self.layout, self.config.max_async_level, resume_policy, self.config.async_lag == "exactly")
         if self.config.sampling.seed is not None:
             logger.info(
                 "sampling.seed is used for eval requests only (a shared seed would make a group's rollouts identical)"

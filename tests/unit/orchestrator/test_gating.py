@@ -38,8 +38,9 @@ class FakeTrainer(threading.Thread):
             self.published[n + 1] = time.monotonic()
 
 
-def run_orchestrator_with_trainer(tmp_path, k, steps, train_s, gen_delay):
+def run_orchestrator_with_trainer(tmp_path, k, steps, train_s, gen_delay, async_lag="at_most"):
     config = OrchestratorConfig(
+        async_lag=async_lag,
         batch_size=8,
         rollouts_per_example=4,
         seq_len=64,
@@ -109,6 +110,32 @@ def test_no_waiting_within_the_bound_when_the_trainer_keeps_up(tmp_path):
     assert all(r["time/wait_weights"] < 0.15 for r in records)
     assert all(r["off_policy/level"] <= 2 for r in records)
     assert max(r["policy/step"] for r in records) >= 3  # it does pick up newer weights as they appear
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_exactly_k_samples_k_steps_behind_a_trainer_that_keeps_up(tmp_path, k):
+    """A trainer with no training time would let `at_most` take the newest weights (the test above); `exactly`
+    takes policy n-k at every step, so each step's staleness is what k says."""
+    _, server, _, _, records, metas = run_orchestrator_with_trainer(
+        tmp_path, k, steps=6, train_s=0.0, gen_delay=0.05, async_lag="exactly"
+    )
+    assert [r["policy/step"] for r in records] == [max(n - k, 0) for n in range(6)]
+    assert [r["off_policy/level"] for r in records] == [min(n, k) for n in range(6)]
+    assert all(max(int(lag) for lag in metas[n]["staleness"]) == min(n, k) for n in range(6))
+    updated = [int(path.rsplit("_", 1)[1]) for kind, path, _ in server.calls if kind == "update"]
+    assert updated == list(range(1, 6 - k))
+
+
+def test_gate_exactly_takes_the_oldest_policy_of_the_window(tmp_path):
+    gate = PolicyGate(RunLayout(tmp_path), max_async_level=2, exactly=True)
+    assert gate.newest(2) == Policy(0, None)
+    for step in (1, 2, 3):
+        publish(tmp_path, step)
+    assert gate.newest(2) == Policy(0, None)  # the base model, though policies 1 and 2 exist
+    assert gate.newest(3).step == 1 and gate.newest(5).step == 3
+    assert gate.newest(6) is None  # waits for policy 4
+    RunLayout(tmp_path).prune_broadcast(keep_from_step=3)  # a resumed run whose window starts in pruned dirs
+    assert gate.newest(4).step == 3  # the oldest there is
 
 
 def test_gate_picks_newest_policy_in_window(tmp_path):
