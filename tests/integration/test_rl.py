@@ -18,6 +18,7 @@ from tests import warm
 pytestmark = pytest.mark.slow
 
 RL = [sys.executable, "-m", "asyncrl.entrypoints.rl"]
+RISE = 0.06  # the learns-and-resumes run's threshold: see the band beside it
 
 
 def rl_args(
@@ -131,7 +132,10 @@ def test_rl_replays_the_engines_routing_on_a_mixture_of_experts(tmp_path):
 
 def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     out = tmp_path / "run"
-    steps = 40  # the demo's settings; fewer steps leave the rise inside the step-to-step noise (~0.03)
+    # The rise of the mean reward (last 5 steps minus first 5) has a measured band: 30 runs of this run
+    # (benchmarks/learning_bands.py --tests rl --at 25, 2026-11-29, 2-core CPU): +0.094 ± 0.011 at 25 steps, lowest
+    # +0.074, 1st percentile +0.068. RISE is below that; a run that does not learn (rise ~N(0, 0.02)) stays under it.
+    steps = 25
     first = run_rl(
         rl_args(warm_model, out, steps, free_port(), report=True)
         + ["--ckpt", "--ckpt.interval", "20", "--wandb.offline", "--wandb.project", "t", "--wandb.name", "demo"]
@@ -148,7 +152,7 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     assert [r["policy/step"] for r in rows][2:] == [r["step"] - 1 for r in rows][2:]  # k = 1: one step behind
     early = sum(r["reward/mean"] for r in rows[:5]) / 5
     late = sum(r["reward/mean"] for r in rows[-5:]) / 5
-    assert late > early + 0.02, [round(r["reward/mean"], 3) for r in rows]
+    assert late > early + RISE, [round(r["reward/mean"], 3) for r in rows]
     assert "[rl] done" in first.stdout
     assert len(list((out / "wandb").glob("offline-run-*"))) == 2  # W&B offline: a trainer and an orchestrator run
     assert_no_processes_left(str(out))
