@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -29,30 +28,21 @@ from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig 
 from asyncrl.orchestrator.envs.mixture import EnvMixture, group_inputs  # noqa: E402
 from asyncrl.orchestrator.envs.runners import runners_for, sampling_args  # noqa: E402
 from asyncrl.orchestrator.samples import TrajectoryConverter  # noqa: E402
+from tests.local_http import LocalHTTP  # noqa: E402
 
 pytestmark = pytest.mark.slow
 KEY_VAR = "ASYNCRL_TEST_TURNS_KEY"
 GENERATE = "/inference/v1/generate"
 
 
-class SwapBeforeSecondCall:
+class SwapBeforeSecondCall(LocalHTTP):
     """A proxy in front of the engine: before it forwards the second generate request, the engine loads
     `weight_dir` (and answers); every request is forwarded as it came, its answer returned as it came."""
 
     def __init__(self, engine_url: str, weight_dir: Path) -> None:
         self.engine_url, self.weight_dir = engine_url, weight_dir
         self.calls: list[str] = []  # "generate" / "update_weights", in the order the engine got them
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_port}/v1"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(self._handler())
 
     def forward(self, method: str, path: str, body: bytes, headers: dict) -> httpx.Response:
         if path == GENERATE:

@@ -19,7 +19,7 @@ import sys
 import threading
 import zlib
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -31,12 +31,13 @@ from asyncrl.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig 
 from asyncrl.orchestrator.envs.mixture import EnvMixture, group_inputs  # noqa: E402
 from asyncrl.orchestrator.envs.runners import runners_for, sampling_args  # noqa: E402
 from asyncrl.orchestrator.samples import TrajectoryConverter  # noqa: E402
+from tests.local_http import LocalHTTP  # noqa: E402
 
 KEY_VAR = "ASYNCRL_TEST_DIRECT_KEY"
 USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 
 
-class GenerateServer:
+class GenerateServer(LocalHTTP):
     """Plays the engine: the k-th sample of a prompt is reply k (mod 5) of that prompt (one of them a tool call
     of the question's expression); records requests."""
 
@@ -45,17 +46,7 @@ class GenerateServer:
         self.seen: Counter = Counter()
         self.requests: list[dict] = []
         self.lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_port}/v1"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(self.handler())
 
     def reply(self, ids: list[int], k: int) -> list[int]:
         users = USER.findall(self.tokenizer.decode(ids))
