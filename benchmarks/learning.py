@@ -29,7 +29,8 @@ their curves (one colour per run, labelled k=... seed=...) and prints the time-t
 step and wall time each run reached the worst run's final reward; the final value's mean ± sd per cell).
 
 Runs already finished under `{out}/runs/` are reused (delete the dir to rerun): an interrupted benchmark
-continues where it stopped. Recipes are lists of `rl` flags (RECIPES); `default` is the shipped one.
+continues where it stopped. A run is known by task, recipe, lr, k, lag and seed: give `--steps N` runs (a census
+of short runs) an `--out` of their own. Recipes are lists of `rl` flags (RECIPES); `default` is the shipped one.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -387,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated async lags: at_most (k bounds the staleness), exactly (every step k behind)",
     )
     ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--steps", type=int, help="every task's run length instead of its own (short runs for a census)")
     ap.add_argument("--first-seed", type=int, default=1)
     ap.add_argument("--lr-scales", default="1", help="multiples of each task's lr, e.g. 1,3")
     ap.add_argument("--eval-rollouts", type=int, default=1, help="held-out samples per eval example")
@@ -409,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"error: unknown {name} {bad[0]!r}; choose from {', '.join(known)}")
     ks, scales = [int(x) for x in args.k.split(",")], [float(x) for x in args.lr_scales.split(",")]
     lags = args.lags.split(",")
+    if args.steps is not None:
+        if args.steps < 2 * WINDOW:
+            sys.exit(f"error: --steps {args.steps}: at least {2 * WINDOW} (the collapse rule compares 10-step windows)")
+        TASKS.update({t: replace(TASKS[t], steps=args.steps) for t in tasks})
     if bad := [x for x in lags if x not in ("at_most", "exactly")]:
         sys.exit(f"error: unknown lag {bad[0]!r}; choose from at_most, exactly")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
