@@ -1,7 +1,8 @@
 """The bands behind the learning tests' thresholds: each test that asserts learning, run N times as it runs.
 
 A test that asserts "the reward rose" takes its threshold from this distribution, not from a guess: the
-statistic it checks, over N runs of exactly its configuration (model, flags, seed), and the 1st percentile
+statistic it checks (`test_rl.reward_rise`), over N runs of its configuration (model, flags, seed; without
+the W&B and report flags one test adds, which do not touch training), and the 1st percentile
 of it (the smaller of the lowest run and mean - 2.33 sd). The test's threshold is at or below that, and says
 so next to it with the run count and date. Tests (each from the integration tests' warm model,
 `tests/integration/warm_model.py`, built once here):
@@ -19,7 +20,7 @@ Each run is 40 steps; `--at` gives the band at the tests' own lengths.
 `--at` reports the band of the same statistic over each run's first N steps too (the steps before N are the
 same process whatever the run's length, at a constant lr): how short a test can be and still see learning.
 
-Runs already done under `--out` are reused (`rise.json` in each run's dir); `{out}/bands.json` has every number.
+Runs already done under `--out` are reused (`rise.json` marks each); `{out}/bands.json` has the bands.
 Not part of CI: it re-measures the bands when a default (loss, lr, sampling, warm-up) changes.
 """
 
@@ -38,11 +39,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.integration.test_rl import orchestrator_rows, rl_args  # noqa: E402 - the flags the tests run with
+from tests.integration.test_rl import orchestrator_rows, reward_rise, rl_args  # noqa: E402 - as the tests run
 from tests.integration.warm_model import build_warm_model  # noqa: E402
 
 STEPS = 40
-WINDOW = 5
 CLASSIC_PY = ROOT / ".venv-classic" / "bin" / "python"
 CLASSIC_ENVS = ROOT / "tests" / "integration" / "classic_envs"
 
@@ -58,31 +58,23 @@ def command(test: str, model: Path, out: Path, port: int) -> tuple[list[str], di
     return cmd, {"PYTHONPATH": str(CLASSIC_ENVS)}
 
 
-def rise(rewards: list[float]) -> float:
-    """The tests' statistic: mean reward of the last WINDOW steps minus that of the first WINDOW."""
-    return statistics.fmean(rewards[-WINDOW:]) - statistics.fmean(rewards[:WINDOW])
-
-
-def one(test: str, i: int, model: Path, out: Path, port: int) -> dict:
+def one(test: str, i: int, model: Path, out: Path, port: int) -> list[dict]:
+    """Run `i` of `test` (reused once done: `rise.json` marks it) and its metrics rows, one per step."""
     d = out / test / f"run{i:03d}"
-    if (d / "rise.json").exists():
-        done = json.loads((d / "rise.json").read_text())
-        done.setdefault("rewards", [r["reward/mean"] for r in orchestrator_rows(d / "run")])
-        return done
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    cmd, env = command(test, model, d / "run", port)
-    start = time.time()
-    with open(d / "rl.log", "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **env}).returncode
-    if code != 0:
-        raise RuntimeError(f"{test} run {i} failed (exit {code}): see {d / 'rl.log'}")
-    rewards = [r["reward/mean"] for r in orchestrator_rows(d / "run")]
-    result = {"rise": rise(rewards), "rewards": rewards, "wall_s": time.time() - start}
-    (d / "rise.json").write_text(json.dumps(result))
-    shutil.rmtree(d / "run" / "checkpoints", ignore_errors=True)
-    shutil.rmtree(d / "run" / "weights", ignore_errors=True)
-    return result
+    if not (d / "rise.json").exists():
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        cmd, env = command(test, model, d / "run", port)
+        start = time.time()
+        with open(d / "rl.log", "w") as log:
+            run = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **env})
+        if run.returncode != 0:
+            raise RuntimeError(f"{test} run {i} failed (exit {run.returncode}): see {d / 'rl.log'}")
+        rise = reward_rise(orchestrator_rows(d / "run"))
+        (d / "rise.json").write_text(json.dumps({"rise": rise, "wall_s": time.time() - start}))
+        shutil.rmtree(d / "run" / "checkpoints", ignore_errors=True)
+        shutil.rmtree(d / "run" / "weights", ignore_errors=True)
+    return orchestrator_rows(d / "run")
 
 
 def band(rises: list[float]) -> dict:
@@ -121,28 +113,28 @@ def main() -> int:
         build_warm_model(args.out / "warm")
     jobs = [(t, i) for i in range(args.runs) for t in tests]
     ports = list(range(args.port, args.port + args.jobs))
-    results: dict[str, list[list[float]]] = {t: [] for t in tests}  # each run's reward per step
+    results: dict[str, list[list[dict]]] = {t: [] for t in tests}  # each run's metrics rows, a row per step
     failed: list[str] = []
 
     def run(n: int) -> None:
         test, i = jobs[n]
         try:
-            r = one(test, i, model, args.out, ports[n % args.jobs])
+            rows = one(test, i, model, args.out, ports[n % args.jobs])
         except Exception as e:  # one failed run is reported (and counted), not fatal
             failed.append(f"{test} run {i}: {e}")
             print(failed[-1], flush=True)
             return
-        results[test].append(r["rewards"])
-        print(f"[{sum(map(len, results.values()))}/{len(jobs)}] {test} run {i}: rise {r['rise']:+.3f}", flush=True)
+        results[test].append(rows)
+        done = sum(map(len, results.values()))
+        print(f"[{done}/{len(jobs)}] {test} run {i}: rise {reward_rise(rows):+.3f}", flush=True)
 
     with ThreadPoolExecutor(args.jobs) as pool:  # job n runs on port n % jobs: at most one run per port at once
         for lane in range(args.jobs):
             pool.submit(lambda lane=lane: [run(n) for n in range(lane, len(jobs), args.jobs)])
     lengths = [int(n) for n in args.at.split(",")]
-    bands = {
-        f"{t}@{n}": band([rise(r[:n]) for r in runs]) for t, runs in results.items() if len(runs) > 1 for n in lengths
-    }
-    (args.out / "bands.json").write_text(json.dumps({"bands": bands, "rewards": results, "failed": failed}, indent=1))
+    runs_of = {t: runs for t, runs in results.items() if len(runs) > 1}
+    bands = {f"{t}@{n}": band([reward_rise(r[:n]) for r in runs]) for t, runs in runs_of.items() for n in lengths}
+    (args.out / "bands.json").write_text(json.dumps({"bands": bands, "failed": failed}, indent=1))
     print(f"\n{'test@steps':<12} {'runs':>4}  {'rise mean ± sd':>16}  {'min':>7}  {'1st pct':>7}")
     for name, b in bands.items():
         print(f"{name:<12} {b['runs']:>4}  {b['mean']:>+8.3f} ± {b['sd']:.3f}  {b['min']:>+7.3f}  {b['p1']:>+7.3f}")

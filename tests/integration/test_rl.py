@@ -69,6 +69,13 @@ def orchestrator_rows(out: Path) -> list[dict]:
     return [r for r in rows if r.get("kind", "train") == "train"]
 
 
+def reward_rise(rows: list[dict], window: int = 5) -> float:
+    """The learning tests' statistic: the mean reward of the last `window` steps minus that of the first (its bands:
+    benchmarks/learning_bands.py)."""
+    rewards = [r["reward/mean"] for r in rows]
+    return sum(rewards[-window:]) / window - sum(rewards[:window]) / window
+
+
 def own_processes(marker: str) -> list[str]:
     """Command lines of live processes mentioning `marker` (our output dir), this test excluded."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
@@ -150,9 +157,7 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     assert (out / "weights" / f"step_{steps}").is_dir() and (out / "weights" / "step_20").is_dir()
     assert (out / "checkpoints" / "step_20").is_dir()
     assert [r["policy/step"] for r in rows][2:] == [r["step"] - 1 for r in rows][2:]  # k = 1: one step behind
-    early = sum(r["reward/mean"] for r in rows[:5]) / 5
-    late = sum(r["reward/mean"] for r in rows[-5:]) / 5
-    assert late > early + RISE, [round(r["reward/mean"], 3) for r in rows]
+    assert reward_rise(rows) > RISE, [round(r["reward/mean"], 3) for r in rows]
     assert "[rl] done" in first.stdout
     assert len(list((out / "wandb").glob("offline-run-*"))) == 2  # W&B offline: a trainer and an orchestrator run
     assert_no_processes_left(str(out))
