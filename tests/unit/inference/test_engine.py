@@ -310,6 +310,24 @@ def test_an_adapter_in_use_is_not_unloaded_until_its_requests_are_done(tiny_mode
     asyncio.run(main())
 
 
+def test_a_rows_copy_out_is_its_own_and_counts_its_bytes():
+    """copy_out: row r's first n positions of every layer, copied (the buffers may change after), layers of one
+    shape in one stack and of mixed shapes one by one; bytes_per_position counts keys and values of all layers."""
+    cache = SlotKVCache(3, torch.float32, torch.device("cpu"))
+    cache.keys = [torch.randn(4, 2, 8, 3) for _ in range(3)]
+    cache.values = [torch.randn(4, 2, 8, 3) for _ in range(3)]
+    for mixed in (False, True):
+        if mixed:
+            cache.keys[1], cache.values[1] = torch.randn(4, 1, 8, 5), torch.randn(4, 1, 8, 5)
+        want = [b[2, :, :6].clone() for b in (*cache.keys, *cache.values)]
+        keys, values = cache.copy_out(2, 6)
+        for buf in (*cache.keys, *cache.values):
+            buf.zero_()
+        assert len(keys) == len(values) == 3
+        assert all(torch.equal(got, w) for got, w in zip([*keys, *values], want))
+    assert cache.bytes_per_position() == 4 * 2 * (2 * 3 * 2 + 1 * 5)
+
+
 def test_kv_cache_growth_keeps_contents():
     cache = SlotKVCache(1, torch.float32, torch.device("cpu"))
     cache.ensure(2, 10)

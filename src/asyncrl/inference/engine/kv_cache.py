@@ -116,6 +116,21 @@ class SlotKVCache(Cache):
         if self.routes is not None:
             self.routes[dst_t, :length] = self.routes[src_t, :length]
 
+    def bytes_per_position(self) -> int:
+        """Bytes one position of a row takes over every layer's keys and values."""
+        return sum(b.shape[1] * b.shape[3] * b.element_size() for b in (*self.keys, *self.values) if b is not None)
+
+    def copy_out(self, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of row `row`'s first `length` positions: per layer [kv_heads, length, head_dim] keys and values.
+        Layers of one shape are copied by one `torch.stack` (one allocation, one op: a finished sequence's copy
+        for the prefix cache costs half of a clone per buffer); each layer's copy is a view into it."""
+        views = [buf[row, :, :length] for buf in (*self.keys, *self.values)]
+        if len({v.shape for v in views}) > 1:  # layers of different shapes
+            copies = [v.clone() for v in views]
+        else:
+            copies = list(torch.stack(views).unbind(0))
+        return copies[: self.num_layers], copies[self.num_layers :]
+
     def write_prefix(
         self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor], routes: torch.Tensor | None = None
     ) -> None:

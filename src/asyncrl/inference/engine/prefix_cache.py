@@ -108,10 +108,13 @@ class PrefixCache:
         self._index.clear()
         self.nbytes = 0
 
-    def _longest(self, adapter: str | None, tokens: list[int], limit: int) -> tuple[_Entry | None, int]:
-        """The entry sharing the longest prefix with tokens[:limit] found via the index, and that length."""
+    def _longest(
+        self, adapter: str | None, tokens: list[int], limit: int, hashes: list[int] | None = None
+    ) -> tuple[_Entry | None, int]:
+        """The entry sharing the longest prefix with tokens[:limit] found via the index, and that length
+        (`hashes`: block_hashes(tokens[:limit], adapter), when the caller has them)."""
         best, depth = None, 0
-        for k, h in enumerate(block_hashes(tokens[:limit], adapter)):
+        for k, h in enumerate(block_hashes(tokens[:limit], adapter) if hashes is None else hashes):
             bucket = self._index.get(h)
             entry = next(reversed(bucket.values())) if bucket else None
             end = (k + 1) * BLOCK
@@ -128,15 +131,15 @@ class PrefixCache:
         n = len(tokens)
         if n < self.min_tokens or cache.keys[0] is None:
             return
-        nbytes = 2 * sum(k[row, :, :n].numel() * k.element_size() for k in cache.keys)
+        nbytes = n * cache.bytes_per_position()
         if nbytes > self.budget:  # includes budget 0 (off)
             return
-        if self._longest(adapter, tokens, n)[1] == n:  # already held inside a longer entry
+        hashes = block_hashes(tokens, adapter)
+        if self._longest(adapter, tokens, n, hashes)[1] == n:  # already held inside a longer entry
             return
-        keys = [k[row, :, :n].clone() for k in cache.keys]
-        values = [v[row, :, :n].clone() for v in cache.values]
+        keys, values = cache.copy_out(row, n)
         routes = cache.routes[row, :n].clone() if cache.routes is not None else None
-        entry = _Entry(adapter, list(tokens), keys, values, nbytes, block_hashes(tokens, adapter), routes)
+        entry = _Entry(adapter, list(tokens), keys, values, nbytes, hashes, routes)
         self._entries[id(entry)] = entry
         for h in entry.hashes:
             self._index.setdefault(h, {})[id(entry)] = entry
