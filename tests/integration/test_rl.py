@@ -156,7 +156,10 @@ def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     assert [r["step"] for r in trainer_rows] == list(range(steps))
     assert (out / "weights" / f"step_{steps}").is_dir() and (out / "weights" / "step_20").is_dir()
     assert (out / "checkpoints" / "step_20").is_dir()
-    assert [r["policy/step"] for r in rows][2:] == [r["step"] - 1 for r in rows][2:]  # k = 1: one step behind
+    # k = 1 bounds the lag (async_lag "at_most"): each step samples with the policy of the step before it or, where
+    # the trainer got ahead of the orchestrator, its own; the run overlapped generation with training
+    assert all(r["step"] - 1 <= r["policy/step"] <= r["step"] for r in rows[1:])
+    assert any(r["policy/step"] == r["step"] - 1 for r in rows[2:])
     assert reward_rise(rows) > RISE, [round(r["reward/mean"], 3) for r in rows]
     assert "[rl] done" in first.stdout
     assert len(list((out / "wandb").glob("offline-run-*"))) == 2  # W&B offline: a trainer and an orchestrator run

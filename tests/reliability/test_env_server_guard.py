@@ -270,7 +270,11 @@ def test_clients_gone_mid_episode_cost_a_line_each_and_no_traceback(plain):
 
 
 def test_a_pool_of_workers_guards_as_one_server_does(tmp_path):
-    with env_server(tmp_path / "env.log", "--workers", "2", "--max-frame-mib", "8") as (address, proc):
+    log = tmp_path / "env.log"
+    with env_server(log, "--workers", "2", "--max-frame-mib", "8") as (address, proc):
+        # the pool's broker answers health itself, before its first worker (spawned: it imports verifiers and
+        # loads the env) is up; a request sent before that waits for it
+        assert wait_until(lambda: "EnvServer up" in log.read_text(), timeout_s=90), log.read_text()
         sock = dealer(address)
         answer = reply_to(sock, run_frames({"type": "eval", "base_url": "http://10.255.0.1:8000/v1"}))
         assert answer is not None and "RequestRefused: refused: its model endpoint" in answer["error"], answer

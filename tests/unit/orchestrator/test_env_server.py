@@ -89,9 +89,9 @@ def test_a_started_server_runs_the_episode_as_in_process(tmp_path):
     assert "listening on tcp://127.0.0.1:" in log and "EnvServer down" in log  # stopped with the runner
 
 
-def _held(tasks: list[Any]):
-    """Replies: the first task's model call is held (for 10 s, then a wrong answer), the others scripted;
-    and the event set once the held call has arrived."""
+def _held(tasks: list[Any], released: threading.Event | None = None):
+    """Replies: the first task's model call is held (for 10 s, then a wrong answer, `released` set), the others
+    scripted; and the event set once the held call has arrived."""
     arrived = threading.Event()
     scripts = {t.data.prompt: _script(t) for t in tasks}
 
@@ -100,6 +100,8 @@ def _held(tasks: list[Any]):
         if prompt == tasks[0].data.prompt:
             arrived.set()
             time.sleep(10)
+            if released is not None:
+                released.set()
             return {"content": "too late"}
         return scripts[prompt].pop(0)
 
@@ -112,24 +114,27 @@ async def _when(event: threading.Event, act) -> None:
     act()
 
 
-def _kill_mid_episode(tasks: list[Any]):
-    """Replies (`_held`), and a `between` that SIGKILLs the started server once the held call is in flight."""
-    reply, arrived = _held(tasks)
+def _kill_mid_episode(tasks: list[Any], released: threading.Event | None = None, answered: list | None = None):
+    """Replies (`_held`), and a `between` that SIGKILLs the started server once the held call is in flight; it
+    appends to `answered`, as the first group ends, whether the held call had been answered by then."""
+    reply, arrived = _held(tasks, released)
 
     async def between(i: int, runner) -> None:
         if i == 0:
             kill = lambda: os.killpg(runner.servers["tool-calc"].proc.pid, signal.SIGKILL)  # noqa: E731
             asyncio.get_running_loop().create_task(_when(arrived, kill))
+        elif i == 1 and answered is not None:
+            answered.append(released.is_set())
 
     return reply, between
 
 
 def test_a_server_killed_mid_episode_fails_it_in_one_line_and_comes_back(tmp_path):
     slot, tasks = _slot({"restarts": 1})
-    reply, between = _kill_mid_episode(tasks)
-    start = time.monotonic()
+    released, answered = threading.Event(), []
+    reply, between = _kill_mid_episode(tasks, released, answered)
     first, second = _groups(slot, tasks[:2], reply, tmp_path, between)
-    assert time.monotonic() - start < 60
+    assert answered == [False]  # the episode failed while its model call was still held: the death was seen
     (lost,) = first
     assert lost["error"].startswith("EnvServerError: env server for environment tool-calc died (exit code -9")
     assert "\n" not in lost["error"]
