@@ -2,13 +2,16 @@
 # Set up .venv and run the test suite (pass pytest args to narrow it, e.g. -m "not slow").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+# ASYNCRL_INSTALLED=1: the caller ran set-up and every extra's install below, and they passed (.ci/run's slow lane:
+# it joined them before), so their re-checks (~20 s of imports before the first test) are skipped.
+installed=${ASYNCRL_INSTALLED:-0}
+[ "$installed" = 1 ] || bash scripts/setup.sh
 # The report's browser test needs headless Chromium (Debian package chromium, installed as root): installed in
 # the background while the vLLM backend and the classic env install. ASYNCRL_SKIP_BROWSER=1 skips it (without
 # chromium that test skips); where it cannot be installed, CI fails.
 browser_log=$(mktemp)
 browser_pid=
-if [ "${ASYNCRL_SKIP_BROWSER:-0}" != 1 ]; then
+if [ "${ASYNCRL_SKIP_BROWSER:-0}" != 1 ] && [ "$installed" != 1 ]; then
   bash scripts/install_browser.sh >"$browser_log" 2>&1 &
   browser_pid=$!
 fi
@@ -22,8 +25,8 @@ need() {  # need NAME COMMAND...: run an install step; a failure fails CI, elsew
   [ "${CI:-}" = true ] && { echo "error: installing $name failed"; exit 1; }
   echo "warning: could not install $name; its tests will be skipped"
 }
-[ "${ASYNCRL_SKIP_VLLM:-0}" = 1 ] || need "the vLLM backend" bash scripts/install_vllm.sh
-[ "${ASYNCRL_SKIP_CLASSIC:-0}" = 1 ] || need "the classic-verifiers env" bash scripts/setup.sh --classic
+[ "${ASYNCRL_SKIP_VLLM:-0}" = 1 ] || [ "$installed" = 1 ] || need "the vLLM backend" bash scripts/install_vllm.sh
+[ "${ASYNCRL_SKIP_CLASSIC:-0}" = 1 ] || [ "$installed" = 1 ] || need "the classic-verifiers env" bash scripts/setup.sh --classic
 if [ -n "$browser_pid" ]; then
   browser_ok=true
   wait "$browser_pid" || browser_ok=false
