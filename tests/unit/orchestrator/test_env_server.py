@@ -89,10 +89,10 @@ def test_a_started_server_runs_the_episode_as_in_process(tmp_path):
     assert "listening on tcp://127.0.0.1:" in log and "EnvServer down" in log  # stopped with the runner
 
 
-def _held(tasks: list[Any], released: threading.Event | None = None):
-    """Replies: the first task's model call is held (for 10 s, then a wrong answer, `released` set), the others
-    scripted; and the event set once the held call has arrived."""
-    arrived = threading.Event()
+def _held(tasks: list[Any]):
+    """Replies: the first task's model call is held (for 10 s, then a wrong answer), the others scripted; the
+    event set once the held call has arrived, and the one set once it has been answered."""
+    arrived, released = threading.Event(), threading.Event()
     scripts = {t.data.prompt: _script(t) for t in tasks}
 
     def reply(body: dict) -> dict:
@@ -100,12 +100,11 @@ def _held(tasks: list[Any], released: threading.Event | None = None):
         if prompt == tasks[0].data.prompt:
             arrived.set()
             time.sleep(10)
-            if released is not None:
-                released.set()
+            released.set()
             return {"content": "too late"}
         return scripts[prompt].pop(0)
 
-    return reply, arrived
+    return reply, arrived, released
 
 
 async def _when(event: threading.Event, act) -> None:
@@ -114,25 +113,25 @@ async def _when(event: threading.Event, act) -> None:
     act()
 
 
-def _kill_mid_episode(tasks: list[Any], released: threading.Event | None = None, answered: list | None = None):
-    """Replies (`_held`), and a `between` that SIGKILLs the started server once the held call is in flight; it
-    appends to `answered`, as the first group ends, whether the held call had been answered by then."""
-    reply, arrived = _held(tasks, released)
+def _kill_mid_episode(tasks: list[Any]):
+    """Replies (`_held`), a `between` that SIGKILLs the started server once the held call is in flight, and the
+    list to which `between` appends, as the first group ends, whether the held call had been answered by then."""
+    reply, arrived, released = _held(tasks)
+    answered: list[bool] = []
 
     async def between(i: int, runner) -> None:
         if i == 0:
             kill = lambda: os.killpg(runner.servers["tool-calc"].proc.pid, signal.SIGKILL)  # noqa: E731
             asyncio.get_running_loop().create_task(_when(arrived, kill))
-        elif i == 1 and answered is not None:
+        elif i == 1:
             answered.append(released.is_set())
 
-    return reply, between
+    return reply, between, answered
 
 
 def test_a_server_killed_mid_episode_fails_it_in_one_line_and_comes_back(tmp_path):
     slot, tasks = _slot({"restarts": 1})
-    released, answered = threading.Event(), []
-    reply, between = _kill_mid_episode(tasks, released, answered)
+    reply, between, answered = _kill_mid_episode(tasks)
     first, second = _groups(slot, tasks[:2], reply, tmp_path, between)
     assert answered == [False]  # the episode failed while its model call was still held: the death was seen
     (lost,) = first
@@ -144,7 +143,7 @@ def test_a_server_killed_mid_episode_fails_it_in_one_line_and_comes_back(tmp_pat
 
 def test_a_server_past_its_restarts_fails_every_episode_with_the_reason(tmp_path):
     slot, tasks = _slot({"restarts": 0})
-    reply, between = _kill_mid_episode(tasks)
+    reply, between, _ = _kill_mid_episode(tasks)
     first, second, third = _groups(slot, tasks[:3], reply, tmp_path, between)
     assert first[0]["error"].startswith("EnvServerError: env server for environment tool-calc died")
     for (out,) in (second, third):
@@ -178,7 +177,7 @@ def test_a_server_at_an_address_that_stops_answering_fails_its_episodes(tmp_path
     proc = _env_server(address)
     try:
         slot, tasks = _slot({"address": address, "startup_timeout": 30})
-        reply, arrived = _held(tasks)
+        reply, arrived, _ = _held(tasks)
 
         async def between(i: int, runner) -> None:
             if i == 0:
