@@ -72,29 +72,21 @@ def measure(
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def start_server(model: Path, out: Path):
-    """`inference` (embedded engine, hermes tool calls) serving `model` on a free local port: (process, base URL)."""
-    from asyncrl.utils.process import free_port, serve
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "asyncrl.entrypoints.inference", "--model.name", str(model), "--server.port",
-           str(port), "--server.host", "127.0.0.1", "--output-dir", str(out), "--max-batch-size", "32", "--log.level",
-           "warning", "--model.enable-auto-tool-choice", "--model.tool-call-parser", "hermes"]  # fmt: skip
-    return serve(cmd, f"http://127.0.0.1:{port}/health", out / "server.out", 120), f"http://127.0.0.1:{port}/v1"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", type=int, default=16, help="groups of 8 rollouts per round")
     ap.add_argument("--env", default="reverse-text", choices=["reverse-text", "echo-twice", "tool-calc"])
     args = ap.parse_args()
-    from asyncrl.utils.process import stop_group
+    from inference import EmbeddedServer  # benchmarks/inference.py: `inference` on the embedded engine
+
     from asyncrl.utils.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "model")
         (Path(tmp) / "server").mkdir()
-        server, url = start_server(model, Path(tmp) / "server")
+        tools = ("--log.level", "warning", "--model.enable-auto-tool-choice", "--model.tool-call-parser", "hermes")
+        server = EmbeddedServer(model, Path(tmp) / "server", 32, None, tools)
+        url = server.base_url + "/v1"
         try:
             renderer = {"name": "default", "tool_parser": "qwen3"} if args.env == "tool-calc" else None
             rows = [
@@ -106,7 +98,7 @@ def main() -> None:
                 got = measure(str(CLASSIC_PY), "reverse-classic", url, model, args.groups, "", None, envs)
                 rows.append(("classic (.venv-classic)", got))
         finally:
-            stop_group(server, 20)
+            server.stop()
     n = args.groups * 8
     print(f"{n} rollouts of {args.env} (16 tokens per turn) per round, second round:")
     print(
