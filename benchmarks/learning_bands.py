@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.integration.test_rl import orchestrator_rows, reward_rise, rl_args  # noqa: E402 - as the tests run
-from tests.integration.warm_model import build_warm_model  # noqa: E402
+from tests.integration.warm_model import build_warm_model, built_warm_model  # noqa: E402
 
 STEPS = 40
 CLASSIC_PY = ROOT / ".venv-classic" / "bin" / "python"
@@ -107,10 +107,11 @@ def main() -> int:
         sys.exit(f"error: unknown test {bad[0]!r}; choose from rl, classic")
     if "classic" in tests and not CLASSIC_PY.exists():
         sys.exit("error: the classic test needs .venv-classic: run `bash scripts/setup.sh --classic`")
-    model = args.out / "warm" / "sft" / "weights" / "step_150"
-    if not model.is_dir():
-        print(f"building the tests' warm model in {args.out / 'warm'} (150 SFT steps)", flush=True)
-        build_warm_model(args.out / "warm")
+    model = built_warm_model(args.out / "warm")
+    if model is None:
+        print(f"building the tests' warm model in {args.out / 'warm'} (SFT to its stage, 150-300 steps)", flush=True)
+        model = build_warm_model(args.out / "warm")
+    print(f"warm model: {model}", flush=True)
     jobs = [(t, i) for i in range(args.runs) for t in tests]
     ports = list(range(args.port, args.port + args.jobs))
     results: dict[str, list[list[dict]]] = {t: [] for t in tests}  # each run's metrics rows, a row per step

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.warm_model import build_warm_model
+from tests.integration.warm_model import build_warm_model, built_warm_model
 
 
 @pytest.fixture(scope="session")
 def warm_model(tmp_path_factory, worker_id) -> Path:
-    """The demo's warm-up (`warm_model.build_warm_model`): a tiny model that reverses ~10-20% of strings.
+    """The demo's warm-up (`warm_model.build_warm_model`): a tiny model past SFT's drop in loss (it reverses ~10-20%
+    of strings).
 
     Built once per session: under pytest-xdist the workers share it (the first builds it, under a file lock)."""
     if worker_id == "master":
@@ -20,5 +21,4 @@ def warm_model(tmp_path_factory, worker_id) -> Path:
 
     root = tmp_path_factory.getbasetemp().parent / "warm"  # this session's dir, above the workers' own
     with FileLock(f"{root}.lock"):
-        done = root / "sft" / "weights" / "step_150"
-        return done if done.is_dir() else build_warm_model(root)
+        return built_warm_model(root) or build_warm_model(root)

@@ -150,12 +150,12 @@ def test_a_v1_only_verifiers_names_a_classic_environment_and_the_way_out():
 
 
 def test_rl_trains_a_classic_environment(warm_model, tmp_path):
-    """The demo's run (warm model, 30 steps) on the classic environment, every process in .venv-classic.
+    """The demo's run (warm model, 40 steps) on the classic environment, every process in .venv-classic.
 
     The rise of the mean reward (last 5 steps minus first 5) has a measured band: 30 runs of this run
-    (benchmarks/learning_bands.py --tests classic --at 30, 2026-11-29, 2-core CPU): +0.091 ± 0.010 at 30 steps,
-    lowest +0.065, 1st percentile +0.065; the threshold (0.06) is below it."""
-    out, steps = tmp_path / "run", 30
+    (benchmarks/learning_bands.py --tests classic --at 40, 2026-12-01, 2-core CPU): +0.092 ± 0.013 at 40 steps,
+    lowest +0.066, 1st percentile +0.061; the threshold (0.05) is below it."""
+    out, steps = tmp_path / "run", 40
     config = tmp_path / "rl.toml"
     config.write_text('[[orchestrator.env]]\nid = "reverse-classic"\n')
     args = ["-m", "asyncrl.entrypoints.rl", "@", str(config), *rl_args(warm_model, out, steps, free_port())]
@@ -163,4 +163,4 @@ def test_rl_trains_a_classic_environment(warm_model, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = orchestrator_rows(out)
     assert [r["step"] for r in rows] == list(range(steps))
-    assert reward_rise(rows) > 0.06, [round(r["reward/mean"], 3) for r in rows]
+    assert reward_rise(rows) > 0.05, [round(r["reward/mean"], 3) for r in rows]

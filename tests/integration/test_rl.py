@@ -18,7 +18,7 @@ from tests import warm
 pytestmark = pytest.mark.slow
 
 RL = [sys.executable, "-m", "asyncrl.entrypoints.rl"]
-RISE = 0.06  # the learns-and-resumes run's threshold: see the band beside it
+RISE = 0.04  # the learns-and-resumes run's threshold: see the band beside it
 
 
 def rl_args(
@@ -140,9 +140,10 @@ def test_rl_replays_the_engines_routing_on_a_mixture_of_experts(tmp_path):
 def test_rl_runs_learns_and_resumes(warm_model, tmp_path):
     out = tmp_path / "run"
     # The rise of the mean reward (last 5 steps minus first 5) has a measured band: 30 runs of this run
-    # (benchmarks/learning_bands.py --tests rl --at 25, 2026-11-29, 2-core CPU): +0.094 ± 0.011 at 25 steps, lowest
-    # +0.074, 1st percentile +0.068. RISE is below that; a run that does not learn (rise ~N(0, 0.02)) stays under it.
-    steps = 25
+    # (benchmarks/learning_bands.py --tests rl --at 40, 2026-12-01, 2-core CPU): +0.078 ± 0.011 at 40 steps, lowest
+    # +0.045, 1st percentile +0.045. RISE is below that; a run that does not learn stays under it (its rise: sd
+    # ~0.011, from a step-to-step reward noise of 0.018 in the same runs).
+    steps = 40
     first = run_rl(
         rl_args(warm_model, out, steps, free_port(), report=True)
         + ["--ckpt", "--ckpt.interval", "20", "--wandb.offline", "--wandb.project", "t", "--wandb.name", "demo"]
