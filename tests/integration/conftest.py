@@ -11,8 +11,7 @@ from tests.integration.warm_model import build_warm_model, built_warm_model
 
 @pytest.fixture(scope="session")
 def warm_model(tmp_path_factory, worker_id) -> Path:
-    """The demo's warm-up (`warm_model.build_warm_model`): a tiny model past SFT's drop in loss (it reverses ~10-20%
-    of strings).
+    """The demo's warm-up (`warm_model.build_warm_model`): a tiny model taken past SFT's drop in loss.
 
     Built once per session: under pytest-xdist the workers share it (the first builds it, under a file lock)."""
     if worker_id == "master":

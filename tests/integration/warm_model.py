@@ -2,13 +2,14 @@
 entrypoint, taken at a stage of learning rather than at a step count. `conftest.warm_model` builds it once per test
 session; `benchmarks/learning_bands.py` builds the same one to measure the learning tests' bands.
 
-SFT on this task has a sharp drop in loss whose step moves with the CPU: the tiny model's initial weights and every
-kernel round differently under AVX2 and AVX-512, and the small differences grow over the run. At step 150 one
-machine's model had a loss of 0.35 (past the drop: it reverses ~10-20% of strings), another's 1.02 (before it: the
-learning tests' reward then rose by a third of their band). So the warm model is the first 10-step checkpoint whose
-last 10 steps' mean loss is at most `STAGE_LOSS` (step 150 and 180 on those two machines); `build_warm_model` stops
-the SFT there. Invariants: the same machine always gives the same model (data order and reduction order pinned); a
-warm-up that does not reach the stage by `MAX_STEPS` is an error, never a weaker model.
+SFT on this task has a sharp drop in loss whose step moves with the CPU: the tiny model's initial weights differ in
+their last bits between CPU kernel paths (`ATEN_CPU_CAPABILITY=avx2` and `default` give different files), and the
+small differences grow over the run. At step 149 one
+machine's model had a loss of 0.35 (past the drop), another's 1.02 (before it: from that model the learning tests'
+reward rose by +0.025 and +0.041, and they failed). So the warm model is the first 10-step checkpoint whose last 10
+steps' mean loss is at most `STAGE_LOSS` (step 180 on the second machine); `build_warm_model` stops the SFT there.
+Invariants: the same machine always gives the same model (data order and reduction order pinned); a warm-up that
+does not reach the stage by `MAX_STEPS` is an error, never a weaker model.
 """
 
 from __future__ import annotations
