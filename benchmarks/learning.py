@@ -100,6 +100,8 @@ RECIPES: dict[str, list[str]] = {
     "aipo-tis2": ["--trainer.loss.type", "aipo", "--trainer.loss.token-is-cap", "2"],
     "aipo-std": ["--trainer.loss.type", "aipo", "--orchestrator.advantage.type", "mean_std"],
     "grpo-std": ["--trainer.loss.type", "grpo", "--orchestrator.advantage.type", "mean_std"],
+    "m2po": ["--trainer.loss.type", "m2po"],
+    "m2po-0.2": ["--trainer.loss.type", "m2po", "--trainer.loss.m2-max", "0.2"],
 }
 
 
@@ -207,7 +209,10 @@ def run_one(cell: Cell, seed: int, model: Path, out: Path, port: int, eval_rollo
     d = out / "runs" / cell.task / cell.recipe / f"lr{cell.lr_scale:g}-k{cell.k}{cell.mark}-s{seed}"
     done = d / "result.json"
     if done.exists():
-        return json.loads(done.read_text())
+        result = json.loads(done.read_text())
+        if "seconds" not in result:  # summarized before the time-to-threshold column: read its run again
+            result.update(summarize_run(d / "run", result["wall_s"]))
+        return result
     if d.exists():
         subprocess.run(["rm", "-rf", str(d)], check=True)
     d.mkdir(parents=True)
@@ -249,6 +254,7 @@ def summarize_run(run_dir: Path, wall: float) -> dict[str, Any]:
     return {
         "steps": len(rewards),
         "rewards": rewards,
+        "seconds": [r["time"] - evals[0]["time"] for r in train],  # each step's end, from the held-out eval before it
         "last10": last,
         "best10": best,
         "heldout_before": before,
@@ -346,9 +352,11 @@ def _ms(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3f} ± {sd:.3f}"
 
 
-def cell_summary(results: list[dict]) -> dict[str, Any]:
+def cell_summary(results: list[dict], threshold: float) -> dict[str, Any]:
     gains = [r["heldout_after"] - r["heldout_before"] for r in results]
     return {
+        "threshold": threshold,
+        "time_to_threshold": time_to(results, threshold),
         "seeds": len(results),
         "last10": [r["last10"] for r in results],
         "heldout_before": [r["heldout_before"] for r in results],
@@ -362,9 +370,34 @@ def cell_summary(results: list[dict]) -> dict[str, Any]:
     }
 
 
+def seconds_to(result: dict, threshold: float) -> float | None:
+    """Seconds (from the eval before step 0) until the run's trailing 10-step mean reward first reached
+    `threshold`; None if it never did."""
+    rewards, seconds = result["rewards"], result["seconds"]
+    for end in range(WINDOW, len(rewards) + 1):
+        if statistics.fmean(rewards[end - WINDOW : end]) >= threshold:
+            return seconds[end - 1]
+    return None
+
+
+def thresholds(results: dict[str, list[dict]]) -> dict[str, float]:
+    """Per task, the lowest cell mean of last-10 reward: a level every cell reaches on average."""
+    lows: dict[str, float] = {}
+    for name, rs in results.items():
+        if rs:
+            task, cell_mean = name.split("/")[0], statistics.fmean(r["last10"] for r in rs)
+            lows[task] = min(lows.get(task, cell_mean), cell_mean)
+    return lows
+
+
+def time_to(results: list[dict], threshold: float) -> str:
+    times = [t for r in results if (t := seconds_to(r, threshold)) is not None]
+    return f"{statistics.fmean(times):.0f} ({len(times)}/{len(results)})" if times else f"- (0/{len(results)})"
+
+
 def table(cells: dict[str, dict]) -> str:
     head = f"{'cell':<30} {'n':>2}  {'last-10 reward':>15}  {'held-out after':>15}  {'held-out gain':>15}"
-    head += f"  {'collapses':>9}  {'stale':>8}  {'len drift':>9}  {'wall s':>6}"
+    head += f"  {'collapses':>9}  {'stale':>8}  {'len drift':>9}  {'s to thr':>10}  {'wall s':>6}"
     lines = [head, "-" * len(head)]
     for name, c in cells.items():
         drift = statistics.fmean(c["length_drift"]) if c["length_drift"] else 0
@@ -372,7 +405,7 @@ def table(cells: dict[str, dict]) -> str:
         lines.append(
             f"{name:<30} {c['seeds']:>2}  {_ms(c['last10']):>15}  {_ms(c['heldout_after']):>15}  "
             f"{_ms(c['heldout_gain']):>15}  {c['collapses']:>9}  {stale:>8}  {drift:>8.2f}x  "
-            f"{statistics.fmean(c['wall_s']):>6.0f}"
+            f"{c['time_to_threshold']:>10}  {statistics.fmean(c['wall_s']):>6.0f}"
         )
     return "\n".join(lines)
 
@@ -446,11 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         for cell, seed in jobs:
             pool.submit(one, cell, seed)
-    summary = {name: cell_summary(rs) for name, rs in results.items() if rs}
+    lows = thresholds(results)
+    summary = {name: cell_summary(rs, lows[name.split("/")[0]]) for name, rs in results.items() if rs}
     out = {"cells": summary, "args": {k: str(v) for k, v in vars(args).items()}, "wall_s": time.time() - started}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "learning.json").write_text(json.dumps(out, indent=1))
     print(table(summary))
+    print("s to thr: mean seconds (from the eval before step 0; runs that got there) until a run's trailing 10-step")
+    levels = ", ".join(f"{t} {v:.3f}" for t, v in lows.items())
+    print(f"reward reached its task's lowest cell mean of last-10 reward: {levels}")
     print(f"numbers in {args.out / 'learning.json'}")
     for task in tasks:  # the curves, and the time-to-accuracy table of each run
         for recipe in recipes:

@@ -105,7 +105,7 @@ class SchedulerConfig(BaseConfig):
 class LossConfig(BaseConfig):
     """Policy-gradient loss: the objective, its importance-sampling guards and optional penalties."""
 
-    type: Literal["aipo", "dppo", "grpo", "gspo", "cispo", "custom"] = Field(
+    type: Literal["aipo", "dppo", "grpo", "gspo", "cispo", "m2po", "custom"] = Field(
         "grpo",
         description="loss objective (grpo: PPO clip around the sampler; chosen by benchmarks/learning.py, see "
         "docs/learning.md; aipo was the default before)",
@@ -118,6 +118,9 @@ class LossConfig(BaseConfig):
     clip_high: float = Field(0.28, ge=0, description="grpo/gspo/cispo: upper clip epsilon")
     dppo_mask_low: float = Field(0.2, gt=0, le=1, description="dppo: drop A<=0 tokens whose probability fell more")
     dppo_mask_high: float = Field(0.2, gt=0, le=1, description="dppo: drop A>0 tokens whose probability rose more")
+    m2_max: float = Field(
+        0.04, gt=0, description="m2po: drop the largest-(log r)^2 tokens until their mean is at most this"
+    )
     token_is_cap: float | None = Field(
         None, gt=0, description="token TIS: truncate each token's importance weight r at this (None: off)"
     )

@@ -18,6 +18,11 @@ max_async_level = k, μ may be up to k policies old). Objectives (`loss.type`):
 - `gspo`: the same clip on the sequence ratio s = exp(mean over the sample's tokens of logπ - logμ),
   per token as sg(s)·π/sg(π) (GSPO-token), so each token's gradient is s·A·∇logπ.
 - `cispo`: clipped IS weight, detached: -sg(clip(r, 1-clip_low, 1+clip_high))·A·logπ.
+- `m2po`: a trust region on the second moment of the log ratio (M2PO, Zheng et al. 2025): the fewest tokens
+  with the largest (log r)² are dropped so that the mean (log r)² of each sample's kept loss tokens is at
+  most `m2_max` (per sample, not per batch as in the paper, so packing cannot change it); the rest give
+  -A·r with the gradient through r, unclipped. Its region adapts to the drift the data actually carries,
+  so it needs no knowledge of how stale each sample is.
 - `custom`: `loss.custom = "module.path:function"`, same signature as the built-ins.
 
 All built-ins drop whole samples whose geometric-mean ratio leaves [sequence_mask_low, sequence_mask_high]
@@ -270,6 +275,33 @@ def dppo_objective(x: LossInputs, cfg: LossConfig):
     return -torch.where(keep, ratio * x.advantages, 0.0), metrics
 
 
+def _second_moment_keep(x: LossInputs, log_ratio: torch.Tensor, keep: torch.Tensor, m2_max: float) -> torch.Tensor:
+    """`keep` less, in each sample, the fewest tokens (largest (log r)² first) whose removal brings the
+    sample's kept tokens' mean (log r)² to at most m2_max. Decided per sample, so packing cannot change it."""
+    m2 = torch.where(keep, log_ratio.square(), math.inf)
+    by_m2 = torch.argsort(m2, stable=True)
+    order = by_m2[torch.argsort(x.sample_ids[by_m2], stable=True)]  # by sample, smallest (log r)² first
+    sid, values = x.sample_ids[order], torch.where(keep, m2, 0.0)[order]
+    counts = torch.bincount(sid, minlength=x.num_samples)
+    starts = torch.cumsum(counts, 0) - counts
+    sums = torch.cat([values.new_zeros(1), torch.cumsum(values, 0)])
+    rank = torch.arange(len(order), device=order.device) - starts[sid]
+    running = (sums[1:] - sums[starts[sid]]) / (rank + 1)  # never falls within a sample: the kept set is a prefix
+    chosen = torch.zeros_like(keep)
+    chosen[order] = keep[order] & (running <= m2_max)
+    return chosen
+
+
+def m2po_objective(x: LossInputs, cfg: LossConfig):
+    """-A·r on the tokens `_second_moment_keep` leaves (the gradient through r), 0 on the dropped ones."""
+    keep, metrics = _kept_by_sequence(x, cfg)
+    log_ratio = torch.where(keep, x.logprobs - x.inference_logprobs, 0.0)
+    region = _second_moment_keep(x, log_ratio.detach(), keep, cfg.m2_max)
+    metrics["masked_frac"] = _count(x.loss_mask & ~region)
+    metrics["second_moment_masked_frac"] = _count(keep & ~region)
+    return -torch.where(region, _ratio(log_ratio) * x.advantages, 0.0), metrics
+
+
 def _truncation(x: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """TIS: a detached per-token factor min(1, cap/r) (token) times min(1, cap/s) (sample's geometric-mean
     ratio s), so a token's importance weight never passes the caps. None when no cap is set."""
@@ -307,6 +339,7 @@ BUILTIN: dict[str, LossFn] = {
     "gspo": builtin_loss(gspo_objective),
     "cispo": builtin_loss(cispo_objective),
     "dppo": builtin_loss(dppo_objective),
+    "m2po": builtin_loss(m2po_objective),
 }
 
 

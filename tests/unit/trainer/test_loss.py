@@ -93,6 +93,29 @@ def test_cispo_hand_computed():
     assert out.metrics["clipped_frac"].item() == 2
 
 
+def test_m2po_drops_the_largest_log_ratios_until_the_second_moment_fits():
+    # (log r)² per sample: [0, ln²10 = 5.30 | ln²2 = 0.48, 0]; each sample's kept mean must be <= m2_max
+    out, grad = run("m2po", make_inputs())  # 0.04: only the two r = 1 tokens fit (0.48 / 2 = 0.24 does not)
+    assert out.loss.item() == pytest.approx(-1 + 2)
+    assert grad.tolist() == pytest.approx([0, -1.0, 0, 0, 0, 2.0])
+    assert out.metrics["second_moment_masked_frac"].item() == 2
+    out, grad = run("m2po", make_inputs(), m2_max=0.3)  # the r = 0.5 token fits now: -A·r = +1, gradient -A·r
+    assert out.loss.item() == pytest.approx(-1 + 1 + 2)
+    assert grad.tolist() == pytest.approx([0, -1.0, 0, 0, 1.0, 2.0])
+    out, grad = run("m2po", make_inputs(), m2_max=3.0)  # all fit (5.30 / 2 = 2.65): -A·r, r = 10 included
+    assert out.loss.item() == pytest.approx(-1 - 10 + 1 + 2)
+    assert grad.tolist() == pytest.approx([0, -1.0, -10.0, 0, 1.0, 2.0])
+    assert out.metrics["masked_frac"].item() == 0
+
+
+def test_m2po_at_ratio_one_is_the_policy_gradient():
+    x = make_inputs()
+    x.inference_logprobs = x.logprobs.detach().clone()
+    out, grad = run("m2po", x)
+    assert out.metrics["masked_frac"].item() == 0
+    assert grad.tolist() == pytest.approx((-x.advantages * x.loss_mask).tolist())
+
+
 def dppo_inputs(ref_logprobs: torch.Tensor | None = None) -> LossInputs:
     """Two samples [p, c, c][p, c, c] with real probabilities: A = +1 then -1.
 

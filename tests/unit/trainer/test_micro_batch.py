@@ -103,7 +103,7 @@ def run_step(
     return dict(sums), [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("loss", ["aipo", "dppo", "grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("loss", ["aipo", "dppo", "grpo", "gspo", "cispo", "m2po"])
 def test_micro_batch_size_keeps_loss_metrics_and_gradients(model, rows, loss):
     model.train()
     one_sums, one_grads = run_step(model, rows, loss, 1, True)

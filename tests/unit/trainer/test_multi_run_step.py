@@ -98,7 +98,7 @@ def together(model, loops: list[RLLoop], runs: list[list[PackedRow]]) -> list[di
     return [floats(s) for s in RLLoop.forward_backward_together(loops, batches)]
 
 
-@pytest.mark.parametrize("loss", ["aipo", "dppo", "grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("loss", ["aipo", "dppo", "grpo", "gspo", "cispo", "m2po"])
 @pytest.mark.parametrize(("size", "stack"), [(4, True), (2, True), (9, True), (3, False)])
 def test_a_mixed_step_is_each_run_trained_alone(model, runs, loss, size, stack):
     losses = [loss_config(loss), loss_config(loss) | {"entropy_coef": 0.01}, {"type": "cispo", "ref_kl": 0.1}]
@@ -115,7 +115,7 @@ def test_a_mixed_step_is_each_run_trained_alone(model, runs, loss, size, stack):
     assert "teacher_kl" in got[2] and "teacher_kl" not in got[0] and "ref_kl" in got[2]
 
 
-@pytest.mark.parametrize("loss", ["aipo", "dppo", "grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("loss", ["aipo", "dppo", "grpo", "gspo", "cispo", "m2po"])
 def test_the_chunked_head_trains_as_full_logits_do(model, runs, loss):
     """Every built-in loss, with an entropy bonus, reference KL, forward-KL targets and LoRA slots: the lm_head
     read 5 positions at a time gives the token sums and gradients of full logits (`"disabled"`)."""
