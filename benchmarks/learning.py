@@ -5,8 +5,9 @@ checkpoint per task and reads the run's metrics: the training reward per step, t
 the env's eval split before the first step and of the final weights (`[orchestrator.eval]`, final eval on),
 completion lengths, the staleness each step sampled at (`off_policy/level`) and wall time. Per cell it prints
 mean ± sd over seeds of the last-10-step train reward and of the held-out gain, the number of collapses, the
-staleness (mean/max), the completion-length drift and the wall time; one table, and every number in
-`{out}/learning.json`.
+staleness (mean/max), the completion-length drift, the time to a threshold (`s to thr`: seconds from the eval
+before step 0 until a run's trailing 10-step reward first reached its task's lowest cell mean among the cells
+without a collapse) and the wall time; one table, and every number in `{out}/learning.json`.
 
 k bounds the staleness (`--lags at_most`, rl's default); where generation is the bottleneck (this CPU), runs
 at any k >= 1 sample ~1 step behind. `--lags exactly` runs `--orchestrator.async-lag exactly`: every step
@@ -102,6 +103,8 @@ RECIPES: dict[str, list[str]] = {
     "grpo-std": ["--trainer.loss.type", "grpo", "--orchestrator.advantage.type", "mean_std"],
     "m2po": ["--trainer.loss.type", "m2po"],
     "m2po-0.2": ["--trainer.loss.type", "m2po", "--trainer.loss.m2-max", "0.2"],
+    # the IS weight held at 1 (cispo's clip to [1, 1]): -A·logπ, every sample treated as on-policy
+    "pg": ["--trainer.loss.type", "cispo", "--trainer.loss.clip-low", "0", "--trainer.loss.clip-high", "0"],
 }
 
 
@@ -381,13 +384,16 @@ def seconds_to(result: dict, threshold: float) -> float | None:
 
 
 def thresholds(results: dict[str, list[dict]]) -> dict[str, float]:
-    """Per task, the lowest cell mean of last-10 reward: a level every cell reaches on average."""
-    lows: dict[str, float] = {}
+    """Per task, the lowest cell mean of last-10 reward over the cells none of whose runs collapsed (over all
+    its cells where each had a collapse): a level every healthy cell reaches on average."""
+    means: dict[str, dict[bool, list[float]]] = {}
     for name, rs in results.items():
         if rs:
-            task, cell_mean = name.split("/")[0], statistics.fmean(r["last10"] for r in rs)
-            lows[task] = min(lows.get(task, cell_mean), cell_mean)
-    return lows
+            healthy = not any(r["collapsed"] for r in rs)
+            means.setdefault(name.split("/")[0], {True: [], False: []})[healthy].append(
+                statistics.fmean(r["last10"] for r in rs)
+            )
+    return {task: min(m[True] or m[False]) for task, m in means.items()}
 
 
 def time_to(results: list[dict], threshold: float) -> str:
@@ -487,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(summary))
     print("s to thr: mean seconds (from the eval before step 0; runs that got there) until a run's trailing 10-step")
     levels = ", ".join(f"{t} {v:.3f}" for t, v in lows.items())
-    print(f"reward reached its task's lowest cell mean of last-10 reward: {levels}")
+    print(f"reward reached its task's lowest last-10 reward of a cell without collapses: {levels}")
     print(f"numbers in {args.out / 'learning.json'}")
     for task in tasks:  # the curves, and the time-to-accuracy table of each run
         for recipe in recipes:

@@ -12,10 +12,10 @@ so next to it with the run count and date. Tests (each from the integration test
 - classic: tests/integration/test_classic_envs.py::test_rl_trains_a_classic_environment (the same run on the
            classic reverse env, every process in .venv-classic; 30 steps in the test): the same statistic.
 
-Each run is 40 steps; `--at` gives the band at the tests' own lengths.
+Each run is `--steps` long (40) at the tests' lr (`--lr`, 3e-4); `--at` gives the band at the tests' own lengths.
 
     PYTHONPATH=src:. .venv/bin/python benchmarks/learning_bands.py --tests rl,classic --runs 30 [--jobs 2] \\
-        [--at 15,20,30,40]
+        [--at 15,20,30,40] [--steps 40] [--lr 3e-4]
 
 `--at` reports the band of the same statistic over each run's first N steps too (the steps before N are the
 same process whatever the run's length, at a constant lr): how short a test can be and still see learning.
@@ -42,29 +42,30 @@ sys.path.insert(0, str(ROOT))
 from tests.integration.test_rl import orchestrator_rows, reward_rise, rl_args  # noqa: E402 - as the tests run
 from tests.integration.warm_model import build_warm_model, built_warm_model  # noqa: E402
 
-STEPS = 40
+STEPS, LR = 40, 3e-4  # the tests' run length and lr
 CLASSIC_PY = ROOT / ".venv-classic" / "bin" / "python"
 CLASSIC_ENVS = ROOT / "tests" / "integration" / "classic_envs"
 
 
-def command(test: str, model: Path, out: Path, port: int) -> tuple[list[str], dict[str, str]]:
+def command(test: str, model: Path, out: Path, port: int, steps: int, lr: float) -> tuple[list[str], dict[str, str]]:
     """The `rl` command line (and environment) the test's learning run uses."""
+    flags = rl_args(model, out, steps, port, lr=lr)
     if test == "rl":
-        extra = ["--ckpt", "--ckpt.interval", "20"]
-        return [sys.executable, "-m", "asyncrl.entrypoints.rl", *rl_args(model, out, STEPS, port), *extra], {}
+        extra = ["--ckpt", "--ckpt.interval", str(steps // 2)]
+        return [sys.executable, "-m", "asyncrl.entrypoints.rl", *flags, *extra], {}
     config = out.parent / "rl.toml"
     config.write_text('[[orchestrator.env]]\nid = "reverse-classic"\n')
-    cmd = [str(CLASSIC_PY), "-m", "asyncrl.entrypoints.rl", "@", str(config), *rl_args(model, out, STEPS, port)]
+    cmd = [str(CLASSIC_PY), "-m", "asyncrl.entrypoints.rl", "@", str(config), *flags]
     return cmd, {"PYTHONPATH": str(CLASSIC_ENVS)}
 
 
-def one(test: str, i: int, model: Path, out: Path, port: int) -> list[dict]:
+def one(test: str, i: int, model: Path, out: Path, port: int, steps: int, lr: float) -> list[dict]:
     """Run `i` of `test` (reused once done: `rise.json` marks it) and its metrics rows, one per step."""
-    d = out / test / f"run{i:03d}"
+    d = out / (test if (steps, lr) == (STEPS, LR) else f"{test}-{steps}-lr{lr:g}") / f"run{i:03d}"
     if not (d / "rise.json").exists():
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-        cmd, env = command(test, model, d / "run", port)
+        cmd, env = command(test, model, d / "run", port, steps, lr)
         start = time.time()
         with open(d / "rl.log", "w") as log:
             run = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **env})
@@ -96,6 +97,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (each rl: 3 processes)")
     ap.add_argument("--out", type=Path, default=Path("outputs/learning_bands"))
     ap.add_argument("--port", type=int, default=8400, help="first inference port (one per job)")
+    ap.add_argument("--steps", type=int, default=STEPS, help="each run's length")
+    ap.add_argument("--lr", type=float, default=LR, help="each run's lr (the tests': 3e-4)")
     ap.add_argument(
         "--at",
         default="40",
@@ -120,7 +123,7 @@ def main() -> int:
     def run(n: int) -> None:
         test, i = jobs[n]
         try:
-            rows = one(test, i, model, args.out, ports[n % args.jobs])
+            rows = one(test, i, model, args.out, ports[n % args.jobs], args.steps, args.lr)
         except Exception as e:  # one failed run is reported (and counted), not fatal
             failed.append(f"{test} run {i}: {e}")
             print(failed[-1], flush=True)
