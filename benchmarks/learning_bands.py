@@ -8,9 +8,9 @@ so next to it with the run count and date. Tests (each from the integration test
 `tests/integration/warm_model.py`, built once here):
 
 - rl:      tests/integration/test_rl.py::test_rl_runs_learns_and_resumes, its first run (k = 1, checkpoint at
-           20; 25 steps in the test): the mean reward of the last 5 steps minus that of the first 5;
+           20; 40 steps in the test): the mean reward of the last 5 steps minus that of the first 5;
 - classic: tests/integration/test_classic_envs.py::test_rl_trains_a_classic_environment (the same run on the
-           classic reverse env, every process in .venv-classic; 30 steps in the test): the same statistic.
+           classic reverse env, every process in .venv-classic; 40 steps in the test): the same statistic.
 
 Each run is `--steps` long (40) at the tests' lr (`--lr`, 3e-4); `--at` gives the band at the tests' own lengths.
 
@@ -106,6 +106,8 @@ def main() -> int:
     )
     args = ap.parse_args()
     tests = args.tests.split(",")
+    if args.steps < 10 or args.lr <= 0:  # reward_rise compares two 5-step windows; the rl run checkpoints at steps/2
+        sys.exit(f"error: --steps {args.steps} --lr {args.lr:g}: give at least 10 steps and an lr above 0")
     if bad := [t for t in tests if t not in ("rl", "classic")]:
         sys.exit(f"error: unknown test {bad[0]!r}; choose from rl, classic")
     if "classic" in tests and not CLASSIC_PY.exists():

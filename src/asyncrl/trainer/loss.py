@@ -278,10 +278,10 @@ def dppo_objective(x: LossInputs, cfg: LossConfig):
 def _second_moment_keep(x: LossInputs, log_ratio: torch.Tensor, keep: torch.Tensor, m2_max: float) -> torch.Tensor:
     """`keep` less, in each sample, the fewest tokens (largest (log r)² first) whose removal brings the
     sample's kept tokens' mean (log r)² to at most m2_max. Decided per sample, so packing cannot change it."""
-    m2 = torch.where(keep, log_ratio.square(), math.inf)
-    by_m2 = torch.argsort(m2, stable=True)
+    m2 = torch.where(keep, log_ratio.square(), 0.0)
+    by_m2 = torch.argsort(torch.where(keep, m2, math.inf), stable=True)  # tokens not kept last
     order = by_m2[torch.argsort(x.sample_ids[by_m2], stable=True)]  # by sample, smallest (log r)² first
-    sid, values = x.sample_ids[order], torch.where(keep, m2, 0.0)[order]
+    sid, values = x.sample_ids[order], m2[order]
     counts = torch.bincount(sid, minlength=x.num_samples)
     starts = torch.cumsum(counts, 0) - counts
     sums = torch.cat([values.new_zeros(1), torch.cumsum(values, 0)])
