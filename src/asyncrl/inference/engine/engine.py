@@ -39,6 +39,7 @@ from asyncrl.core.errors import UserError, model_hint
 from asyncrl.inference.api.backend import Backend, PromptLogprobs, SamplingParams, SeqDelta
 from asyncrl.inference.api.errors import InvalidRequest
 from asyncrl.inference.engine.attention import use_gqa_sdpa
+from asyncrl.inference.engine.dense_forward import DenseForward
 from asyncrl.inference.engine.kv_cache import MaskBuilder, SlotKVCache
 from asyncrl.inference.engine.lora import LoraAdapter, LoraManager, read_adapter
 from asyncrl.inference.engine.prefix_cache import PrefixCache, shared_prefix_groups
@@ -235,6 +236,7 @@ class EmbeddedEngine(Backend):
         self.cache = SlotKVCache(self.model.config.num_hidden_layers, self.dtype, self.device)
         if config.enable_return_routed_experts:
             self._record_routes()
+        self.dense = DenseForward.for_model(self.model, self.device)  # None: every decode step is HF's forward
         self.prefix = PrefixCache(int(config.prefix_cache_gb * 2**30))
         self._weights_version = 0
         self.lora = LoraManager(self.model)
@@ -566,24 +568,21 @@ class EmbeddedEngine(Backend):
         pads = [width - len(r) for r in rests]
         pad_t = torch.tensor(pads, device=dev)
         self.cache.set_prefill(torch.tensor([rows[j] for j, _ in batch], device=dev), pad_t, width, starts)
-        names = [reqs[j].adapter for j, _ in batch]
-        self.lora.set_rows([name for name in names for _ in range(width)], dev)
+        adapters = [reqs[j].adapter for j, _ in batch for _ in range(width)]
         positions = (torch.arange(width, device=dev)[None, :] - pad_t[:, None]).clamp(min=0)
         scoring = reqs[batch[0][0]].scoring
-        kwargs = {"logits_to_keep": 1} if self._logits_to_keep and not scoring else {}
-        out = self.model(
-            input_ids=torch.tensor([[0] * p + r for p, r in zip(pads, rests)], device=dev),
-            position_ids=positions + torch.tensor(starts, device=dev)[:, None],
-            attention_mask=self.masks.prefill(pad_t, width, starts),
-            past_key_values=self.cache,
-            use_cache=True,
-            **kwargs,
+        logits = self._forward(
+            torch.tensor([[0] * p + r for p, r in zip(pads, rests)], device=dev),
+            positions + torch.tensor(starts, device=dev)[:, None],
+            self.masks.prefill(pad_t, width, starts),
+            adapters,
+            keep_all=scoring,
         )
         if not scoring:
-            return {j: row_logits for (j, _), row_logits in zip(batch, out.logits[:, -1])}
+            return {j: row_logits for (j, _), row_logits in zip(batch, logits[:, -1])}
         for b, ((j, _), pad, rest) in enumerate(zip(batch, pads, rests)):
-            scored[j] = score(out.logits[b, pad : width - 1], rest[1:], reqs[j].params.prompt_logprobs)
-        return {j: row_logits.clone() for (j, _), row_logits in zip(batch, out.logits[:, -1])}  # free the rest
+            scored[j] = score(logits[b, pad : width - 1], rest[1:], reqs[j].params.prompt_logprobs)
+        return {j: row_logits.clone() for (j, _), row_logits in zip(batch, logits[:, -1])}  # free the rest
 
     def _prefill_chunked(
         self, req: _Request, row: int, cached: int, scored: dict[int, PromptLogprobs], j: int = -1
@@ -608,18 +607,10 @@ class EmbeddedEngine(Backend):
         """One forward of `piece` at positions start.. of cache row `row`, over what the row holds before
         them; its logits [1, P or 1, V] (every position's only with `keep_all`)."""
         dev = self.device
-        self.lora.set_rows([adapter] * len(piece), dev)
         self.cache.set_extend(row, start, len(piece))
-        kwargs = {"logits_to_keep": 1} if self._logits_to_keep and not keep_all else {}
-        out = self.model(
-            input_ids=torch.tensor([piece], device=dev),
-            position_ids=torch.arange(start, start + len(piece), device=dev)[None],
-            attention_mask=self.masks.extend(start, len(piece), dev),
-            past_key_values=self.cache,
-            use_cache=True,
-            **kwargs,
-        )
-        return out.logits
+        ids, positions = torch.tensor([piece], device=dev), torch.arange(start, start + len(piece), device=dev)[None]
+        mask = self.masks.extend(start, len(piece), dev)
+        return self._forward(ids, positions, mask, [adapter] * len(piece), keep_all)
 
     def _share_prefixes(self, reqs: list[_Request], rows: list[int], pending: list[tuple[int, int]]) -> list:
         """New prompts with nothing cached that start with the same tokens (a chat template's header, a
@@ -645,16 +636,26 @@ class EmbeddedEngine(Backend):
         positions = torch.tensor(lengths, device=dev) - 1  # the newest token is not cached yet
         kv_len = max(lengths)
         self.cache.set_decode(len(lengths), positions, kv_len)
-        self.lora.set_rows([a.req.adapter for a in self._active], dev)
         tokens = torch.tensor([[a.seq.output_ids[-1]] for a in self._active], device=dev)
+        mask = self.masks.decode(positions, kv_len)
+        logits = self._forward(tokens, positions[:, None], mask, [a.req.adapter for a in self._active], keep_all=False)
+        self._sample_and_emit(logits[:, -1], 0)
+
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask, adapters: list[str | None], keep_all: bool
+    ) -> torch.Tensor:
+        """Logits of `ids` [b, P] at `positions` over the cache in the mode set (every position's with `keep_all`,
+        else at least the last's); `adapters`: each token's LoRA adapter. The engine's own forward where it
+        computes what HF's does (dense_forward.py), else HF's."""
+        if self.dense is not None and self.cache.route_shape is None and not any(adapters):
+            return self.dense.forward(ids, positions, mask, self.cache, last_only=not keep_all)
+        self.lora.set_rows(adapters, self.device)
+        kwargs = {"logits_to_keep": 1} if self._logits_to_keep and not keep_all else {}
         out = self.model(
-            input_ids=tokens,
-            position_ids=positions[:, None],
-            attention_mask=self.masks.decode(positions, kv_len),
-            past_key_values=self.cache,
-            use_cache=True,
-        )
-        self._sample_and_emit(out.logits[:, -1], 0)
+            input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache, use_cache=True,
+            **kwargs,
+        )  # fmt: skip
+        return out.logits
 
     def _sample_and_emit(self, logits: torch.Tensor, first_row: int) -> None:
         """Sample for active rows first_row.. (one logits row each), record, deliver, retire finished."""
