@@ -64,7 +64,7 @@ def configs(out: Path, model: Path, steps: int) -> tuple[Path, Path]:
     """The trainer's and the orchestrator's TOML, as `rl` would resolve these flags (no num_train_workers)."""
     flags = ["--model.name", str(model), "--output-dir", str(out), "--max-steps", str(steps), "--seq-len", "128"]
     flags += ["--max-async-level", "1", "--trainer.optim.lr", "3e-4", "--trainer.optim.weight-decay", "0"]
-    flags += ["--orchestrator.batch-size", "128", "--orchestrator.rollouts-per-example", "8"]
+    flags += ["--orchestrator.batch-size", "64", "--orchestrator.rollouts-per-example", "8"]
     flags += ["--orchestrator.sampling.max-tokens", "16", "--orchestrator.seed", "1", "--orchestrator.client.port", "1"]
     raw, args = loader.collect_raw(RLConfig, flags, {})
     cfg = resolve_rl(raw, args)
