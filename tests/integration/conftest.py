@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,7 @@ from tests.integration.warm_model import build_warm_model, shared_warm_model
 def warm_model(tmp_path_factory, worker_id) -> Path:
     """The demo's warm-up (`warm_model.build_warm_model`): a tiny model taken past SFT's drop in loss.
 
-    Built once per session: under pytest-xdist the workers share it (the first builds it, under a file lock), or
-    taken from $ASYNCRL_TEST_WARM_ROOT (built there ahead, or first by whoever needs it; `.ci/run` sets it)."""
-    if root := os.environ.get("ASYNCRL_TEST_WARM_ROOT"):
-        return shared_warm_model(Path(root))
+    Built once per session: under pytest-xdist the workers share it (the first builds it, under a file lock)."""
     if worker_id == "master":
         return build_warm_model(tmp_path_factory.mktemp("warm"))
     return shared_warm_model(tmp_path_factory.getbasetemp().parent / "warm")  # this session's, above the workers'

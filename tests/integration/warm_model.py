@@ -10,10 +10,6 @@ reward rose by +0.025 and +0.041, and they failed). So the warm model is the fir
 steps' mean loss is at most `STAGE_LOSS` (step 180 on the second machine); `build_warm_model` stops the SFT there.
 Invariants: the same machine always gives the same model (data order and reduction order pinned); a warm-up that
 does not reach the stage by `MAX_STEPS` is an error, never a weaker model; a root is built once, under its lock.
-
-`python -m tests.integration.warm_model ROOT` builds it ahead of the tests that need it (`.ci/run`, while the fast
-lane runs: the slow lane's first tests would otherwise wait for it); `ASYNCRL_TEST_WARM_ROOT=ROOT` points
-`conftest.warm_model` there.
 """
 
 from __future__ import annotations
@@ -125,12 +121,3 @@ def _exited(proc: subprocess.Popen, wait_s: float) -> bool:
     except subprocess.TimeoutExpired:
         return False
     return True
-
-
-if __name__ == "__main__":
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: the SFT child goes too (build's finally)
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m tests.integration.warm_model ROOT")
-    print(f"warm model: {shared_warm_model(Path(sys.argv[1]))}")
