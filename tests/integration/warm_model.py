@@ -36,7 +36,6 @@ def shared_warm_model(root: Path) -> Path:
     """The warm model of `root`, built there first if no one has (one builder at a time: the others wait)."""
     from filelock import FileLock
 
-    root.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{root}.lock"):
         return built_warm_model(root) or build_warm_model(root)
 

@@ -26,6 +26,13 @@ def small(model_type: str, **extra):
     return model
 
 
+def twin_caches(model, rows: int) -> tuple[SlotKVCache, SlotKVCache]:
+    """Two caches with the same random history: one for our forward, one for HF's."""
+    ours, theirs = cache_with_history(model, rows, 128), cache_with_history(model, rows, 128)
+    theirs.keys, theirs.values = [k.clone() for k in ours.keys], [v.clone() for v in ours.values]
+    return ours, theirs
+
+
 def cache_with_history(model, rows: int, capacity: int) -> SlotKVCache:
     cfg = model.config
     cache = SlotKVCache(cfg.num_hidden_layers, torch.float32, CPU)
@@ -65,8 +72,7 @@ def test_decode_steps_are_hf_forward_bit_for_bit(model_type, extra):
     masks = MaskBuilder(model.config, torch.float32)
     with torch.inference_mode():
         for _ in range(2):  # the second step reads the keys the first wrote
-            ours, theirs = cache_with_history(model, rows, 128), cache_with_history(model, rows, 128)
-            theirs.keys, theirs.values = [k.clone() for k in ours.keys], [v.clone() for v in ours.values]
+            ours, theirs = twin_caches(model, rows)
             mask = masks.decode(positions, kv_len)
             expected = hf_step(model, theirs, tokens, positions, kv_len, mask)
             ours.set_decode(rows, positions, kv_len)
@@ -95,8 +101,7 @@ def test_a_left_padded_prefill_is_hf_forward_bit_for_bit():
     positions = (torch.arange(width)[None, :] - pads[:, None]).clamp(min=0)
     mask = MaskBuilder(model.config, torch.float32).prefill(pads, width)
     with torch.inference_mode():
-        ours, theirs = cache_with_history(model, 3, 128), cache_with_history(model, 3, 128)
-        theirs.keys, theirs.values = [k.clone() for k in ours.keys], [v.clone() for v in ours.values]
+        ours, theirs = twin_caches(model, 3)
         for cache in (ours, theirs):
             cache.set_prefill(torch.tensor([2, 0, 1]), pads, width)
         expected = model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=theirs,

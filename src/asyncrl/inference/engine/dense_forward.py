@@ -55,7 +55,7 @@ class DenseForward:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, device: torch.device) -> DenseForward | None:
-        """A decoder for `model` where its structure is the one `forward` computes, else None."""
+        """The engine's own forward for `model` where its structure is the one `forward` computes, else None."""
         return cls(model) if device.type == "cpu" and why_not(model) is None else None
 
     def forward(

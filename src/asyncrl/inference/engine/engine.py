@@ -236,7 +236,7 @@ class EmbeddedEngine(Backend):
         self.cache = SlotKVCache(self.model.config.num_hidden_layers, self.dtype, self.device)
         if config.enable_return_routed_experts:
             self._record_routes()
-        self.dense = DenseForward.for_model(self.model, self.device)  # None: every decode step is HF's forward
+        self.dense = DenseForward.for_model(self.model, self.device)  # None: every forward is HF's
         self.prefix = PrefixCache(int(config.prefix_cache_gb * 2**30))
         self._weights_version = 0
         self.lora = LoraManager(self.model)
