@@ -55,7 +55,7 @@ def caplog_loguru():
 
 
 # ---- servers shared by several suites ------------------------------------------------------------------------
-# `shared_server`: the inference contract, the hostile-input suite and the vLLM LoRA test all talk to it: one
+# `shared_server`: the inference contract, the hostile-input suite and the vLLM backend's suite all talk to it: one
 # per backend, serving `served_model_dir` with the contract's options (server_proc.start_server: api key, hermes
 # tools, qwen3 reasoning, max_model_len 512, LoRA on) and `--allowed-weights-root` = this session's pytest
 # temp dir (every weight/adapter dir a test writes is in it; no generated hostile path is).
@@ -322,5 +322,6 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     if log:
         row = {"test": item.nodeid, "start": start, "wall_s": time.monotonic() - wall, "cpu_s": _cpu_s() - cpu}
+        Path(log).parent.mkdir(parents=True, exist_ok=True)  # e.g. /tmp/cpu/log: its dir need not exist yet
         with open(f"{log}.{os.getpid()}", "a") as f:
             f.write(json.dumps(row) + "\n")

