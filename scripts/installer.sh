@@ -6,6 +6,8 @@
 # it imports in every process (twice the CPU time of the whole test suite). uv does not read pip's
 # configuration, so the indexes and find-links pip is configured with (pip config list) are passed on,
 # and every index is searched for the best match, as pip does. Where uv cannot be installed, pip does it all.
+# INSTALL_BYTECODE=lazy leaves compiling to Python at first import: for an environment few processes use
+# (.venv-classic), where compiling all of it (torch's ~20k modules included) costs 47 of its install's 58 CPU s.
 UV_VERSION=0.13.9
 
 _pip_sources_for_uv() {
@@ -28,7 +30,9 @@ install_into() {
     "$venv/bin/python" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION" >/dev/null 2>&1; }; then
     local sources
     mapfile -t sources < <(_pip_sources_for_uv "$venv")
-    "$venv/bin/uv" pip install -q --compile-bytecode --python "$venv/bin/python" --index-strategy unsafe-best-match "${sources[@]}" "$@"
+    local compile=(--compile-bytecode)
+    [ "${INSTALL_BYTECODE:-}" = lazy ] && compile=()
+    "$venv/bin/uv" pip install -q "${compile[@]}" --python "$venv/bin/python" --index-strategy unsafe-best-match "${sources[@]}" "$@"
   else
     "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@"
   fi

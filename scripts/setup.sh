@@ -15,6 +15,7 @@ if [ "${1:-}" = --classic ]; then
   venv=.venv-classic
   lock=requirements/classic.lock
   envs=
+  INSTALL_BYTECODE=lazy  # scripts/installer.sh: only the classic-API tests and classic envs import from here
 fi
 if [ ! -x "$venv/bin/python" ]; then
   echo "[setup] creating $venv with $($PY --version)"
