@@ -4,7 +4,8 @@ paying seconds of CPU to import torch, transformers and verifiers anew. A forked
 zygote too, and its children are forked as in any run.
 
 `popen` and `run` take the part of `subprocess.Popen` / `subprocess.run`'s interface the tests use. A command that
-is not `python -m asyncrl...` with this Python, or any command when ASYNCRL_TEST_WARM=0, is exec'd as before. So is
+is not `python -m asyncrl...` or `python -m torch.distributed.run` with this Python (`forkable`), or any command
+when ASYNCRL_TEST_WARM=0, is exec'd as before. So is
 every command of a session without slow tests (`use_for`, from tests/conftest.py): its few short commands would
 wait for the zygote's imports (seconds) where an exec'd one is done sooner; a session with slow tests starts the
 zygote as it collects, so it has loaded by the time the first test asks.
@@ -123,13 +124,20 @@ def _reader(fd: int | None, text: bool):
     return open(fd, encoding="utf-8", errors="replace") if text else open(fd, "rb")  # noqa: SIM115
 
 
+def forkable(cmd: list[str]) -> bool:
+    """`python -m asyncrl...` or `python -m torch.distributed.run` with this Python (torchrun's agent then execs its
+    ranks as it would anyway: the fork saves the agent's own torch import, ~1.6 CPU s)."""
+    module = cmd[2] if len(cmd) > 2 and cmd[:2] == [sys.executable, "-m"] else ""
+    return module.startswith("asyncrl.") or module == "torch.distributed.run"
+
+
 def popen(cmd: list[str], env: dict | None = None, stdout=None, stderr=None, text: bool = False, cwd=None,
           start_new_session: bool = False):  # fmt: skip
     """`subprocess.Popen(cmd, env=..., stdout=..., stderr=..., text=..., cwd=...)`, forked where it can be (a forked
     process always has a session of its own); stdout / stderr: None (this process's), PIPE, a file opened for
     writing, or stderr STDOUT."""
     z = zygote()
-    if z is None or len(cmd) < 3 or cmd[:2] != [sys.executable, "-m"] or not cmd[2].startswith("asyncrl."):
+    if z is None or not forkable(cmd):
         return subprocess.Popen(
             cmd, env=env, stdout=stdout, stderr=stderr, text=text, cwd=cwd, start_new_session=start_new_session
         )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from asyncrl.core.errors import UserError
 from asyncrl.transport.batch import write_batch
 from asyncrl.transport.layout import RunLayout, step_dirs
 from asyncrl.utils.process import free_port
+from tests import warm
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def probe(model_dir: Path, ranks: int, out: Path) -> dict:
     """Loss, full gradients and rank 0's expert count of one forward/backward on `ranks` ranks at ep = ranks."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(PROBE)]
-    proc = subprocess.run([*cmd, str(model_dir), str(ranks), str(out)], env=env, capture_output=True, text=True)
+    proc = warm.run([*cmd, str(model_dir), str(ranks), str(out)], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return torch.load(out)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from asyncrl.config.cli import to_toml
 from asyncrl.config.trainer import TrainerConfig
 from asyncrl.transport.batch import write_batch
 from asyncrl.transport.layout import RunLayout, step_dirs
+from tests import warm
 from tests.integration.test_trainer_fsdp import synthetic_rows
 
 pytestmark = pytest.mark.slow
@@ -202,7 +202,7 @@ def test_two_ranks_give_the_one_rank_adapters(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "asyncrl.entrypoints.trainer", "@", str(path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = warm.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("a", "b"):
         run = RunLayout(RunLayout(two).run_dir(name))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from test_trainer_fsdp import config, read_metrics, run_train, torchrun, write_s
 from asyncrl.core.errors import UserError
 from asyncrl.transport.layout import RunLayout, step_dirs
 from asyncrl.utils.process import free_port
+from tests import warm
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def probe(model_dir: Path, ranks: int, tp: int, out: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(PROBE)]
     cmd += [str(model_dir), str(tp), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = warm.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return torch.load(out)
 
