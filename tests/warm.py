@@ -5,10 +5,10 @@ zygote too, and its children are forked as in any run.
 
 `popen` and `run` take the part of `subprocess.Popen` / `subprocess.run`'s interface the tests use. A command that
 is not `python -m asyncrl...` or `python -m torch.distributed.run` with this Python (`forkable`), or any command
-when ASYNCRL_TEST_WARM=0, is exec'd as before. So is
-every command of a session without slow tests (`use_for`, from tests/conftest.py): its few short commands would
-wait for the zygote's imports (seconds) where an exec'd one is done sooner; a session with slow tests starts the
-zygote as it collects, so it has loaded by the time the first test asks.
+when ASYNCRL_TEST_WARM=0, is exec'd as before. So is every command of a session without slow tests (`use_for`,
+from tests/conftest.py): its few short commands would wait for the zygote's imports (seconds) where an exec'd one
+is done sooner; a session with slow tests starts the zygote as it collects, so it has loaded by the time the
+first test asks.
 
 Invariants: a forked process gets what an exec'd one would (the zygote's invariants: argv, environment, command
 line, its own session, fresh seeds, thread count), plus the cwd it was asked for, stdout and stderr on the pipes
@@ -126,7 +126,7 @@ def _reader(fd: int | None, text: bool):
 
 def forkable(cmd: list[str]) -> bool:
     """`python -m asyncrl...` or `python -m torch.distributed.run` with this Python (torchrun's agent then execs its
-    ranks as it would anyway: the fork saves the agent's own torch import, ~1.6 CPU s)."""
+    ranks as it would anyway: the fork saves the agent's own torch import, 1.7-2 CPU s)."""
     module = cmd[2] if len(cmd) > 2 and cmd[:2] == [sys.executable, "-m"] else ""
     return module.startswith("asyncrl.") or module == "torch.distributed.run"
 

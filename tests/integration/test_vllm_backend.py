@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 from server_proc import API_KEY, AUTH
+from test_inference_contract import text_of
 
 from asyncrl.inference.vllm.launch import INSTALL_HINT, vllm_python
 
@@ -78,11 +79,6 @@ def greedy(http, model_dir, max_tokens=8) -> dict:
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def text_of(message: dict) -> str:
-    """A message's or delta's generated text: the server's qwen3 parser counts output without </think> as reasoning."""
-    return (message.get("reasoning") or message.get("reasoning_content") or "") + (message.get("content") or "")
 
 
 def test_chat_completion_token_ids_and_logprobs_match_hf(openai_client, model_dir, tokenizer):
