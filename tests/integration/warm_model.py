@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import warm
+
 STAGE_LOSS = 0.40  # mean SFT loss over the 10 steps before a checkpoint that marks the warm model's stage
 EVERY = 10  # steps between checkpoints (weights/step_N)
 MAX_STEPS = 300
@@ -51,8 +53,9 @@ def build_warm_model(root: Path) -> Path:
     )
     out = root / "sft"
     with open(root / "sft.out", "w") as log:
-        proc = subprocess.Popen(_sft_command(root, out), stdout=log, stderr=subprocess.STDOUT, env=_one_thread(),
-                                cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+        # forked where the tests fork (`tests.warm`): the sft an exec would make, less its imports
+        proc = warm.popen(_sft_command(root, out), stdout=log, stderr=subprocess.STDOUT, env=_one_thread(),
+                          cwd=Path(__file__).resolve().parents[2])  # fmt: skip
         try:
             chosen = _await_stage(proc, out)
         finally:

@@ -332,6 +332,21 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="torch makes it public, or the layers call torch.utils.checkpoint themselves",
     ),
     Patch(
+        symbol="torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler.SubprocessHandler._popen",
+        how="replaced (in a torchrun agent that a zygote forked)",
+        dist="torch",
+        verified={"==2.13.0": "8225fa089593c3a8"},
+        checks=(
+            "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler:SubprocessHandler",
+            "torch.distributed.elastic.multiprocessing.api:SubprocessContext._poll",
+            "torch.distributed.elastic.multiprocessing.api:SubprocessContext._close",
+        ),
+        where=("launcher.warm_ranks:fork_local_ranks",),
+        why="a warm agent forks its `asyncrl.entrypoints.*` ranks from a zygote instead of exec'ing them "
+        "(~5 CPU s of imports a rank); the handler's `proc` is then a `Forked` (pid, poll, wait; own session)",
+        remove_when="torchrun can start a module's ranks from a fork server, or the ranks import nothing heavy",
+    ),
+    Patch(
         symbol="torch.nn.Module._parameters",
         how="private (read)",
         dist="torch",

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from asyncrl.launcher import warm_ranks
 from asyncrl.utils.process import INHERITED_FD, PIPED, die_with_parent, inherited_fd, running, spawn
 
 VAR = "ASYNCRL_ZYGOTE"  # 0: exec every child (no warm starts)
@@ -97,7 +98,7 @@ class Forked:
 class Zygote:
     """rl's end: starts the zygote process, sends it spawn requests, hands out `Forked` children."""
 
-    def __init__(self, marker: str, log: Path):
+    def __init__(self, marker: str, log: Path | None):
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, FD_VAR: str(theirs.fileno())}
         cmd = [sys.executable, "-m", "asyncrl.launcher.zygote", marker]
@@ -128,18 +129,22 @@ class Zygote:
         return child
 
     def fork(
-        self, cmd: list[str], env: dict[str, str], outputs: tuple[int, ...], cores=None, cwd: str | None = None
-    ) -> Forked | None:
+        self, cmd: list[str], env: dict[str, str], outputs: tuple[int, ...], cores=None, cwd: str | None = None,
+        title: str | None = None, lock: bool = True, unbuffered: bool = False,
+    ) -> Forked | None:  # fmt: skip
         """Fork `cmd` with stdout on `outputs[0]` and stderr on `outputs[-1]` (descriptors, closed here), in `cwd`
-        (None: this process's); None where the zygote cannot (then exec it)."""
+        (None: this process's); None where the zygote cannot (then exec it). `title`: its command line as `ps` shows
+        it (default `cmd`); `lock`: it inherits the run lock's descriptor as `spawn` would pass it; `unbuffered`:
+        stdout and stderr as `python -u` makes them."""
         if not self._alive or len(cmd) < 3 or cmd[:2] != [sys.executable, "-m"]:
             for fd in outputs:
                 os.close(fd)
             return None
-        request = {"cores": sorted(cores or ()), "env": env, "cwd": cwd or os.getcwd()}
+        request = {"cores": sorted(cores or ()), "env": env, "cwd": cwd or os.getcwd(), "unbuffered": unbuffered}
+        request["title"] = title or " ".join(cmd)
         with self._changed:
             self._next += 1
-            reply = self._ask({"id": self._next, **request}, cmd, outputs)
+            reply = self._ask({"id": self._next, **request}, cmd, outputs, lock)
             if reply is None or "pid" not in reply:
                 return None
             child = self._children[reply["pid"]] = Forked(reply["pid"], list(cmd))
@@ -147,13 +152,13 @@ class Zygote:
                 child.exited(*self._early.pop(reply["pid"]))
             return child
 
-    def _ask(self, request: dict, cmd: list[str], outputs: tuple[int, ...]) -> dict | None:
+    def _ask(self, request: dict, cmd: list[str], outputs: tuple[int, ...], lock: bool) -> dict | None:
         """Send one spawn request (holding the lock) and wait for its reply; None if none came."""
-        lock = inherited_fd()  # the run lock's descriptor, as `spawn` hands it to an exec'd child
+        lock = inherited_fd() if lock else ()  # the run lock's descriptor, as `spawn` hands it to an exec'd child
         fds = [*outputs, *lock]
         if lock:
             request["env"] = {**request["env"], INHERITED_FD: os.environ[INHERITED_FD]}
-        request |= {"module": cmd[2], "args": cmd[3:], "title": " ".join(cmd), "outputs": len(outputs)}
+        request |= {"module": cmd[2], "args": cmd[3:], "outputs": len(outputs)}
         ask = request["id"]
         try:
             socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
@@ -358,11 +363,17 @@ def _become(sock: socket.socket, request: dict, fds: list[int], others: list[int
         _descriptors(fds, request["env"], request.get("outputs", 1))
         os.chdir(request.get("cwd") or ".")
         _process_state(request)
-        importlib.import_module("asyncrl.launcher.zygote").FORKED = True  # this file may run as __main__
+        zygote = importlib.import_module("asyncrl.launcher.zygote")  # this file may run as __main__
+        zygote.FORKED = True
         import runpy
 
         sys.argv = [request["module"], *request["args"]]
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        ranks = zygote._ranks_zygote(request["module"])
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        finally:
+            if ranks is not None:
+                ranks.close()
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else _said(e.code))
@@ -377,6 +388,16 @@ def _become(sock: socket.socket, request: dict, fds: list[int], others: list[int
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _ranks_zygote(module: str) -> Zygote | None:
+    """For a torchrun forked here (warm: nothing started yet): a zygote its local ranks are forked from
+    (`warm_ranks`); None for any other module."""
+    if module != warm_ranks.TORCHRUN or not _warm():
+        return None
+    ranks = Zygote(f"torchrun-{os.getpid()}", None)
+    warm_ranks.fork_local_ranks(ranks)
+    return ranks
 
 
 def _said(message) -> int:
@@ -415,8 +436,19 @@ def _process_state(request: dict) -> None:
         sys.modules["numpy"].random.seed()
     if "torch" in sys.modules and (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit() and int(threads):
         sys.modules["torch"].set_num_threads(int(threads))
-    if os.environ.get("PYTHONUNBUFFERED"):
-        sys.stdout.reconfigure(write_through=True)
+    if os.environ.get("PYTHONUNBUFFERED") or request.get("unbuffered"):
+        _unbuffered()
+
+
+def _unbuffered() -> None:
+    """stdout and stderr as `python -u` makes them: every write reaches the descriptor at once. (The streams
+    replaced stay as `sys.__stdout__` / `sys.__stderr__`, empty.)"""
+    import io
+
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "w", closefd=False)
+        setattr(sys, name, io.TextIOWrapper(raw, encoding=old.encoding, errors=old.errors, write_through=True))
 
 
 def main() -> None:

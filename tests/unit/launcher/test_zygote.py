@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -86,3 +87,37 @@ def test_the_zygotes_death_ends_its_children_and_their_ends_are_seen(tmp_path, m
     assert child.wait(60) is not None and not running(child.pid)
     assert z.spawn(probe("report", "0"), tmp_path / "child.log", dict(os.environ)) is None  # rl execs from now on
     z.proc.wait()
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+RANK = ["-m", "asyncrl.launcher.warm_ranks"]  # each rank prints what kind of process it is
+
+
+def ranks_said(log: Path) -> list[dict]:
+    said = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    return sorted(said, key=lambda r: r["rank"])
+
+
+def test_a_forked_torchrun_forks_its_ranks_as_torchrun_would_exec_them(warm, tmp_path):
+    forked, execd = tmp_path / "forked.log", tmp_path / "exec.log"
+    assert warm.spawn([*TORCHRUN, *RANK], forked, dict(os.environ)).wait(120) == 0
+    with open(execd, "w") as out:  # the same command from a shell: torchrun execs its ranks
+        assert subprocess.run([*TORCHRUN, *RANK], stdout=out, stderr=subprocess.STDOUT, timeout=120).returncode == 0
+    warm_ranks, cold_ranks = ranks_said(forked), ranks_said(execd)
+    assert [r["rank"] for r in warm_ranks] == [r["rank"] for r in cold_ranks] == [0, 1]
+    assert all(r["forked"] and "asyncrl.launcher.zygote torchrun-" in r["parent"] for r in warm_ranks)
+    assert not any(r["forked"] for r in cold_ranks)
+    same = ("rank", "cmdline", "session_leader", "stdout", "lock")
+    assert [{k: r[k] for k in same} for r in warm_ranks] == [{k: r[k] for k in same} for r in cold_ranks]
+    assert warm_ranks[0]["cmdline"] == f"{sys.executable} -u -m asyncrl.launcher.warm_ranks"
+    assert warm_ranks[0]["stdout"] == ["TextIOWrapper", "FileIO"]  # -u: no buffer under the text layer
+
+
+def test_a_forked_rank_that_fails_fails_torchrun_and_its_peer_is_stopped(warm, tmp_path):
+    log = tmp_path / "torchrun.log"
+    agent = warm.spawn([*TORCHRUN, *RANK, "fail"], log, dict(os.environ))
+    assert agent.wait(120) == 1
+    said = log.read_text()
+    assert "exitcode  : 3" in said and "asyncrl.launcher.warm_ranks FAILED" in said, said[-3000:]
+    peer = next(r for r in ranks_said(log) if r["rank"] == 0)
+    assert peer["forked"] and not running(peer["pid"])  # torchrun stopped it (SIGTERM to its session)
