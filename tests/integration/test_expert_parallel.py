@@ -23,7 +23,8 @@ from tests import warm
 
 pytestmark = pytest.mark.slow
 
-PROBE = Path(__file__).with_name("ep_probe.py")
+HERE, PYTHONPATH = Path(__file__).parent, [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+PROBE = "ep_probe"  # tests/integration/ep_probe.py, run as a module: torchrun forks `-m` ranks where it is forked
 LAYOUT = [[9, 7], [12]]
 
 
@@ -36,8 +37,8 @@ def moe_dir(tmp_path_factory):
 
 def probe(model_dir: Path, ranks: int, out: Path) -> dict:
     """Loss, full gradients and rank 0's expert count of one forward/backward on `ranks` ranks at ep = ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(PROBE)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *PYTHONPATH])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m", PROBE]
     proc = warm.run([*cmd, str(model_dir), str(ranks), str(out)], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return torch.load(out)

@@ -22,13 +22,14 @@ from tests import warm
 
 pytestmark = pytest.mark.slow
 
-PROBE = Path(__file__).with_name("tp_probe.py")
+HERE, PYTHONPATH = Path(__file__).parent, [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+PROBE = "tp_probe"  # tests/integration/tp_probe.py, run as a module: torchrun forks `-m` ranks where it is forked
 
 
 def probe(model_dir: Path, ranks: int, tp: int, out: Path) -> dict:
     """Loss, full gradients and rank 0's q_proj shape of one forward/backward on `ranks` ranks at `tp`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(PROBE)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *PYTHONPATH])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m", PROBE]
     cmd += [str(model_dir), str(tp), str(out)]
     proc = warm.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]

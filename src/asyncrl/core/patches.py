@@ -342,7 +342,7 @@ PATCHES: tuple[Patch, ...] = (
             "torch.distributed.elastic.multiprocessing.api:SubprocessContext._close",
         ),
         where=("launcher.warm_ranks:fork_local_ranks",),
-        why="a warm agent forks its `asyncrl.entrypoints.*` ranks from a zygote instead of exec'ing them "
+        why="a warm agent forks its `python -m` ranks (the trainer's) from a zygote instead of exec'ing them "
         "(~5 CPU s of imports a rank); the handler's `proc` is then a `Forked` (pid, poll, wait; own session)",
         remove_when="torchrun can start a module's ranks from a fork server, or the ranks import nothing heavy",
     ),

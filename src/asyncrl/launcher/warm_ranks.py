@@ -1,15 +1,15 @@
 """Warm ranks: a torchrun (`python -m torch.distributed.run`) that a zygote forked forks its local ranks too.
 
-torchrun's agent execs each local rank as `python -u -m MODULE ARGS`, and each `asyncrl.entrypoints.*` rank then
+torchrun's agent execs each local rank as `python -u -m MODULE ARGS`, and each rank (`asyncrl.entrypoints.*`) then
 spends seconds of CPU importing torch, transformers and the trainer before it does anything (~5 CPU s a rank on
 two cores: most of a short two-rank run). An agent that a zygote forked has all of that imported already, so it
 forks a zygote of its own for free (`asyncrl.launcher.zygote`) and `fork_local_ranks` has torchrun's process
-handler fork such ranks from it. Everything else is torchrun's own: rendezvous, restarts, the ranks' environment
+handler fork `-m` ranks from it. Everything else is torchrun's own: rendezvous, restarts, the ranks' environment
 and output files, how it signals, waits for and reports its ranks.
 
 Invariants: a forked rank gets what torchrun's exec would give it: its command line (with `-u`) as its title,
 unbuffered stdout and stderr, its own session, the environment torchrun made, and not the run lock's descriptor
-(torchrun's Popen closes it, so an exec'd rank joins nothing). A rank whose command is anything else, and every
+(torchrun's Popen closes it, so an exec'd rank joins nothing). A rank run from a script path, and every
 rank of a torchrun no zygote forked (a user's shell's), is exec'd by torchrun as before. This module imports
 neither torch nor the zygote: the zygote hands its own instance in.
 
@@ -27,7 +27,7 @@ TORCHRUN = "torch.distributed.run"  # the module whose agent forks its ranks whe
 
 
 def fork_local_ranks(zygote) -> None:
-    """Have torchrun's process handler fork `python -u -m asyncrl...` ranks from `zygote` (a
+    """Have torchrun's process handler fork `python -u -m MODULE` ranks from `zygote` (a
     `asyncrl.launcher.zygote.Zygote`); any other command, or one the zygote cannot take, is exec'd as upstream does."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
@@ -46,9 +46,9 @@ def fork_local_ranks(zygote) -> None:
 
 
 def forkable(args: tuple) -> list[str] | None:
-    """`python -m MODULE ARGS` for torchrun's `(python, -u, -m, asyncrl..., ARGS)` with this Python; else None."""
+    """`python -m MODULE ARGS` for torchrun's `(python, -u, -m, MODULE, ARGS)` with this Python; else None."""
     args = tuple(str(a) for a in args)
-    if args[:3] != (sys.executable, "-u", "-m") or len(args) < 4 or not args[3].startswith("asyncrl."):
+    if args[:3] != (sys.executable, "-u", "-m") or len(args) < 4:
         return None
     return [sys.executable, "-m", *args[3:]]
 

@@ -11,7 +11,8 @@ child, with the part of `subprocess.Popen`'s interface the launcher uses.
 Invariants: a child gets what an exec'd one would have: its argv, environment, command line (`setproctitle`, so
 `ps` and `processes_by_role` see `python -m MODULE ...`), stdout + stderr on the descriptor rl passed, stdin
 /dev/null, a session of its own, SIGTERM when the zygote dies (and the zygote gets it when rl dies), fresh random
-seeds, and the thread count OMP_NUM_THREADS asks for. A request is served once the stage its module needs has
+seeds, the thread count OMP_NUM_THREADS asks for, and its cwd and PYTHONPATH first on sys.path as `python -m` puts
+them. A request is served once the stage its module needs has
 loaded (a module no stage names: once all have). The zygote runs no child code itself and starts no thread. Where
 the zygote cannot serve (not started, died, a CUDA machine: CUDA must not be initialised before a fork,
 ASYNCRL_ZYGOTE=0), `spawn` returns None and rl execs the child as before.
@@ -362,6 +363,7 @@ def _become(sock: socket.socket, request: dict, fds: list[int], others: list[int
         die_with_parent(os.getppid())
         _descriptors(fds, request["env"], request.get("outputs", 1))
         os.chdir(request.get("cwd") or ".")
+        _search_path(os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", ""))
         _process_state(request)
         zygote = importlib.import_module("asyncrl.launcher.zygote")  # this file may run as __main__
         zygote.FORKED = True
@@ -388,6 +390,22 @@ def _become(sock: socket.socket, request: dict, fds: list[int], others: list[int
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _search_path(ours: str, theirs: str) -> None:
+    """sys.path as `python -m` starts it in this (the child's) cwd with the child's PYTHONPATH `theirs`: the cwd, then
+    those entries, then the rest. The zygote's first entries (the directory it started in, its PYTHONPATH `ours`)
+    are replaced; where sys.path does not start with them as Python made them, it is left as it is."""
+    start = sys.path[0] if sys.path else ""
+    head = [start, *_entries(ours, start)]
+    if sys.path[: len(head)] == head:
+        cwd = os.getcwd()
+        sys.path[: len(head)] = [cwd, *_entries(theirs, cwd)]
+
+
+def _entries(pythonpath: str, base: str) -> list[str]:
+    """PYTHONPATH's entries as Python puts them on sys.path: absolute, from `base`; empty ones left out."""
+    return [os.path.join(base, p) for p in pythonpath.split(os.pathsep) if p]
 
 
 def _ranks_zygote(module: str) -> Zygote | None:

@@ -20,12 +20,13 @@ PROBE = Path(__file__).parent / "probe"
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
-    """One zygote for the module (it preloads torch, transformers and verifiers: seconds of CPU)."""
+    """One zygote for the module (it preloads torch, transformers and verifiers: seconds of CPU); the probe's
+    directory on PYTHONPATH for it and for the children the tests give this environment."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", os.pathsep.join([str(PROBE), os.environ.get("PYTHONPATH", "")]))
         z = zygote.Zygote("zygote-test", tmp_path_factory.mktemp("zygote") / "zygote.log")
-    yield z
-    z.close()
+        yield z
+        z.close()
 
 
 def probe(*args: str) -> list[str]:
@@ -121,3 +122,17 @@ def test_a_forked_rank_that_fails_fails_torchrun_and_its_peer_is_stopped(warm, t
     assert "exitcode  : 3" in said and "asyncrl.launcher.warm_ranks FAILED" in said, said[-3000:]
     peer = next(r for r in ranks_said(log) if r["rank"] == 0)
     assert peer["forked"] and not running(peer["pid"])  # torchrun stopped it (SIGTERM to its session)
+
+
+def test_a_forked_child_finds_modules_where_an_exec_would(warm, tmp_path):
+    """Its cwd and PYTHONPATH come first on sys.path, as `python -m` puts them, not the zygote's."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(extra), str(PROBE)])}
+    log = tmp_path / "child.log"
+    execd = subprocess.run(probe("report", "0"), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT, 0o644)
+    forked = warm.fork(probe("report", "0"), env, (out,), cwd=str(tmp_path))  # the zygote started elsewhere
+    assert forked.wait(120) == 0
+    said, expected = json.loads(log.read_text().splitlines()[-1]), json.loads(execd.stdout.splitlines()[-1])
+    assert said["path"] == expected["path"] == [str(tmp_path), str(extra), str(PROBE)]

@@ -40,6 +40,7 @@ print(
             "threads": torch.get_num_threads(),
             "main": __name__,
             "cores": sorted(os.sched_getaffinity(0)),
+            "path": sys.path[:3],
         }
     )
 )
