@@ -5,26 +5,21 @@ the engine's routing, and the bad values of ep as one line."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_rl import rl_args, run_rl
-from test_trainer_fsdp import config, read_metrics, run_train, synthetic_rows, torchrun, write_steps
+from test_trainer_fsdp import config, read_metrics, run_probe, run_train, synthetic_rows, torchrun, write_steps
 
 from asyncrl.core.errors import UserError
 from asyncrl.transport.batch import write_batch
 from asyncrl.transport.layout import RunLayout, step_dirs
 from asyncrl.utils.process import free_port
-from tests import warm
 
 pytestmark = pytest.mark.slow
 
-HERE, PYTHONPATH = Path(__file__).parent, [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-PROBE = "ep_probe"  # tests/integration/ep_probe.py, run as a module: torchrun forks `-m` ranks where it is forked
 LAYOUT = [[9, 7], [12]]
 
 
@@ -37,11 +32,7 @@ def moe_dir(tmp_path_factory):
 
 def probe(model_dir: Path, ranks: int, out: Path) -> dict:
     """Loss, full gradients and rank 0's expert count of one forward/backward on `ranks` ranks at ep = ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *PYTHONPATH])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m", PROBE]
-    proc = warm.run([*cmd, str(model_dir), str(ranks), str(out)], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return torch.load(out)
+    return run_probe("ep_probe", ranks, [str(model_dir), str(ranks), str(out)], out)  # tests/integration/ep_probe.py
 
 
 def test_two_ep_ranks_compute_what_one_rank_computes(moe_dir, tmp_path):

@@ -5,35 +5,24 @@ that does not divide the ranks as one line."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_rl import rl_args, run_rl
-from test_trainer_fsdp import config, read_metrics, run_train, torchrun, write_steps
+from test_trainer_fsdp import config, read_metrics, run_probe, run_train, torchrun, write_steps
 
 from asyncrl.core.errors import UserError
 from asyncrl.transport.layout import RunLayout, step_dirs
 from asyncrl.utils.process import free_port
-from tests import warm
 
 pytestmark = pytest.mark.slow
-
-HERE, PYTHONPATH = Path(__file__).parent, [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-PROBE = "tp_probe"  # tests/integration/tp_probe.py, run as a module: torchrun forks `-m` ranks where it is forked
 
 
 def probe(model_dir: Path, ranks: int, tp: int, out: Path) -> dict:
     """Loss, full gradients and rank 0's q_proj shape of one forward/backward on `ranks` ranks at `tp`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *PYTHONPATH])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m", PROBE]
-    cmd += [str(model_dir), str(tp), str(out)]
-    proc = warm.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return torch.load(out)
+    return run_probe("tp_probe", ranks, [str(model_dir), str(tp), str(out)], out, timeout=300)  # tp_probe.py here
 
 
 def test_two_tp_ranks_compute_what_one_rank_computes(tiny_model_dir, tmp_path):

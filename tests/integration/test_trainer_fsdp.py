@@ -281,6 +281,17 @@ def torchrun(out: Path, args: list[str], timeout: int = 300) -> str:
     return output
 
 
+def run_probe(module: str, ranks: int, args: list[str], out: Path, timeout: float | None = None) -> dict:
+    """`torchrun --nproc-per-node RANKS -m MODULE ARGS` of a probe in this directory (tp_probe, ep_probe), one
+    thread a rank; what it saved to `out`. Run as a module: a torchrun the tests fork forks `-m` ranks."""
+    pythonpath = [str(Path(__file__).parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(pythonpath)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m", module]
+    proc = warm.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return torch.load(out)
+
+
 def read_metrics(out: Path) -> dict[int, dict]:
     rows = [json.loads(x) for x in (out / "metrics" / "trainer.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows}  # a resumed run appends: later lines win
