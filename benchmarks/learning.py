@@ -19,6 +19,8 @@ env's own `--sft-out` data):
 - reverse: reverse-text (similarity reward), the demo's RL settings (16 prompts x 8, 16 tokens, lr 3e-4, 60 steps);
 - sort:    sort-letters (similarity reward), a task no other part of the project trains on, same shape;
 - echo:    echo-twice (two model turns, similarity reward): the multi-turn path, 8 prompts x 8.
+- tool:    tool-calc (multi-turn tool use: a calculator MCP server, up to 3 model turns), examples/tool_calc's
+           SFT warm-up (1400 steps) and RL recipe (shaping 0.5, lr 2e-4, 128 tokens a turn), 4 questions x 8.
 - vf-reverse: verifiers' own v1 `reverse_text` example, unmodified (VF_REVERSE_TEXT=its directory in a
            verifiers checkout), on a local dataset; reward = LCS ratio of the answer in <reversed_text> tags.
 
@@ -72,12 +74,32 @@ class Task:
     eval_examples: int = 200
     eval_args: dict[str, Any] | None = None  # the held-out split's env args (None: the env's eval split)
     pythonpath: str | None = None  # an env var naming a directory to import the env (and its data module) from
+    sft_seq_len: int = 512
+    sft_micro_batch: int = 4
+    orchestrator: dict[str, Any] = field(default_factory=dict)  # more `[orchestrator]` settings (a renderer)
 
 
 TASKS = {
     "reverse": Task("reverse-text", "reverse_text", 10000, 150),
     "sort": Task("sort-letters", "sort_letters", 10000, 150),
     "echo": Task("echo-twice", "echo_twice", 4000, 400, {"reward": "similarity"}, prompts=8, eval_examples=100),
+    # multi-turn tool use: examples/tool_calc's recipe (its SFT, renderer, shaping and lr), 4 questions a step
+    "tool": Task(
+        "tool-calc",
+        "tool_calc",
+        4000,
+        1400,
+        {"max_turns": 3, "shaping": 0.5},
+        steps=40,
+        prompts=4,
+        max_tokens=128,
+        lr=2e-4,
+        seq_len=2048,
+        eval_examples=50,
+        sft_seq_len=2048,
+        sft_micro_batch=2,
+        orchestrator={"renderer": {"name": "default", "tool_parser": "qwen3"}},
+    ),
     # verifiers' own v1 example, unmodified: VF_REVERSE_TEXT names its directory in a verifiers checkout
     # (environments/reverse_text); its dataset and SFT rows come from benchmarks/vf_reverse_data.py
     "vf-reverse": Task(
@@ -140,6 +162,8 @@ def run(cmd: list[str], logfile: Path, env: dict | None = None) -> None:
 def warm(name: str, task: Task, out: Path) -> Path:
     """The task's SFT-warmed weights (built once; the dir name hashes the settings)."""
     spec = {"task": name, "module": task.sft_module, "n": task.sft_n, "steps": task.sft_steps, "recipe": 1}
+    if (task.sft_seq_len, task.sft_micro_batch) != (512, 4):  # the older tasks' keys stay as they were
+        spec.update(seq_len=task.sft_seq_len, micro_batch=task.sft_micro_batch)
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
     d = out / "warm" / f"{name}-{key}"
     weights = d / "sft" / "weights" / f"step_{task.sft_steps}"
@@ -153,7 +177,8 @@ def warm(name: str, task: Task, out: Path) -> Path:
         task_env(task),
     )
     sft = [str(BIN / "sft"), "--model.name", str(d / "tiny-model"), "--data.name", str(d / "sft.jsonl")]
-    sft += ["--data.seq-len", "512", "--data.batch-size", "4", "--data.micro-batch-size", "4", "--optim.lr", "1e-3"]
+    sft += ["--data.seq-len", str(task.sft_seq_len), "--data.batch-size", "4", "--optim.lr", "1e-3"]
+    sft += ["--data.micro-batch-size", str(task.sft_micro_batch)]
     sft += ["--optim.weight-decay", "0", "--max-steps", str(task.sft_steps), "--output-dir", str(d / "sft")]
     run(sft + ["--ckpt.interval", str(task.sft_steps)], d / "warm.log")
     return weights
@@ -176,6 +201,7 @@ def rl_config(task: Task, model: Path, eval_rollouts: int) -> dict[str, Any]:
             "rollouts_per_example": task.rollouts,
             "sampling": {"max_tokens": task.max_tokens, "temperature": 1.0},
             "env": [env],
+            **task.orchestrator,
             "eval": {
                 "env": held_out,
                 "interval": 10_000,
