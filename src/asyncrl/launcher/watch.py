@@ -21,9 +21,10 @@ MIN_BEST = 0.05
 GROWTH = 1.5
 # What the learning benchmark measured (docs/learning.md, tables 1 and 2): at 3x the demo's lr 2 of 36 grpo runs and
 # 4 of 12 dppo runs collapsed; at 1x none of 132 (every objective, k = 0, 1, 2). dppo's ratio is unclipped inside
-# its band. ref_kl: not measured.
+# its band. ref_kl: not measured. Table 4c (tool-calc): at its lr 7 of 40 collapsed (k = 0 to 8), at half 0 of 8.
 KNOBS = (
-    "lower trainer.optim.lr (in docs/learning.md 3x the lr collapsed 6 of 48 runs, 1x none of 132); keep the "
+    "lower trainer.optim.lr (in docs/learning.md 3x the lr collapsed 6 of 48 runs, 1x none of 132; on tool-calc "
+    "its lr collapsed 7 of 40, half of it 0 of 8); keep the "
     "clipped default trainer.loss.type = 'grpo' (dppo collapsed 4 of 12 at 3x the lr); trainer.loss.ref_kl > 0 "
     "pulls toward the start weights (not measured there)"
 )
