@@ -162,7 +162,7 @@ def run(cmd: list[str], logfile: Path, env: dict | None = None) -> None:
 def warm(name: str, task: Task, out: Path) -> Path:
     """The task's SFT-warmed weights (built once; the dir name hashes the settings)."""
     spec = {"task": name, "module": task.sft_module, "n": task.sft_n, "steps": task.sft_steps, "recipe": 1}
-    if (task.sft_seq_len, task.sft_micro_batch) != (512, 4):  # the older tasks' keys stay as they were
+    if (task.sft_seq_len, task.sft_micro_batch) != (Task.sft_seq_len, Task.sft_micro_batch):  # older keys kept
         spec.update(seq_len=task.sft_seq_len, micro_batch=task.sft_micro_batch)
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
     d = out / "warm" / f"{name}-{key}"
