@@ -125,6 +125,8 @@ RECIPES: dict[str, list[str]] = {
     "grpo-std": ["--trainer.loss.type", "grpo", "--orchestrator.advantage.type", "mean_std"],
     "m2po": ["--trainer.loss.type", "m2po"],
     "m2po-0.2": ["--trainer.loss.type", "m2po", "--trainer.loss.m2-max", "0.2"],
+    # the default plus a pull toward the start weights: a gradient even where every advantage is 0
+    "refkl": ["--trainer.loss.ref-kl", "0.1"],
     # the IS weight held at 1 (cispo's clip to [1, 1]): -A·logπ, every sample treated as on-policy
     "pg": ["--trainer.loss.type", "cispo", "--trainer.loss.clip-low", "0", "--trainer.loss.clip-high", "0"],
 }

@@ -4,7 +4,10 @@ Signs, over windows of WINDOW steps (the orchestrator's training rows; the train
 - reward falling from its best: the last window's mean reward is below REWARD_DROP x the best window's
   (once the best window earned at least MIN_BEST);
 - completions running away: the last window's mean completion length is GROWTH x the first window's or more;
-- entropy running away: the trainer's last-window mean entropy is GROWTH x its first window's or more.
+- entropy running away: the trainer's last-window mean entropy is GROWTH x its first window's or more;
+- no learning signal: every rollout of each of the last STUCK steps earned one reward (its std 0), below the best
+  step's mean: every advantage is 0, so those steps give the trainer nothing that could pull the policy back (on
+  tool-calc such runs stayed at reward 0; docs/learning.md, table 4c). Seen within STUCK steps, not a window.
 `rl` logs one warning line per run the first time any sign shows; the run itself goes on.
 """
 
@@ -19,6 +22,7 @@ WINDOW = 10
 REWARD_DROP = 0.8
 MIN_BEST = 0.05
 GROWTH = 1.5
+STUCK = 3
 # What the learning benchmark measured (docs/learning.md, tables 1 and 2): at 3x the demo's lr 2 of 36 grpo runs and
 # 4 of 12 dppo runs collapsed; at 1x none of 132 (every objective, k = 0, 1, 2). dppo's ratio is unclipped inside
 # its band. ref_kl: not measured. Table 4c (tool-calc): at its lr 7 of 40 collapsed (k = 0 to 8), at half 0 of 8.
@@ -42,9 +46,20 @@ def _growth(values: list[float]) -> float | None:
     return statistics.fmean(values[-WINDOW:]) / first if first > 0 else None
 
 
-def signs_of_collapse(rewards: list[float], lengths: list[float], entropy: list[float]) -> list[str]:
-    """What looks like collapse in these per-step series (empty: nothing)."""
-    signs = []
+def no_signal(rewards: list[float], stds: list[float]) -> str | None:
+    """The sign when each of the last STUCK steps had one reward for all its rollouts, below the best step's."""
+    last, tail = rewards[-STUCK:], stds[-STUCK:]
+    if len(tail) < STUCK or any(s != 0 for s in tail) or max(last) >= max(rewards):
+        return None
+    return (f"every rollout of the last {STUCK} steps earned the same reward ({last[-1]:.3f}; the best step's mean was "
+            f"{max(rewards):.3f}), so every advantage is 0 and the trainer gets no signal to recover from")  # fmt: skip
+
+
+def signs_of_collapse(
+    rewards: list[float], lengths: list[float], entropy: list[float], stds: list[float] = ()
+) -> list[str]:
+    """What looks like collapse in these per-step series (empty: nothing); `stds`: each step's reward std."""
+    signs = [stuck] if (stuck := no_signal(rewards, list(stds))) else []
     windows = _window_means(rewards)
     if len(rewards) >= 2 * WINDOW and (best := max(windows)) >= MIN_BEST and windows[-1] < REWARD_DROP * best:
         signs.append(f"reward fell from its best {WINDOW}-step mean {best:.3f} to {windows[-1]:.3f}")
@@ -61,6 +76,7 @@ class CollapseWatch:
         self.rewards: list[float] = []
         self.lengths: list[float] = []
         self.entropy: list[float] = []
+        self.stds: list[float] = []  # per step, when the row has it (aligned with the last len(stds) rewards)
         self.step = -1
         self.warned = False
 
@@ -70,13 +86,14 @@ class CollapseWatch:
         self.rewards.append(row["reward/mean"])
         if "completion_len/mean" in row:
             self.lengths.append(row["completion_len/mean"])
+        self.stds = [*self.stds, row["reward/std"]] if "reward/std" in row else []
 
     def check(self) -> str | None:
         """The warning line, the first time the run shows signs of collapse; else None."""
         if self.warned:
             return None
         self.entropy += [r["entropy"] for r in self.trainer.new_rows() if "entropy" in r]
-        signs = signs_of_collapse(self.rewards, self.lengths, self.entropy)
+        signs = signs_of_collapse(self.rewards, self.lengths, self.entropy, self.stds)
         if not signs:
             return None
         self.warned = True

@@ -25,6 +25,27 @@ def test_length_and_entropy_running_away():
     assert signs_of_collapse(STEADY[:15], [10.0] * 5 + [30.0] * 10, []) == []  # too early to tell
 
 
+def test_steps_with_one_reward_for_every_rollout_are_no_signal_at_once():
+    rewards, stds = [0.94, 0.81, 0.55, 0.0, 0.0, 0.0], [0.19, 0.3, 0.45, 0.0, 0.0, 0.0]  # tool-calc lr1-k0x-s2's shape
+    (sign,) = signs_of_collapse(rewards, [], [], stds)
+    assert "every rollout of the last 3 steps earned the same reward (0.000" in sign and "0.940" in sign
+    assert signs_of_collapse(rewards[:-1], [], [], stds[:-1]) == []  # two such steps: not yet
+    assert signs_of_collapse([0.5, 1.0, 1.0, 1.0], [], [], [0.4, 0.0, 0.0, 0.0]) == []  # all solved: nothing to learn
+    assert signs_of_collapse([0.0] * 5, [], [], [0.0] * 5) == []  # nothing was ever earned: no fall
+    assert signs_of_collapse(rewards, [], []) == []  # rows without a std: the sign is not judged
+
+
+def test_the_watch_reads_each_steps_reward_std(tmp_path):
+    watch = CollapseWatch(tmp_path / "trainer.jsonl")
+    for i, (r, sd) in enumerate([(0.9, 0.2), (0.0, 0.0), (0.0, 0.0)]):
+        watch.observe({"step": i, "reward/mean": r, "reward/std": sd})
+        assert watch.check() is None
+    watch.observe({"step": 3, "reward/mean": 0.0, "reward/std": 0.0})
+    line = watch.check()
+    assert line.startswith("[rl] step 3: signs of collapse: every rollout") and "trainer.optim.lr" in line
+    assert watch.check() is None  # once per run
+
+
 def test_rl_warns_once_naming_the_knobs(tmp_path, capsys):
     orch, trainer = tmp_path / "orchestrator.jsonl", tmp_path / "trainer.jsonl"
     rows = [
