@@ -13,7 +13,9 @@ Signs, over windows of WINDOW steps (the orchestrator's training rows; the train
 
 from __future__ import annotations
 
+import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.launcher.tailer import JsonlTail
@@ -48,7 +50,7 @@ def _growth(values: list[float]) -> float | None:
     return statistics.fmean(values[-WINDOW:]) / first if first > 0 else None
 
 
-def no_signal(rewards: list[float], stds: list[float]) -> str | None:
+def no_signal(rewards: list[float], stds: Sequence[float]) -> str | None:
     """The sign when each of the last STUCK steps had one reward for all its rollouts, below the best step's."""
     last, tail = rewards[-STUCK:], stds[-STUCK:]
     if len(tail) < STUCK or any(s != 0 for s in tail) or max(last) >= max(rewards):
@@ -58,10 +60,10 @@ def no_signal(rewards: list[float], stds: list[float]) -> str | None:
 
 
 def signs_of_collapse(
-    rewards: list[float], lengths: list[float], entropy: list[float], stds: list[float] = ()
+    rewards: list[float], lengths: list[float], entropy: list[float], stds: Sequence[float] = ()
 ) -> list[str]:
     """What looks like collapse in these per-step series (empty: nothing); `stds`: each step's reward std."""
-    signs = [stuck] if (stuck := no_signal(rewards, list(stds))) else []
+    signs = [stuck] if (stuck := no_signal(rewards, stds)) else []
     windows = _window_means(rewards)
     if len(rewards) >= 2 * WINDOW and (best := max(windows)) >= MIN_BEST and windows[-1] < REWARD_DROP * best:
         signs.append(f"reward fell from its best {WINDOW}-step mean {best:.3f} to {windows[-1]:.3f}")
@@ -78,7 +80,7 @@ class CollapseWatch:
         self.rewards: list[float] = []
         self.lengths: list[float] = []
         self.entropy: list[float] = []
-        self.stds: list[float] = []  # per step, when the row has it (aligned with the last len(stds) rewards)
+        self.stds: list[float] = []  # per step, NaN where the row has none (so that step is never one reward)
         self.step = -1
         self.warned = False
 
@@ -88,7 +90,7 @@ class CollapseWatch:
         self.rewards.append(row["reward/mean"])
         if "completion_len/mean" in row:
             self.lengths.append(row["completion_len/mean"])
-        self.stds = [*self.stds, row["reward/std"]] if "reward/std" in row else []
+        self.stds.append(row.get("reward/std", math.nan))
 
     def check(self) -> str | None:
         """The warning line, the first time the run shows signs of collapse; else None."""

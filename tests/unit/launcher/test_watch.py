@@ -44,6 +44,10 @@ def test_the_watch_reads_each_steps_reward_std(tmp_path):
     line = watch.check()
     assert line.startswith("[rl] step 3: signs of collapse: every rollout") and "trainer.optim.lr" in line
     assert watch.check() is None  # once per run
+    gap = CollapseWatch(tmp_path / "trainer.jsonl")
+    for i, row in enumerate([(0.9, 0.2), (0.0, 0.0), (0.0, None), (0.0, 0.0), (0.0, 0.0)]):
+        gap.observe({"step": i, "reward/mean": row[0], **({"reward/std": row[1]} if row[1] is not None else {})})
+    assert gap.check() is None  # a step without a std breaks the run of one-reward steps
 
 
 def test_rl_warns_once_naming_the_knobs(tmp_path, capsys):
