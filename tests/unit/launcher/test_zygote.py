@@ -42,6 +42,7 @@ def test_a_forked_child_is_what_an_exec_would_make(warm, tmp_path):
     assert said["argv"] == ["report", "3"] and said["probe"] == "seen" and said["main"] == "__main__"
     assert said["session_leader"] and said["stdin"] == os.devnull and said["threads"] == 1 and said["cores"] == [0]
     assert said["cmdline"] == " ".join(probe("report", "3"))
+    assert said["gc"] and said["frozen"] > 100_000  # collecting, and never walking what the zygote imported
 
 
 def test_a_piped_child_streams_and_a_signal_is_its_negative_code(warm):

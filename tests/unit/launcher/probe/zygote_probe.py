@@ -2,6 +2,7 @@
 MODE sleep: waits for a signal; streams: its cwd on stdout, a line on stderr, after 0.5 s of CPU; nest: makes a
 zygote of its own and runs `report 3` through it; report: the JSON."""
 
+import gc
 import json
 import os
 import signal
@@ -41,6 +42,8 @@ print(
             "main": __name__,
             "cores": sorted(os.sched_getaffinity(0)),
             "path": sys.path[:3],
+            "gc": gc.isenabled(),
+            "frozen": gc.get_freeze_count(),
         }
     )
 )
