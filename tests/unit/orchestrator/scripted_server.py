@@ -78,7 +78,10 @@ class ScriptedServer:
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client hung up (a cancelled episode)
+                    pass
 
         return Handler
 
