@@ -78,10 +78,11 @@ PATCHES: tuple[Patch, ...] = (
         symbol="verifiers.v1.serve.client.EnvClient",
         how="subclassed (its socket set up as assigned)",
         dist="verifiers",
-        verified={"==0.4.0": "c2963e70bb3ac792"},
-        checks=("verifiers.v1.serve.client:EnvClient.__init__",),
+        verified={"==0.4.0": "b69e8c5ce6009dd8"},
+        checks=("verifiers.v1.serve.client:EnvClient.__init__", "verifiers.v1.serve.client:EnvClient.health"),
         where=("orchestrator.envs.guarded:GuardedEnvClient",),
-        why="a client of a server with a secret needs the CURVE keys on its socket before it connects",
+        why="a client of a server with a secret needs the CURVE keys on its socket before it connects; its health "
+        "check bounds the reply only, not the send (forever against a server that refuses its keys)",
         remove_when="verifiers' EnvClient takes socket options",
     ),
     Patch(

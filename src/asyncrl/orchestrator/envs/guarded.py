@@ -5,6 +5,8 @@ or broker gets the frame cap and CURVE (`guard.server_socket_options`) and a cli
 set as verifiers assigns the socket, before it binds or connects. A pool's workers (spawned processes) serve
 through `GuardedEnvServer` too: `worker_setup`, the pool's per-process setup hook, installs it there.
 
+A client's health check is bounded as a whole, its send included (verifiers bounds only the wait for the reply).
+
 Three things verifiers logs with a traceback are one line here: a refused request, a request whose data does
 not validate, and a client that went away mid-episode (its ROUTER then cannot deliver the episode's next frame).
 
@@ -14,6 +16,7 @@ a pool worker that lacks the guard fails on its unknown `guard` argument instead
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -72,6 +75,15 @@ class GuardedEnvClient(EnvClient):
     def __init__(self, address: str, secret: str | None):
         self._socket_options = client_socket_options(secret)
         super().__init__(address)
+
+    async def health(self, timeout: float = 2.0) -> bool:
+        """Whether the server answers within `timeout` s. verifiers' `health` bounds the wait for the reply only; its
+        send waits while the socket has no connected peer, which is forever against a server whose handshake refuses
+        this client's keys (it drops each connection the socket makes)."""
+        try:
+            return await asyncio.wait_for(super().health(timeout), timeout)
+        except TimeoutError:
+            return False
 
 
 def worker_setup(level: int) -> None:
