@@ -4,7 +4,6 @@ whose handshake refuses its keys drops every connection) answers False in its ti
 from __future__ import annotations
 
 import asyncio
-import time
 
 import zmq
 
@@ -17,14 +16,11 @@ def test_health_answers_false_in_its_time_while_no_connection_completes(monkeypa
     # between the dropped connections of a refused handshake. verifiers' send then waits with no deadline.
     monkeypatch.setattr(guarded, "client_socket_options", lambda secret: {zmq.IMMEDIATE: 1})
 
-    async def check() -> tuple[bool, float]:
+    async def check() -> bool:
         client = guarded.GuardedEnvClient(f"tcp://127.0.0.1:{free_port()}", None)
-        start = time.monotonic()
-        try:
-            return await asyncio.wait_for(client.health(timeout=0.5), 20), time.monotonic() - start
+        try:  # the outer bound only keeps a regression from hanging the suite: it fails the test with TimeoutError
+            return await asyncio.wait_for(client.health(timeout=0.5), 20)
         finally:
             await client.close()
 
-    answered, took = asyncio.run(check())
-    assert answered is False
-    assert took < 20  # the outer bound never fired: health gave up on its own
+    assert asyncio.run(check()) is False
